@@ -1,0 +1,86 @@
+"""Attention kernels for the decompressed (MHA) prefill form, with log-sum-exp for merging parts.
+
+Layout: q [S, H, Dq], k [K, H, Dq], v [K, H, Dv]; outputs [S, H, Dv] and lse [S, H] (fp32, natural
+log). ``causal`` aligns the last query with the last key (queries are the last S of the K keys).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+_QUERY_CHUNK = 1024  # bounds the [H, S, K] score matrix of the reference path
+
+
+def _use_flash(q: torch.Tensor) -> bool:
+    return q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
+
+
+def _pad_v(v: torch.Tensor, dq: int) -> torch.Tensor:
+    return v if v.shape[-1] == dq else F.pad(v, (0, dq - v.shape[-1]))
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool) -> torch.Tensor:
+    """Plain attention without the lse (the common no-context prefill)."""
+    if q.shape[0] != k.shape[0] and causal:
+        return attention_lse(q, k, v, scale, causal)[0]
+    dv = v.shape[-1]
+    vv = _pad_v(v, q.shape[-1]) if _use_flash(q) else v
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), vv.transpose(0, 1), is_causal=causal, scale=scale
+    )  # [H, S, D]
+    return out.transpose(0, 1)[..., :dv]
+
+
+def attention_lse(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention returning (out [S, H, Dv], lse [S, H])."""
+    if _use_flash(q) and (not causal or q.shape[0] == k.shape[0]):
+        dv = v.shape[-1]
+        res = torch.ops.aten._scaled_dot_product_flash_attention(
+            q.transpose(0, 1).unsqueeze(0),
+            k.transpose(0, 1).unsqueeze(0),
+            _pad_v(v, q.shape[-1]).transpose(0, 1).unsqueeze(0),
+            0.0,
+            causal,
+            False,
+            scale=scale,
+        )
+        out, lse = res[0], res[1]  # [1, H, S, D], [1, H, S]
+        return out[0].transpose(0, 1)[..., :dv], lse[0].transpose(0, 1).float()
+    return _attention_lse_reference(q, k, v, scale, causal)
+
+
+def _attention_lse_reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    s, kn = q.shape[0], k.shape[0]
+    kf, vf = k.float(), v.float()
+    outs, lses = [], []
+    for q0 in range(0, s, _QUERY_CHUNK):
+        qc = q[q0 : q0 + _QUERY_CHUNK].float()
+        scores = torch.einsum("shd,khd->hsk", qc, kf) * scale  # [H, s, K]
+        if causal:
+            qpos = torch.arange(q0, q0 + qc.shape[0], device=q.device) + (kn - s)
+            mask = torch.arange(kn, device=q.device)[None, :] > qpos[:, None]
+            scores = scores.masked_fill(mask, float("-inf"))
+        lse = torch.logsumexp(scores, dim=-1)  # [H, s]
+        p = torch.exp(scores - lse.unsqueeze(-1).clamp_min(torch.finfo(torch.float32).min))
+        outs.append(torch.einsum("hsk,khd->shd", p, vf))
+        lses.append(lse.transpose(0, 1))
+    return torch.cat(outs).to(q.dtype), torch.cat(lses)
+
+
+def merge_attention(
+    o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Combine two attention results over disjoint key sets. An empty part has lse = -inf (never NaN)."""
+    m = torch.maximum(lse1, lse2)
+    m = torch.where(torch.isinf(m), torch.zeros_like(m), m)  # both parts empty: keep weights finite (0)
+    w1, w2 = torch.exp(lse1 - m), torch.exp(lse2 - m)  # [S, H]
+    denom = w1 + w2
+    safe = torch.where(denom == 0, torch.ones_like(denom), denom)
+    out = (o1.float() * (w1 / safe).unsqueeze(-1) + o2.float() * (w2 / safe).unsqueeze(-1)).to(o1.dtype)
+    lse = torch.where(denom == 0, torch.full_like(m, float("-inf")), m + torch.log(safe))
+    return out, lse

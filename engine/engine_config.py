@@ -1,0 +1,62 @@
+"""Engine settings (the knobs of ``LLM(...)``), validated once."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str
+    dtype: str = "auto"  # "auto" = the checkpoint's torch_dtype
+    device: str = "auto"  # "auto" = cuda if available, else cpu
+    max_model_len: int | None = None  # default: the model's max_position_embeddings
+    max_num_batched_tokens: int = 2048  # per-step token budget; longer prompts prefill in chunks
+    max_num_seqs: int = 256
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # default: sized from memory (below)
+    cpu_kv_cache_gb: float = 0.5
+    gpu_memory_utilization: float = 0.9
+    load_format: str = "auto"  # "dummy" = random weights from config.json alone (benchmarks)
+    seed: int = 0
+    tokenizer: str | None = None  # default: the model directory
+    skip_tokenizer_init: bool = False
+    # torch intra-op threads on CPU. 1 by default: a node runs several rank processes, and torch's
+    # OpenMP pool slows by 10-100x when processes oversubscribe the cores (measured on 2 cores).
+    cpu_threads: int = 1
+
+    def __post_init__(self) -> None:
+        if self.dtype != "auto" and self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
+        if self.max_model_len is not None and self.max_model_len <= 0:
+            raise ValueError(f"max_model_len must be > 0, got {self.max_model_len}")
+        if self.max_num_batched_tokens <= 0:
+            raise ValueError(f"max_num_batched_tokens must be > 0, got {self.max_num_batched_tokens}")
+        if self.max_num_seqs <= 0:
+            raise ValueError(f"max_num_seqs must be > 0, got {self.max_num_seqs}")
+        if self.block_size <= 0:
+            raise ValueError(f"block_size must be > 0, got {self.block_size}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:
+            raise ValueError(f"num_kv_blocks must be > 0, got {self.num_kv_blocks}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.cpu_threads <= 0:
+            raise ValueError(f"cpu_threads must be > 0, got {self.cpu_threads}")
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
+
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    def torch_dtype(self, checkpoint_dtype: str) -> torch.dtype:
+        name = checkpoint_dtype if self.dtype == "auto" else self.dtype
+        return DTYPES.get(name, torch.bfloat16)

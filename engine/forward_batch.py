@@ -1,0 +1,42 @@
+"""What one forward step computes: a flat batch of token rows and, per request, where its KV lives.
+
+Rows are laid out decode-first (one row per decoding request, attended in the absorbed form over
+the latent cache), then one contiguous segment per prefilling request (decompressed form, the
+cached context merged with the new tokens by log-sum-exp).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class PrefillSegment:
+    start: int  # first row of this request in the flat batch
+    num_new: int  # rows (new tokens) computed this step
+    context_len: int  # tokens of this request already in the cache before this step
+    block_table: torch.Tensor  # [num_blocks] int64: blocks covering context + new tokens
+
+
+@dataclass
+class ForwardBatch:
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    slot_mapping: torch.Tensor  # [T] int64: flat cache slot (block * block_size + offset) per row
+    num_decode: int  # rows [0, num_decode) are decode rows
+    decode_block_tables: torch.Tensor  # [B, max_blocks] int64 (padded with 0)
+    decode_seq_lens: torch.Tensor  # [B] int64: cached tokens incl. this step's token
+    prefills: list[PrefillSegment]
+    logits_rows: torch.Tensor  # [N] int64: rows whose logits the step needs
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+
+def slots_for(block_table: torch.Tensor, start: int, end: int, block_size: int) -> torch.Tensor:
+    """Flat cache slots of positions [start, end) of a request with this block table."""
+    pos = torch.arange(start, end, device=block_table.device)
+    return block_table[pos // block_size] * block_size + pos % block_size

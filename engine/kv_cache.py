@@ -1,0 +1,79 @@
+"""Paged latent KV cache: per-layer block tensors and a block allocator with exact accounting.
+
+Layout per layer (vLLM's MLA layout): ``[num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]``.
+Block ids index the first dimension of every layer's tensor alike, so one block table per request
+serves all layers.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+
+from engine.config import ModelConfig
+
+
+class BlockAllocator:
+    """Free list of block ids. ``num_used`` is exact: every id is either free or owned, never both."""
+
+    def __init__(self, num_blocks: int) -> None:
+        if num_blocks <= 0:
+            raise ValueError(f"num_blocks must be > 0, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self._free: deque[int] = deque(range(num_blocks))
+        self._used: set[int] = set()
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return len(self._used)
+
+    def can_allocate(self, n: int) -> bool:
+        return n <= len(self._free)
+
+    def allocate(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise MemoryError(f"asked for {n} KV blocks, {len(self._free)} free")
+        ids = [self._free.popleft() for _ in range(n)]
+        self._used.update(ids)
+        return ids
+
+    def free(self, ids: list[int]) -> None:
+        for i in ids:
+            if i not in self._used:
+                raise ValueError(f"block {i} freed twice or never allocated")
+            self._used.remove(i)
+            self._free.append(i)
+
+
+def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype, num_layers: int) -> int:
+    return num_layers * block_size * cfg.kv_cache_dim * torch.empty((), dtype=dtype).element_size()
+
+
+class KVCache:
+    """The cache tensors of the layers a rank holds, keyed by global layer index."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        layers: range,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        if block_size <= 0:
+            raise ValueError(f"block_size must be > 0, got {block_size}")
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.layers: dict[int, torch.Tensor] = {
+            i: torch.zeros(num_blocks, block_size, cfg.kv_cache_dim, dtype=dtype, device=device) for i in layers
+        }
+        self.allocator = BlockAllocator(num_blocks)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)

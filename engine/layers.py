@@ -1,0 +1,120 @@
+"""Building blocks of a DeepSeek decoder layer other than attention: RMSNorm, dense MLP, routed MoE.
+
+Parameter names mirror the Hugging Face checkpoints so ``state_dict`` keys equal the file's keys,
+except the routed experts, which are stacked per layer (``w13`` = gate and up, ``w2`` = down) so one
+module owns them; the weight loader stacks the per-expert tensors.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(dtype)
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Router(nn.Module):
+    """Top-k expert selection: V2 softmax (greedy / group-limited) or V3 sigmoid with ``noaux_tc``."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        assert cfg.n_routed_experts is not None
+        self.cfg = cfg
+        self.num_experts = cfg.n_routed_experts
+        # The router runs in fp32 whatever the model dtype (as the reference implementations do).
+        self.weight = nn.Parameter(torch.zeros(self.num_experts, cfg.hidden_size, dtype=torch.float32))
+        if cfg.topk_method == "noaux_tc":
+            self.e_score_correction_bias = nn.Parameter(torch.zeros(self.num_experts, dtype=torch.float32))
+
+    def _group_mask(self, choice: torch.Tensor, group_score: torch.Tensor) -> torch.Tensor:
+        cfg = self.cfg
+        group_idx = torch.topk(group_score, k=cfg.topk_group, dim=-1, sorted=False)[1]  # [T, topk_group]
+        group_mask = torch.zeros_like(group_score).scatter_(1, group_idx, 1.0)
+        per_group = self.num_experts // cfg.n_group
+        return group_mask.unsqueeze(-1).expand(-1, cfg.n_group, per_group).reshape(choice.shape).bool()
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [T, D] -> (weights [T, K] fp32, expert ids [T, K])."""
+        cfg = self.cfg
+        logits = F.linear(x.float(), self.weight.float())  # [T, E]
+        scores = logits.sigmoid() if cfg.scoring_func == "sigmoid" else logits.softmax(dim=-1)
+        per_group = self.num_experts // cfg.n_group
+        if cfg.topk_method == "noaux_tc":
+            choice = scores + self.e_score_correction_bias.float()
+            group_score = choice.view(-1, cfg.n_group, per_group).topk(min(2, per_group), dim=-1)[0].sum(-1)
+            choice = choice.masked_fill(~self._group_mask(choice, group_score), float("-inf"))
+            ids = torch.topk(choice, k=cfg.num_experts_per_tok, dim=-1, sorted=False)[1]
+            weights = scores.gather(1, ids)
+        elif cfg.topk_method == "group_limited_greedy":
+            group_score = scores.view(-1, cfg.n_group, per_group).max(dim=-1).values
+            masked = scores.masked_fill(~self._group_mask(scores, group_score), 0.0)
+            weights, ids = torch.topk(masked, k=cfg.num_experts_per_tok, dim=-1, sorted=False)
+        else:
+            weights, ids = torch.topk(scores, k=cfg.num_experts_per_tok, dim=-1, sorted=False)
+        if cfg.norm_topk_prob and cfg.num_experts_per_tok > 1:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * cfg.routed_scaling_factor, ids
+
+
+class MoE(nn.Module):
+    """Routed experts (stacked weights) plus always-on shared experts."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        assert cfg.n_routed_experts is not None
+        e, h, i = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        self.gate = Router(cfg)
+        self.w13 = nn.Parameter(torch.empty(e, 2 * i, h))  # per expert: cat(gate_proj, up_proj)
+        self.w2 = nn.Parameter(torch.empty(e, h, i))  # per expert: down_proj
+        self.shared_experts = MLP(h, i * cfg.n_shared_experts) if cfg.n_shared_experts else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [T, D] -> [T, D]."""
+        weights, ids = self.gate(x)  # [T, K]
+        k = ids.shape[1]
+        flat = ids.flatten()
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=self.w13.shape[0]).tolist()
+        token_idx = order // k
+        xs = x[token_idx]  # [T*K, D], grouped by expert
+        out = torch.empty_like(xs)
+        start = 0
+        for e, n in enumerate(counts):
+            if n == 0:
+                continue
+            seg = xs[start : start + n]
+            gate, up = F.linear(seg, self.w13[e]).chunk(2, dim=-1)
+            out[start : start + n] = F.linear(F.silu(gate) * up, self.w2[e])
+            start += n
+        out = out * weights.flatten()[order].unsqueeze(-1).to(out.dtype)
+        routed = torch.zeros_like(x).index_add_(0, token_idx, out)
+        if self.shared_experts is not None:
+            routed = routed + self.shared_experts(x)
+        return routed

@@ -1,0 +1,116 @@
+"""Offline API, shaped like vLLM's ``LLM``::
+
+    from engine import LLM, SamplingParams
+    with LLM(model="DIR", dtype="float32", max_model_len=4096, max_num_batched_tokens=2048) as llm:
+        outs = llm.generate(["Hello"], SamplingParams(max_tokens=32, temperature=0.0, logprobs=1))
+        outs[0].token_ids, outs[0].text, outs[0].logprobs
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from engine.engine_config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.sampling_params import SamplingParams
+from engine.sequence import Sequence
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    logprobs: list[float] | None  # chosen-token logprob per output position (when logprobs was set)
+    top_logprobs: list[dict[int, float]] | None
+    prompt_logprobs: list[float | None] | None  # per prompt position; None for the first
+    prompt_top_logprobs: list[dict[int, float] | None] | None
+
+
+def _output(engine: LLMEngine, seq: Sequence) -> RequestOutput:
+    p = seq.params
+    return RequestOutput(
+        request_id=seq.request_id,
+        prompt=seq.prompt,
+        prompt_token_ids=seq.prompt_token_ids,
+        token_ids=list(seq.output_token_ids),
+        text=engine.detokenize(seq),
+        finish_reason=seq.finish_reason,
+        logprobs=list(seq.logprobs) if p.logprobs is not None else None,
+        top_logprobs=list(seq.top_logprobs) if p.logprobs is not None else None,
+        prompt_logprobs=list(seq.prompt_logprobs) if p.prompt_logprobs is not None else None,
+        prompt_top_logprobs=list(seq.prompt_top_logprobs) if p.prompt_logprobs is not None else None,
+    )
+
+
+class LLM:
+    """A whole model on one device, generating for batches of prompts (strings or token-id lists)."""
+
+    def __init__(self, model: str, **kwargs: Any) -> None:
+        self.engine = LLMEngine(EngineConfig(model=model, **kwargs))
+
+    def generate(
+        self,
+        prompts: str | list[int] | Seq[str | list[int]],
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Run all prompts to completion; outputs come back in the prompts' order."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompts = list(prompts)  # type: ignore[arg-type]
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = (
+            [sampling_params] * len(prompts)
+            if isinstance(sampling_params, SamplingParams)
+            else list(sampling_params)
+        )
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        seqs = self._run(prompts, params)
+        return [_output(self.engine, s) for s in seqs]
+
+    def prompt_logits(self, prompts: Seq[list[int]]) -> list[torch.Tensor]:
+        """Logits [len, V] (fp32, CPU) at every prompt position, computed through the engine's paged path."""
+        params = [SamplingParams(max_tokens=0, temperature=0.0)] * len(prompts)
+        seqs = self._run(list(prompts), params, want_prompt_logits=True)
+        return [torch.stack(s.prompt_logits) for s in seqs]
+
+    def _run(
+        self, prompts: list[Any], params: list[SamplingParams], want_prompt_logits: bool = False
+    ) -> list[Sequence]:
+        seqs: list[Sequence] = []
+        try:
+            for prompt, p in zip(prompts, params):
+                seqs.append(self.engine.add_request(prompt, p, want_prompt_logits=want_prompt_logits))
+            while self.engine.has_unfinished():
+                self.engine.step()
+        except BaseException:
+            for s in seqs:  # leave nothing behind on error or interrupt
+                self.engine.abort(s.request_id)
+            raise
+        return seqs
+
+    def get_tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def shutdown(self) -> None:
+        """Release the model and cache memory."""
+        eng = getattr(self, "engine", None)
+        if eng is not None:
+            del self.engine
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()

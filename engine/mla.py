@@ -1,0 +1,140 @@
+"""Multi-head latent attention (MLA) over a paged latent cache.
+
+Per token the cache keeps ``[kv_c (kv_lora_rank) | k_pe (qk_rope_head_dim)]`` — vLLM's MLA layout,
+``[num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]`` per layer.
+
+- Prefill (decompressed / MHA form): ``kv_b_proj`` expands the latent into per-head ``k_nope`` and
+  ``v``; new tokens attend causally to themselves, and cached context (chunked prefill) is attended
+  separately and merged by log-sum-exp.
+- Decode (absorbed / MQA form): ``q_nope`` is folded through W_UK into latent space and attends the
+  cached latents directly; the latent output is expanded through W_UV. No per-head K/V are built.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.attention_ops import attention, attention_lse, merge_attention
+from engine.config import ModelConfig
+from engine.forward_batch import ForwardBatch, slots_for
+from engine.layers import RMSNorm
+from engine.rope import RotaryEmbedding
+
+
+class MLAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        h = cfg.num_attention_heads
+        self.num_heads = h
+        if cfg.q_lora_rank is None:
+            self.q_proj = nn.Linear(cfg.hidden_size, h * cfg.qk_head_dim, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(cfg.hidden_size, cfg.q_lora_rank, bias=False)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
+            self.q_b_proj = nn.Linear(cfg.q_lora_rank, h * cfg.qk_head_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(cfg.hidden_size, cfg.kv_cache_dim, bias=False)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps)
+        self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, h * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False)
+        self.o_proj = nn.Linear(h * cfg.v_head_dim, cfg.hidden_size, bias=False)
+        self.scale = cfg.softmax_scale
+        # "decompressed" routes decode rows through the prefill (MHA) path: a check of the absorbed math.
+        self.decode_form = "absorbed"
+
+    # -- projections ---------------------------------------------------------------------------
+    def _project_q(self, x: torch.Tensor) -> torch.Tensor:
+        if self.cfg.q_lora_rank is None:
+            q = self.q_proj(x)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        return q.view(-1, self.num_heads, self.cfg.qk_head_dim)  # [T, H, nope+rope]
+
+    def _expand_kv(self, kv_c: torch.Tensor, k_pe: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Latent [K, L] + rope key [K, R] -> per-head k [K, H, nope+rope], v [K, H, v]."""
+        cfg = self.cfg
+        kv = self.kv_b_proj(kv_c).view(-1, self.num_heads, cfg.qk_nope_head_dim + cfg.v_head_dim)
+        k_nope, v = kv.split([cfg.qk_nope_head_dim, cfg.v_head_dim], dim=-1)
+        k = torch.cat((k_nope, k_pe.unsqueeze(1).expand(-1, self.num_heads, -1)), dim=-1)
+        return k, v
+
+    def _absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """W_UK [H, nope, L] and W_UV [H, v, L], views of kv_b_proj."""
+        cfg = self.cfg
+        w = self.kv_b_proj.weight.view(self.num_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
+        return w[:, : cfg.qk_nope_head_dim], w[:, cfg.qk_nope_head_dim :]
+
+    # -- forward -------------------------------------------------------------------------------
+    def forward(
+        self, x: torch.Tensor, batch: ForwardBatch, cache: torch.Tensor, rope: RotaryEmbedding
+    ) -> torch.Tensor:
+        """x: [T, D]; cache: this layer's [num_blocks, block_size, L+R] (written in place) -> [T, D]."""
+        cfg = self.cfg
+        q = self._project_q(x)
+        q_nope, q_pe = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
+        q_pe = rope.apply(q_pe, batch.positions)
+        kv_a = self.kv_a_proj_with_mqa(x)
+        kv_c = self.kv_a_layernorm(kv_a[:, : cfg.kv_lora_rank])
+        k_pe = rope.apply(kv_a[:, cfg.kv_lora_rank :], batch.positions)
+        flat_cache = cache.view(-1, cfg.kv_cache_dim)
+        flat_cache[batch.slot_mapping] = torch.cat((kv_c, k_pe), dim=-1).to(cache.dtype)
+
+        out = x.new_empty(x.shape[0], self.num_heads, cfg.v_head_dim)
+        nd = batch.num_decode
+        if nd and self.decode_form == "absorbed":
+            out[:nd] = self._decode_absorbed(q_nope[:nd], q_pe[:nd], batch, flat_cache, cache.shape[1])
+        elif nd:
+            for row in range(nd):
+                seq_len = int(batch.decode_seq_lens[row])
+                table = batch.decode_block_tables[row]
+                out[row : row + 1] = self._prefill_one(
+                    q_nope[row : row + 1], q_pe[row : row + 1], kv_c[row : row + 1], k_pe[row : row + 1],
+                    seq_len - 1, table, flat_cache, cache.shape[1],
+                )
+        for seg in batch.prefills:
+            rows = slice(seg.start, seg.start + seg.num_new)
+            out[rows] = self._prefill_one(
+                q_nope[rows], q_pe[rows], kv_c[rows], k_pe[rows],
+                seg.context_len, seg.block_table, flat_cache, cache.shape[1],
+            )
+        return self.o_proj(out.flatten(1))
+
+    def _prefill_one(
+        self,
+        q_nope: torch.Tensor,
+        q_pe: torch.Tensor,
+        kv_c: torch.Tensor,
+        k_pe: torch.Tensor,
+        context_len: int,
+        block_table: torch.Tensor,
+        flat_cache: torch.Tensor,
+        block_size: int,
+    ) -> torch.Tensor:
+        """One request's new rows [S, ...] attending its cached context and itself -> [S, H, v]."""
+        q = torch.cat((q_nope, q_pe), dim=-1)
+        k, v = self._expand_kv(kv_c, k_pe)
+        if context_len == 0:
+            return attention(q, k, v, self.scale, causal=True)
+        out_new, lse_new = attention_lse(q, k, v, self.scale, causal=True)
+        ctx = flat_cache[slots_for(block_table, 0, context_len, block_size)].to(kv_c.dtype)  # [C, L+R]
+        k_ctx, v_ctx = self._expand_kv(ctx[:, : self.cfg.kv_lora_rank], ctx[:, self.cfg.kv_lora_rank :])
+        out_ctx, lse_ctx = attention_lse(q, k_ctx, v_ctx, self.scale, causal=False)
+        return merge_attention(out_ctx, lse_ctx, out_new, lse_new)[0]
+
+    def _decode_absorbed(
+        self, q_nope: torch.Tensor, q_pe: torch.Tensor, batch: ForwardBatch, flat_cache: torch.Tensor, bs: int
+    ) -> torch.Tensor:
+        """q_nope [B, H, nope], q_pe [B, H, R] -> [B, H, v] over each request's cached latents."""
+        w_uk, w_uv = self._absorbed_weights()
+        tables, lens = batch.decode_block_tables, batch.decode_seq_lens
+        max_len = int(lens.max())
+        pos = torch.arange(max_len, device=tables.device)
+        slots = tables[:, pos // bs] * bs + pos % bs  # [B, max_len]
+        kv = flat_cache[slots].to(q_nope.dtype)  # [B, max_len, L+R]
+        q_lat = torch.einsum("bhn,hnl->bhl", q_nope, w_uk)  # [B, H, L]
+        qq = torch.cat((q_lat, q_pe), dim=-1)  # [B, H, L+R]
+        scores = torch.einsum("bhc,btc->bht", qq.float(), kv.float()) * self.scale
+        scores = scores.masked_fill((pos[None, :] >= lens[:, None]).unsqueeze(1), float("-inf"))
+        p = scores.softmax(dim=-1)
+        out_lat = torch.einsum("bht,btl->bhl", p, kv[..., : self.cfg.kv_lora_rank].float())
+        return torch.einsum("bhl,hvl->bhv", out_lat.to(q_nope.dtype), w_uv)

@@ -1,0 +1,90 @@
+"""DeepSeek-V2/V3 decoder stack over a paged latent KV cache.
+
+Parameter names equal the Hugging Face checkpoint keys (``model.layers.{i}.self_attn.kv_b_proj.weight``
+…) except the stacked routed experts (see ``engine.layers.MoE``). A model may hold only a range of
+layers (a pipeline stage): ``layer_range`` selects them, and only the first stage embeds and only
+the last one normalises and projects to logits.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.config import ModelConfig
+from engine.forward_batch import ForwardBatch
+from engine.layers import MLP, MoE, RMSNorm
+from engine.mla import MLAttention
+from engine.rope import RotaryEmbedding
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.self_attn = MLAttention(cfg)
+        self.mlp: nn.Module = MoE(cfg) if cfg.is_moe_layer(layer_idx) else MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(
+        self, x: torch.Tensor, batch: ForwardBatch, cache: torch.Tensor, rope: RotaryEmbedding
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), batch, cache, rope)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DeepseekModel(nn.Module):
+    """The transformer body (``model.*`` keys)."""
+
+    def __init__(self, cfg: ModelConfig, layer_range: range) -> None:
+        super().__init__()
+        self.layer_range = layer_range
+        self.is_first = layer_range.start == 0
+        self.is_last = layer_range.stop == cfg.num_hidden_layers
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size) if self.is_first else None
+        # A ModuleDict keyed by the global layer index keeps checkpoint names for any stage.
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, i) for i in layer_range})
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if self.is_last else None
+
+
+class DeepseekForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_range: range | None = None) -> None:
+        super().__init__()
+        self.cfg = cfg
+        layer_range = layer_range if layer_range is not None else range(cfg.num_hidden_layers)
+        self.model = DeepseekModel(cfg, layer_range)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False) if self.model.is_last else None
+        self.rope: RotaryEmbedding | None = None
+
+    def init_rope(self, device: torch.device) -> None:
+        cfg = self.cfg
+        self.rope = RotaryEmbedding(cfg.rope, cfg.qk_rope_head_dim, cfg.max_position_embeddings, device)
+
+    def set_decode_form(self, form: str) -> None:
+        """'absorbed' (default) or 'decompressed' attention for decode rows."""
+        if form not in ("absorbed", "decompressed"):
+            raise ValueError(f"decode form must be 'absorbed' or 'decompressed', got {form!r}")
+        for layer in self.model.layers.values():
+            layer.self_attn.decode_form = form
+
+    def forward(
+        self, batch: ForwardBatch, kv_caches: dict[int, torch.Tensor], hidden: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Run this model's layers. First stage: from ``batch.input_ids``; later stages: from ``hidden``.
+
+        Returns hidden states [T, D] (final-normed on the last stage).
+        """
+        assert self.rope is not None, "call init_rope() after moving the model to its device"
+        if self.model.embed_tokens is not None:
+            hidden = self.model.embed_tokens(batch.input_ids)
+        assert hidden is not None
+        for idx, layer in self.model.layers.items():
+            hidden = layer(hidden, batch, kv_caches[int(idx)], self.rope)
+        if self.model.norm is not None:
+            hidden = self.model.norm(hidden)
+        return hidden
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, D] -> logits [N, V] in fp32."""
+        assert self.lm_head is not None
+        return self.lm_head(hidden).float()

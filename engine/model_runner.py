@@ -1,0 +1,96 @@
+"""Turns a scheduled step into tensors, runs the model, and returns the logits the step needs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.forward_batch import ForwardBatch, PrefillSegment, slots_for
+from engine.kv_cache import KVCache
+from engine.model import DeepseekForCausalLM
+from engine.scheduler import Scheduled
+
+
+@dataclass
+class StepLogits:
+    """Logits of one scheduled request this step: ``rows`` of its new tokens (fp32 [n, V])."""
+
+    first_row: int  # index within the request's new tokens of logits[0]
+    logits: torch.Tensor
+
+
+def wants_all_rows(s: Scheduled) -> bool:
+    seq = s.seq
+    in_prompt = seq.num_computed < len(seq.prompt_token_ids)
+    return in_prompt and (seq.params.prompt_logprobs is not None or seq.want_prompt_logits)
+
+
+def build_batch(scheduled: list[Scheduled], block_size: int, device: torch.device) -> ForwardBatch:
+    """Scheduled requests (decode rows first) -> a ForwardBatch on ``device``."""
+    ids: list[int] = []
+    positions: list[int] = []
+    slots: list[torch.Tensor] = []
+    logits_rows: list[int] = []
+    prefills: list[PrefillSegment] = []
+    dec_tables: list[list[int]] = []
+    dec_lens: list[int] = []
+    row = 0
+    for s in scheduled:
+        seq, n = s.seq, s.num_new
+        start = seq.num_computed
+        ids.extend(seq.token_ids[start : start + n])
+        positions.extend(range(start, start + n))
+        table = torch.tensor(seq.block_ids, dtype=torch.long)
+        slots.append(slots_for(table, start, start + n, block_size))
+        if n == 1:
+            assert not prefills, "decode rows must precede prefill segments"
+            dec_tables.append(seq.block_ids)
+            dec_lens.append(start + 1)
+        else:
+            prefills.append(PrefillSegment(row, n, start, table.to(device)))
+        if wants_all_rows(s):
+            logits_rows.extend(range(row, row + n))
+        elif s.samples:
+            logits_rows.append(row + n - 1)
+        row += n
+    width = max((len(t) for t in dec_tables), default=0)
+    padded = [t + [0] * (width - len(t)) for t in dec_tables]
+    return ForwardBatch(
+        input_ids=torch.tensor(ids, dtype=torch.long, device=device),
+        positions=torch.tensor(positions, dtype=torch.long, device=device),
+        slot_mapping=torch.cat(slots).to(device),
+        num_decode=len(dec_tables),
+        decode_block_tables=torch.tensor(padded, dtype=torch.long, device=device).view(len(padded), width),
+        decode_seq_lens=torch.tensor(dec_lens, dtype=torch.long, device=device),
+        prefills=prefills,
+        logits_rows=torch.tensor(logits_rows, dtype=torch.long, device=device),
+    )
+
+
+class ModelRunner:
+    def __init__(self, model: DeepseekForCausalLM, cache: KVCache, device: torch.device) -> None:
+        self.model = model
+        self.cache = cache
+        self.device = device
+
+    @torch.inference_mode()
+    def run(self, scheduled: list[Scheduled]) -> list[StepLogits | None]:
+        """One forward step -> per scheduled request its logits (None if it needs none this step)."""
+        batch = build_batch(scheduled, self.cache.block_size, self.device)
+        hidden = self.model(batch, self.cache.layers)
+        logits = self.model.compute_logits(hidden[batch.logits_rows]) if batch.logits_rows.numel() else None
+        out: list[StepLogits | None] = []
+        pos = 0
+        for s in scheduled:
+            if wants_all_rows(s):
+                k, first = s.num_new, 0
+            elif s.samples:
+                k, first = 1, s.num_new - 1
+            else:
+                out.append(None)
+                continue
+            assert logits is not None
+            out.append(StepLogits(first, logits[pos : pos + k]))
+            pos += k
+        return out

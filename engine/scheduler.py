@@ -1,0 +1,112 @@
+"""Continuous batching with a per-step token budget and chunked prefill.
+
+Each step: running requests first (decodes, then unfinished prefills), then waiting requests in
+arrival order while the token budget (``max_num_batched_tokens``) and ``max_num_seqs`` allow. A
+prompt longer than the remaining budget is prefilled in chunks over several steps. When KV blocks
+run out, the most recently admitted running request is preempted: its blocks are freed and it is
+recomputed later (vLLM's recompute preemption).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from engine.kv_cache import BlockAllocator
+from engine.sequence import SeqStatus, Sequence
+
+
+@dataclass
+class Scheduled:
+    seq: Sequence
+    num_new: int
+
+    @property
+    def samples(self) -> bool:
+        """Whether this step reaches the end of the request's tokens (so it samples one)."""
+        return self.seq.num_computed + self.num_new == self.seq.num_tokens
+
+
+class Scheduler:
+    def __init__(
+        self, allocator: BlockAllocator, block_size: int, max_num_batched_tokens: int, max_num_seqs: int
+    ) -> None:
+        self.allocator = allocator
+        self.block_size = block_size
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _blocks_to_add(self, seq: Sequence, num_new: int) -> int:
+        need = -(-(seq.num_computed + num_new) // self.block_size)
+        return max(0, need - len(seq.block_ids))
+
+    def _grow(self, seq: Sequence, num_new: int) -> bool:
+        n = self._blocks_to_add(seq, num_new)
+        if not self.allocator.can_allocate(n):
+            return False
+        seq.block_ids.extend(self.allocator.allocate(n))
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.allocator.free(seq.block_ids)
+        seq.block_ids = []
+        seq.num_computed = 0
+        seq.status = SeqStatus.WAITING
+        self.running.remove(seq)
+        self.waiting.appendleft(seq)
+
+    def schedule(self) -> list[Scheduled]:
+        budget = self.max_num_batched_tokens
+        out: list[Scheduled] = []
+        # Decodes (one token left) first, then requests part-way through their prompt.
+        order = sorted(self.running, key=lambda s: s.num_remaining != 1)
+        for seq in order:
+            if budget == 0:
+                break
+            if seq.status != SeqStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            n = min(seq.num_remaining, budget)
+            while not self._grow(seq, n):
+                victim = next((s for s in reversed(self.running) if s is not seq and s not in [x.seq for x in out]),
+                              None)
+                if victim is None:
+                    self._preempt(seq)
+                    break
+                self._preempt(victim)
+            if seq.status != SeqStatus.RUNNING:
+                continue
+            out.append(Scheduled(seq, n))
+            budget -= n
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            n = min(seq.num_remaining, budget)
+            if not self._grow(seq, n):
+                break
+            self.waiting.popleft()
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+            out.append(Scheduled(seq, n))
+            budget -= n
+        # Decode rows first: the model attends them in one batched absorbed pass.
+        out.sort(key=lambda s: s.num_new != 1)
+        return out
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Release a request's blocks and mark it finished (from running or waiting)."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        if seq.block_ids:
+            self.allocator.free(seq.block_ids)
+            seq.block_ids = []
+        seq.status = SeqStatus.FINISHED
+        seq.finish_reason = reason

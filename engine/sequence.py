@@ -1,0 +1,61 @@
+"""Per-request state: tokens, progress through the prompt, KV blocks, and what was sampled.
+
+A request computes its tokens in order: each step takes rows ``[num_computed, num_computed + n)``
+of ``token_ids`` (prompt then outputs). When a step reaches the end of ``token_ids`` the last row's
+logits sample the next token. Decoding is the case n = 1; chunked prefill is n < remaining.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.sampling_params import SamplingParams
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Sequence:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    max_tokens: int  # the resolved budget (params.max_tokens capped by max_model_len)
+    eos_token_ids: tuple[int, ...] = ()
+    prompt: str | None = None
+    status: SeqStatus = SeqStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[dict[int, float]] = field(default_factory=list)
+    prompt_logprobs: list[float | None] = field(default_factory=list)
+    prompt_top_logprobs: list[dict[int, float] | None] = field(default_factory=list)
+    prompt_logits: list[torch.Tensor] = field(default_factory=list)  # filled only when asked (tests)
+    want_prompt_logits: bool = False
+    finish_reason: str | None = None
+    generator: torch.Generator | None = None
+    text: str = ""
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_remaining(self) -> int:
+        """Tokens still to compute before the next sample."""
+        return self.num_tokens - self.num_computed
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SeqStatus.FINISHED

@@ -1,0 +1,31 @@
+"""The model's tokenizer (Hugging Face ``tokenizer.json`` + ``tokenizer_config.json``), with its chat template."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+
+class Tokenizer:
+    def __init__(self, path: str | Path) -> None:
+        from transformers import AutoTokenizer  # heavy import: only when a tokenizer is needed
+
+        try:
+            self._tok = AutoTokenizer.from_pretrained(str(path))
+        except (OSError, ValueError) as e:
+            raise ValueError(f"cannot load a tokenizer from {path}: {e}") from e
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self._tok.eos_token_id
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self._tok(text, add_special_tokens=add_special_tokens).input_ids)
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+        """Chat messages -> prompt token ids (the template adds the BOS token itself)."""
+        text = self._tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        return self.encode(text, add_special_tokens=False)

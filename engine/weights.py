@@ -1,0 +1,156 @@
+"""Load Hugging Face safetensors weights (single file or sharded index) into a DeepseekForCausalLM.
+
+Per-expert tensors (``mlp.experts.{j}.gate_proj.weight`` …, the Hub layout) and transformers-5's fused
+expert tensors (``mlp.experts.gate_up_proj`` / ``down_proj``) are both accepted. Every parameter of
+the model must be filled with a tensor of the right shape, or loading fails naming the tensor.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from engine.config import ModelConfig
+from engine.model import DeepseekForCausalLM
+
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.*)$")
+_EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+@contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def build_empty_model(
+    cfg: ModelConfig, dtype: torch.dtype, device: torch.device, layer_range: range | None = None
+) -> DeepseekForCausalLM:
+    """Allocate the model (uninitialised) directly on ``device`` in ``dtype`` (router kept in fp32)."""
+    with _default_dtype(dtype), torch.device("meta"):
+        model = DeepseekForCausalLM(cfg, layer_range)
+    model = model.to_empty(device=device)
+    model.init_rope(device)
+    return model.eval().requires_grad_(False)
+
+
+def safetensors_files(model_dir: str | Path) -> list[Path]:
+    d = Path(model_dir)
+    index = d / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        files = sorted({d / f for f in weight_map.values()})
+    else:
+        files = sorted(d.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no safetensors weights in {model_dir}")
+    missing = [str(f) for f in files if not f.is_file()]
+    if missing:
+        raise FileNotFoundError(f"weight files named by the index are missing: {missing}")
+    return files
+
+
+def _target(model: DeepseekForCausalLM, name: str) -> tuple[str, int | None, str | None] | None:
+    """Map a checkpoint tensor name to (param name, expert index, part) or None to skip it."""
+    if name.endswith(_IGNORED_SUFFIXES):
+        return None
+    m = _LAYER.match(name)
+    if m is None:
+        return name, None, None
+    layer, rest = int(m.group(1)), m.group(2)
+    if layer not in model.model.layer_range:
+        return None  # another pipeline stage's layer, or a multi-token-prediction layer past the stack
+    e = _EXPERT.match(rest)
+    if e is not None:
+        part = e.group(2)
+        param = "w2" if part == "down_proj" else "w13"
+        return f"model.layers.{layer}.mlp.{param}", int(e.group(1)), part
+    if rest == "mlp.experts.gate_up_proj":
+        return f"model.layers.{layer}.mlp.w13", None, None
+    if rest == "mlp.experts.down_proj":
+        return f"model.layers.{layer}.mlp.w2", None, None
+    return f"model.layers.{layer}.{rest}", None, None
+
+
+def load_weights(model: DeepseekForCausalLM, model_dir: str | Path) -> None:
+    """Fill every parameter of ``model`` from the checkpoint in ``model_dir``."""
+    params = dict(model.named_parameters())
+    filled: set[tuple[str, int | None, str | None]] = set()
+    for path in safetensors_files(model_dir):
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                tgt = _target(model, name)
+                if tgt is None:
+                    continue
+                pname, expert, part = tgt
+                if pname not in params:
+                    if pname.startswith(("model.embed_tokens", "model.norm", "lm_head")):
+                        continue  # belongs to the first / last stage only
+                    raise ValueError(f"unexpected tensor {name!r} in {path.name}: no such parameter in the model")
+                _copy(params[pname], f.get_tensor(name), name, expert, part)
+                filled.add((pname, expert, part))
+    if model.cfg.tie_word_embeddings and "lm_head.weight" in params and "model.embed_tokens.weight" in params:
+        if ("lm_head.weight", None, None) not in filled:
+            params["lm_head.weight"].copy_(params["model.embed_tokens.weight"])
+            filled.add(("lm_head.weight", None, None))
+    _check_complete(model, params, filled)
+
+
+def _copy(param: torch.Tensor, t: torch.Tensor, name: str, expert: int | None, part: str | None) -> None:
+    if expert is None:
+        dst = param
+    else:
+        if expert >= param.shape[0]:
+            raise ValueError(f"tensor {name!r}: expert {expert} out of range (n_routed_experts={param.shape[0]})")
+        dst = param[expert]
+        if part in ("gate_proj", "up_proj"):
+            half = dst.shape[0] // 2
+            dst = dst[:half] if part == "gate_proj" else dst[half:]
+    if tuple(t.shape) != tuple(dst.shape):
+        raise ValueError(f"tensor {name!r} has shape {tuple(t.shape)}, the config implies {tuple(dst.shape)}")
+    dst.copy_(t.to(dst.dtype))
+
+
+def _check_complete(
+    model: DeepseekForCausalLM, params: dict[str, torch.Tensor], filled: set[tuple[str, int | None, str | None]]
+) -> None:
+    missing = []
+    for pname, p in params.items():
+        if (pname, None, None) in filled:
+            continue
+        if pname.endswith((".w13", ".w2")):
+            parts = ("down_proj",) if pname.endswith(".w2") else ("gate_proj", "up_proj")
+            absent = [(e, pt) for e in range(p.shape[0]) for pt in parts if (pname, e, pt) not in filled]
+            if not absent:
+                continue
+            layer = pname.split(".")[2]
+            missing += [f"model.layers.{layer}.mlp.experts.{e}.{pt}.weight" for e, pt in absent]
+        else:
+            missing.append(pname)
+    if missing:
+        more = f" (and {len(missing) - 8} more)" if len(missing) > 8 else ""
+        raise ValueError(f"checkpoint is missing {len(missing)} weights: {missing[:8]}{more}")
+
+
+def init_random_weights(model: DeepseekForCausalLM, seed: int = 0) -> None:
+    """Dummy weights (vLLM's ``load_format="dummy"``): for benchmarks of real-size shapes without files."""
+    g = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    for name, p in model.named_parameters():
+        if name.endswith("layernorm.weight") or name.endswith("norm.weight"):
+            p.fill_(1.0)
+        elif name.endswith("e_score_correction_bias"):
+            p.zero_()
+        else:
+            fan_in = p.shape[-1]
+            p.normal_(0.0, fan_in**-0.5, generator=g)
