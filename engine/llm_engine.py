@@ -65,14 +65,14 @@ class LLMEngine:
         cfg, mc = self.config, self.model_config
         per_block = bytes_per_block(mc, cfg.block_size, self.dtype, mc.num_hidden_layers)
         needed_min = -(-self.max_model_len // cfg.block_size)
+        full = needed_min * cfg.max_num_seqs  # every slot filled to max_model_len: never more useful
         if cfg.num_kv_blocks is not None:
             n = cfg.num_kv_blocks
         elif self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
             reserve = total * (1 - cfg.gpu_memory_utilization) + 2 * 2**30  # activations and workspace
-            n = int(max(0, free - reserve) // per_block)
+            n = min(full, int(max(0, free - reserve) // per_block))
         else:
-            full = needed_min * cfg.max_num_seqs
             n = min(full, int(cfg.cpu_kv_cache_gb * 2**30 // per_block))
         if n < needed_min:
             raise ValueError(

@@ -1,0 +1,158 @@
+"""Native engine throughput: prefill time / tokens/s and MFU, decode tokens/s.
+
+  python benchmarks/engine.py                      # tiny model on CPU (made on the fly)
+  python benchmarks/engine.py --preset v2-lite     # DeepSeek-V2-Lite-shaped random bf16 model on a GPU
+
+The last line of output is one JSON object with all figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from engine.config import ModelConfig  # noqa: E402
+from engine.engine_config import EngineConfig  # noqa: E402
+from engine.llm_engine import LLMEngine  # noqa: E402
+from engine.sampling_params import SamplingParams  # noqa: E402
+
+# DeepSeek-V2-Lite's published shape (random weights: only the shapes matter for speed).
+V2_LITE = {
+    "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2", "vocab_size": 102400,
+    "hidden_size": 2048, "intermediate_size": 10944, "moe_intermediate_size": 1408, "num_hidden_layers": 27,
+    "num_attention_heads": 16, "num_key_value_heads": 16, "kv_lora_rank": 512, "q_lora_rank": None,
+    "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "n_routed_experts": 64,
+    "num_experts_per_tok": 6, "n_shared_experts": 2, "first_k_dense_replace": 1, "moe_layer_freq": 1,
+    "topk_method": "greedy", "n_group": 1, "topk_group": 1, "norm_topk_prob": False,
+    "routed_scaling_factor": 1.0, "scoring_func": "softmax", "max_position_embeddings": 163840,
+    "rms_norm_eps": 1e-6, "rope_theta": 10000, "hidden_act": "silu", "tie_word_embeddings": False,
+    "rope_scaling": {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 32,
+                     "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707},
+    "bos_token_id": 100000, "eos_token_id": 100001, "torch_dtype": "bfloat16",
+}
+H200_BF16_PEAK_TFLOPS = 989.0  # dense bf16 tensor-core peak (datasheet), the MFU denominator
+
+
+def prefill_flops(cfg: ModelConfig, t: int) -> float:
+    """Matmul FLOPs of one t-token causal prefill (router, norms and the single lm_head row ignored)."""
+    h, nh = cfg.hidden_size, cfg.num_attention_heads
+    attn_proj = h * nh * cfg.qk_head_dim + h * cfg.kv_cache_dim + cfg.kv_lora_rank * nh * (
+        cfg.qk_nope_head_dim + cfg.v_head_dim) + nh * cfg.v_head_dim * h
+    dense_mlp = 3 * h * cfg.intermediate_size
+    moe_mlp = 3 * h * cfg.moe_intermediate_size * (cfg.num_experts_per_tok + cfg.n_shared_experts)
+    per_token = 0
+    for i in range(cfg.num_hidden_layers):
+        per_token += attn_proj + (moe_mlp if cfg.is_moe_layer(i) else dense_mlp)
+    # causal attention: QK^T and PV over t^2/2 pairs per head
+    attn = cfg.num_hidden_layers * nh * (t * t / 2) * (cfg.qk_head_dim + cfg.v_head_dim)
+    return 2.0 * (per_token * t + attn)
+
+
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def time_prefill(eng: LLMEngine, n: int, repeats: int) -> float:
+    """Median seconds of one n-token prefill step (the request is aborted after it)."""
+    times = []
+    for r in range(repeats + 1):
+        ids = torch.randint(10, eng.model_config.vocab_size - 10, (n,), generator=torch.Generator().manual_seed(r))
+        seq = eng.add_request(ids.tolist(), SamplingParams(max_tokens=1, temperature=0.0))
+        _sync(eng.device)
+        t0 = time.perf_counter()
+        eng.step()
+        _sync(eng.device)
+        if r:  # the first run is warm-up
+            times.append(time.perf_counter() - t0)
+        eng.abort(seq.request_id)
+    assert eng.num_used_blocks == 0
+    return sorted(times)[len(times) // 2]
+
+
+def time_decode(eng: LLMEngine, batch: int, prompt_len: int, steps: int) -> float:
+    """Decode tokens/s with `batch` requests of `prompt_len` prompt tokens, over `steps` steps."""
+    g = torch.Generator().manual_seed(1)
+    seqs = [
+        eng.add_request(torch.randint(10, 1000, (prompt_len,), generator=g).tolist(),
+                        SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True))
+        for _ in range(batch)
+    ]
+    while any(s.num_computed < len(s.prompt_token_ids) for s in seqs):
+        eng.step()
+    for _ in range(3):  # warm-up decode steps
+        eng.step()
+    _sync(eng.device)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        eng.step()
+    _sync(eng.device)
+    dt = time.perf_counter() - t0
+    for s in seqs:
+        eng.abort(s.request_id)
+    assert eng.num_used_blocks == 0
+    return batch * steps / dt
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", choices=["tiny", "v2-lite"], default="tiny")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--prefill-tokens", type=int, nargs="+", default=None)
+    ap.add_argument("--decode-batches", type=int, nargs="+", default=[1, 64])
+    ap.add_argument("--decode-prompt", type=int, default=512)
+    ap.add_argument("--decode-steps", type=int, default=32)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--cpu-threads", type=int, default=1)
+    args = ap.parse_args()
+
+    tmp = Path(tempfile.mkdtemp(prefix="pdbench-"))
+    if args.preset == "tiny":
+        from engine.tiny_model import make_tiny_model
+
+        model_dir = make_tiny_model(tmp / "tiny", arch="v2", moe=True, seed=0)
+        kw = dict(dtype="float32", max_model_len=4096, max_num_batched_tokens=4096, load_format="auto")
+        prefill = args.prefill_tokens or [512, 2048]
+    else:
+        model_dir = tmp / "v2-lite"
+        model_dir.mkdir()
+        (model_dir / "config.json").write_text(json.dumps(V2_LITE))
+        kw = dict(dtype="bfloat16", max_model_len=32768, max_num_batched_tokens=32768, load_format="dummy")
+        prefill = args.prefill_tokens or [4096, 16384]
+    t0 = time.perf_counter()
+    eng = LLMEngine(EngineConfig(model=str(model_dir), device=args.device, skip_tokenizer_init=True,
+                                 cpu_threads=args.cpu_threads, max_num_seqs=max(args.decode_batches), **kw))
+    load_s = time.perf_counter() - t0
+    cfg = eng.model_config
+    dev = eng.device
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
+    print(f"model {args.preset} on {name} ({eng.dtype}), loaded in {load_s:.1f}s, {eng.cache.num_blocks} KV blocks")
+    res: dict = {"bench": "engine", "preset": args.preset, "device": name, "dtype": str(eng.dtype).split(".")[-1]}
+    for n in prefill:
+        s = time_prefill(eng, n, args.repeats)
+        flops = prefill_flops(cfg, n)
+        mfu = flops / s / (H200_BF16_PEAK_TFLOPS * 1e12) if dev.type == "cuda" else None
+        print(f"prefill {n:>6} tokens: {s * 1e3:9.1f} ms  {n / s:10.0f} tok/s  {flops / s / 1e12:7.1f} TFLOP/s"
+              + (f"  MFU {mfu:.1%}" if mfu is not None else ""))
+        res[f"prefill_{n}_ms"] = round(s * 1e3, 2)
+        res[f"prefill_{n}_tok_s"] = round(n / s, 1)
+        res[f"prefill_{n}_tflops"] = round(flops / s / 1e12, 2)
+        if mfu is not None:
+            res[f"prefill_{n}_mfu"] = round(mfu, 4)
+    for b in args.decode_batches:
+        tps = time_decode(eng, b, args.decode_prompt, args.decode_steps)
+        print(f"decode batch {b:>3} (prompt {args.decode_prompt}): {tps:10.1f} tok/s")
+        res[f"decode_b{b}_tok_s"] = round(tps, 1)
+    print(json.dumps(res))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,35 @@
+"""Shared fixtures: tiny models made once per session, GPU tests skipped without CUDA."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.tiny_model import make_tiny_model
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The three tiny parity configs: V2 dense, V2 MoE, V3 (q_lora_rank, noaux_tc)."""
+    root = tmp_path_factory.mktemp("models")
+    return {
+        "v2_dense": make_tiny_model(root / "v2_dense", arch="v2", moe=False, seed=1),
+        "v2_moe": make_tiny_model(root / "v2_moe", arch="v2", moe=True, seed=2),
+        "v3": make_tiny_model(root / "v3", arch="v3", moe=True, seed=3),
+    }
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_models: dict[str, Path]) -> Path:
+    return tiny_models["v2_moe"]
