@@ -102,6 +102,21 @@ def time_decode(eng: LLMEngine, batch: int, prompt_len: int, steps: int) -> floa
     return batch * steps / dt
 
 
+def profile(eng: LLMEngine, n: int) -> None:
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    time_prefill(eng, n, 1)  # warm up
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if eng.device.type == "cuda" else [])
+    with torch_profile(activities=acts) as prof:
+        time_prefill(eng, n, 1)
+    key = "cuda_time_total" if eng.device.type == "cuda" else "cpu_time_total"
+    print(prof.key_averages().table(sort_by=key, row_limit=20, max_name_column_width=60))
+    with torch_profile(activities=acts) as prof:
+        time_decode(eng, 1, 256, 4)
+    print(prof.key_averages().table(sort_by=key, row_limit=20, max_name_column_width=60))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", choices=["tiny", "v2-lite"], default="tiny")
@@ -112,6 +127,7 @@ def main() -> None:
     ap.add_argument("--decode-steps", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--cpu-threads", type=int, default=1)
+    ap.add_argument("--profile", action="store_true", help="print a torch.profiler table of a prefill and decode")
     args = ap.parse_args()
 
     tmp = Path(tempfile.mkdtemp(prefix="pdbench-"))
@@ -135,6 +151,8 @@ def main() -> None:
     dev = eng.device
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
     print(f"model {args.preset} on {name} ({eng.dtype}), loaded in {load_s:.1f}s, {eng.cache.num_blocks} KV blocks")
+    if args.profile:
+        profile(eng, prefill[0])
     res: dict = {"bench": "engine", "preset": args.preset, "device": name, "dtype": str(eng.dtype).split(".")[-1]}
     for n in prefill:
         s = time_prefill(eng, n, args.repeats)

@@ -26,10 +26,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, c
         return attention_lse(q, k, v, scale, causal)[0]
     dv = v.shape[-1]
     vv = _pad_v(v, q.shape[-1]) if _use_flash(q) else v
+    # 4-D [1, H, S, D] inputs: the fused (flash / memory-efficient) kernels need a batch dimension.
     out = F.scaled_dot_product_attention(
-        q.transpose(0, 1), k.transpose(0, 1), vv.transpose(0, 1), is_causal=causal, scale=scale
-    )  # [H, S, D]
-    return out.transpose(0, 1)[..., :dv]
+        q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), vv.transpose(0, 1).unsqueeze(0),
+        is_causal=causal, scale=scale,
+    )  # [1, H, S, D]
+    return out[0].transpose(0, 1)[..., :dv]
 
 
 def attention_lse(

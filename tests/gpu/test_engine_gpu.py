@@ -45,3 +45,23 @@ def test_absorbed_equals_decompressed_on_gpu(tiny_model) -> None:
     for a, b in zip(outs["absorbed"], outs["decompressed"]):
         assert a.token_ids == b.token_ids
         assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-3
+
+
+def test_grouped_gemm_moe_equals_expert_loop(tiny_model) -> None:
+    from engine.config import ModelConfig
+    from engine.layers import MoE, _use_grouped_mm
+
+    cfg = ModelConfig.from_pretrained(tiny_model)
+    torch.manual_seed(0)
+    moe = MoE(cfg).to("cuda", torch.bfloat16)
+    for p in moe.parameters():
+        p.data.normal_(0, 0.05)
+    x = torch.randn(300, cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
+    assert _use_grouped_mm(x)
+    _, ids = moe.gate(x)
+    flat = ids.flatten()
+    order = torch.argsort(flat, stable=True)
+    xs = x[order // ids.shape[1]]
+    counts = torch.bincount(flat, minlength=moe.w13.shape[0])
+    grouped, loop = moe._experts_grouped(xs, counts), moe._experts_loop(xs, counts)
+    assert _rel(grouped.float(), loop.float()) < 1e-2
