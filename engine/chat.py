@@ -17,7 +17,11 @@ def main() -> None:
     ap.add_argument("message", nargs="+", help="the user message")
     args = ap.parse_args()
     t0 = time.perf_counter()
-    with LLM(args.model, dtype=args.dtype, max_model_len=2048) as llm:
+    try:
+        llm = LLM(args.model, dtype=args.dtype, max_model_len=2048)
+    except (ValueError, FileNotFoundError) as e:
+        raise SystemExit(f"error: {e}") from None
+    with llm:
         tok = llm.get_tokenizer()
         prompt = tok.apply_chat_template([{"role": "user", "content": " ".join(args.message)}])
         out = llm.generate([prompt], SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature))[0]
