@@ -1,0 +1,185 @@
+"""Rank processes: started with ``spawn`` from one entry point, readiness acknowledged, failures detected.
+
+The driver (the node's main process) owns one pipe per rank. Each rank joins the
+``torch.distributed`` world (gloo on CPU, NCCL on GPU), acknowledges ``ready``, then runs the
+given ``target(ctx)``, which serves messages from ``ctx.conn``. If any rank dies or raises, the
+driver's next ``recv`` raises ``RankFailure`` and every other rank is stopped (terminate, then kill
+after a grace period), so a crash never leaves processes behind.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+
+class RankFailure(RuntimeError):
+    """A rank process died or raised; the whole group has been stopped."""
+
+
+@dataclass(frozen=True)
+class RankContext:
+    rank: int
+    world_size: int
+    payload: Any
+    conn: Connection
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def _rank_main(
+    target: Callable[[RankContext], None],
+    rank: int,
+    world_size: int,
+    payload: Any,
+    conn: Connection,
+    init_method: str,
+    backend: str,
+    timeout_s: float,
+) -> None:
+    import torch.distributed as dist
+
+    try:
+        dist.init_process_group(
+            backend, init_method=init_method, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s)
+        )
+        conn.send(("ready", rank))
+        target(RankContext(rank, world_size, payload, conn))
+    except BaseException:  # report anything, then exit non-zero
+        try:
+            conn.send(("error", f"rank {rank}: {traceback.format_exc()}"))
+        except (OSError, EOFError):
+            pass
+        os._exit(1)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+class RankGroup:
+    """``world_size`` rank processes running ``target``; the driver talks to them over pipes."""
+
+    def __init__(
+        self,
+        target: Callable[[RankContext], None],
+        world_size: int,
+        payloads: list[Any],
+        backend: str = "gloo",
+        host: str = "127.0.0.1",
+        port: int | None = None,
+        collective_timeout_s: float = 300.0,
+    ) -> None:
+        if len(payloads) != world_size:
+            raise ValueError(f"{world_size} ranks but {len(payloads)} payloads")
+        self.world_size = world_size
+        self._target = target
+        self._payloads = payloads
+        self._backend = backend
+        self._init = f"tcp://{host}:{port or free_port(host)}"
+        self._timeout = collective_timeout_s
+        self._procs: list[mp.process.BaseProcess] = []
+        self._conns: list[Connection] = []
+
+    def start(self, ready_timeout_s: float = 120.0) -> None:
+        ctx = mp.get_context("spawn")
+        for rank in range(self.world_size):
+            parent, child = ctx.Pipe()
+            p = ctx.Process(
+                target=_rank_main,
+                args=(self._target, rank, self.world_size, self._payloads[rank], child, self._init,
+                      self._backend, self._timeout),
+                name=f"pd-rank-{rank}",
+                daemon=True,
+            )
+            p.start()
+            child.close()
+            self._procs.append(p)
+            self._conns.append(parent)
+        for rank in range(self.world_size):
+            msg = self.recv(rank, ready_timeout_s)
+            if msg != ("ready", rank):
+                self.shutdown()
+                raise RankFailure(f"rank {rank} sent {msg!r} instead of its ready acknowledgement")
+
+    def send(self, rank: int, msg: Any) -> None:
+        try:
+            self._conns[rank].send(msg)
+        except (OSError, EOFError) as e:
+            self._fail(f"rank {rank} is gone ({e})")
+
+    def broadcast(self, msg: Any) -> None:
+        for r in range(self.world_size):
+            self.send(r, msg)
+
+    def recv(self, rank: int, timeout_s: float = 600.0) -> Any:
+        """The next message from ``rank``; raises RankFailure if any rank dies or errs meanwhile."""
+        conn = self._conns[rank]
+        deadline = time.monotonic() + timeout_s
+        sentinels = {p.sentinel: i for i, p in enumerate(self._procs)}
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self._fail(f"rank {rank} did not answer within {timeout_s:.0f}s")
+            ready = wait([conn, *sentinels], timeout=min(left, 1.0))
+            if conn in ready:
+                try:
+                    msg = conn.recv()
+                except (EOFError, OSError):
+                    self._fail(f"rank {rank} closed its pipe")
+                if isinstance(msg, tuple) and msg and msg[0] == "error":
+                    self._fail(str(msg[1]))
+                return msg
+            for s in ready:
+                if s in sentinels:
+                    i = sentinels[s]
+                    self._fail(f"rank {i} exited with code {self._procs[i].exitcode}")
+
+    def _fail(self, why: str) -> None:
+        self.shutdown()
+        raise RankFailure(why)
+
+    def alive(self) -> list[bool]:
+        return [p.is_alive() for p in self._procs]
+
+    def shutdown(self, grace_s: float = 5.0) -> None:
+        """Ask every rank to stop, then terminate, then kill: returns within ~2 × grace_s."""
+        for c in self._conns:
+            try:
+                c.send(("stop",))
+            except (OSError, EOFError, ValueError):
+                pass
+        deadline = time.monotonic() + grace_s
+        for p in self._procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        for p in self._procs:
+            if p.is_alive():
+                p.terminate()
+        deadline = time.monotonic() + grace_s
+        for p in self._procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+            if p.is_alive():
+                p.kill()
+                p.join(1.0)
+        for c in self._conns:
+            c.close()
+        self._conns = []
+        self._procs = []
+
+    def __enter__(self) -> RankGroup:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
