@@ -58,17 +58,18 @@ def _attention_lse_reference(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     s, kn = q.shape[0], k.shape[0]
-    kf, vf = k.float(), v.float()
+    acc = torch.promote_types(q.dtype, torch.float32)  # fp32 math, or fp64 for fp64 inputs
+    kf, vf = k.to(acc), v.to(acc)
     outs, lses = [], []
     for q0 in range(0, s, _QUERY_CHUNK):
-        qc = q[q0 : q0 + _QUERY_CHUNK].float()
+        qc = q[q0 : q0 + _QUERY_CHUNK].to(acc)
         scores = torch.einsum("shd,khd->hsk", qc, kf) * scale  # [H, s, K]
         if causal:
             qpos = torch.arange(q0, q0 + qc.shape[0], device=q.device) + (kn - s)
             mask = torch.arange(kn, device=q.device)[None, :] > qpos[:, None]
             scores = scores.masked_fill(mask, float("-inf"))
         lse = torch.logsumexp(scores, dim=-1)  # [H, s]
-        p = torch.exp(scores - lse.unsqueeze(-1).clamp_min(torch.finfo(torch.float32).min))
+        p = torch.exp(scores - lse.unsqueeze(-1).clamp_min(torch.finfo(acc).min))
         outs.append(torch.einsum("hsk,khd->shd", p, vf))
         lses.append(lse.transpose(0, 1))
     return torch.cat(outs).to(q.dtype), torch.cat(lses)
@@ -83,6 +84,7 @@ def merge_attention(
     w1, w2 = torch.exp(lse1 - m), torch.exp(lse2 - m)  # [S, H]
     denom = w1 + w2
     safe = torch.where(denom == 0, torch.ones_like(denom), denom)
-    out = (o1.float() * (w1 / safe).unsqueeze(-1) + o2.float() * (w2 / safe).unsqueeze(-1)).to(o1.dtype)
+    acc = torch.promote_types(o1.dtype, torch.float32)
+    out = (o1.to(acc) * (w1 / safe).unsqueeze(-1) + o2.to(acc) * (w2 / safe).unsqueeze(-1)).to(o1.dtype)
     lse = torch.where(denom == 0, torch.full_like(m, float("-inf")), m + torch.log(safe))
     return out, lse

@@ -28,6 +28,7 @@ class ForwardBatch:
     num_decode: int  # rows [0, num_decode) are decode rows
     decode_block_tables: torch.Tensor  # [B, max_blocks] int64 (padded with 0)
     decode_seq_lens: torch.Tensor  # [B] int64: cached tokens incl. this step's token
+    decode_max_len: int  # max of decode_seq_lens, known on the host (no device sync to read it)
     prefills: list[PrefillSegment]
     logits_rows: torch.Tensor  # [N] int64: rows whose logits the step needs
 

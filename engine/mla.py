@@ -85,7 +85,7 @@ class MLAttention(nn.Module):
             out[:nd] = self._decode_absorbed(q_nope[:nd], q_pe[:nd], batch, flat_cache, cache.shape[1])
         elif nd:
             for row in range(nd):
-                seq_len = int(batch.decode_seq_lens[row])
+                seq_len = int(batch.decode_seq_lens[row])  # debug path: a sync per row is fine
                 table = batch.decode_block_tables[row]
                 out[row : row + 1] = self._prefill_one(
                     q_nope[row : row + 1], q_pe[row : row + 1], kv_c[row : row + 1], k_pe[row : row + 1],
@@ -127,7 +127,7 @@ class MLAttention(nn.Module):
         """q_nope [B, H, nope], q_pe [B, H, R] -> [B, H, v] over each request's cached latents."""
         w_uk, w_uv = self._absorbed_weights()
         tables, lens = batch.decode_block_tables, batch.decode_seq_lens
-        max_len = int(lens.max())
+        max_len = batch.decode_max_len
         pos = torch.arange(max_len, device=tables.device)
         slots = tables[:, pos // bs] * bs + pos % bs  # [B, max_len]
         kv = flat_cache[slots].to(q_nope.dtype)  # [B, max_len, L+R]

@@ -63,6 +63,7 @@ def build_batch(scheduled: list[Scheduled], block_size: int, device: torch.devic
         num_decode=len(dec_tables),
         decode_block_tables=torch.tensor(padded, dtype=torch.long, device=device).view(len(padded), width),
         decode_seq_lens=torch.tensor(dec_lens, dtype=torch.long, device=device),
+        decode_max_len=max(dec_lens, default=0),
         prefills=prefills,
         logits_rows=torch.tensor(logits_rows, dtype=torch.long, device=device),
     )

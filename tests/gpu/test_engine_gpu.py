@@ -16,7 +16,7 @@ def _prompts() -> list[list[int]]:
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).norm() / b.norm())
+    return float((a.detach() - b.detach()).norm() / b.detach().norm())
 
 
 def test_bf16_gpu_matches_fp32_cpu(tiny_model) -> None:
@@ -65,3 +65,22 @@ def test_grouped_gemm_moe_equals_expert_loop(tiny_model) -> None:
     counts = torch.bincount(flat, minlength=moe.w13.shape[0])
     grouped, loop = moe._experts_grouped(xs, counts), moe._experts_loop(xs, counts)
     assert _rel(grouped.float(), loop.float()) < 1e-2
+
+
+def test_pcp_local_attention_flash_path_matches_fp64() -> None:
+    from engine.attention_ops import attention_lse
+    from engine.parallel.pcp_attention import pcp_local_attention
+    from engine.parallel.pcp_split import zigzag_indices
+
+    n, pcp, h = 4099, 2, 16
+    g = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(n, h, 192, generator=g, dtype=torch.float64) for _ in range(2))
+    v = torch.randn(n, h, 128, generator=g, dtype=torch.float64)
+    ref, _ = attention_lse(q, k, v, 0.07, causal=True)
+    out = torch.empty(n, h, 128, dtype=torch.float64)
+    qb, kb, vb = (t.to("cuda", torch.bfloat16) for t in (q, k, v))
+    for r in range(pcp):
+        idx = zigzag_indices(n, pcp, r)
+        o, _ = pcp_local_attention(qb[idx], idx, kb, vb, 0.07)
+        out[idx] = o.double().cpu()
+    assert _rel(out, ref) < 1e-2
