@@ -68,6 +68,7 @@ class Scheduler:
         out: list[Scheduled] = []
         # Decodes (one token left) first, then requests part-way through their prompt.
         order = sorted(self.running, key=lambda s: s.num_remaining != 1)
+        scheduled: set[str] = set()
         for seq in order:
             if budget == 0:
                 break
@@ -75,8 +76,10 @@ class Scheduler:
                 continue  # preempted earlier in this loop
             n = min(seq.num_remaining, budget)
             while not self._grow(seq, n):
-                victim = next((s for s in reversed(self.running) if s is not seq and s not in [x.seq for x in out]),
-                              None)
+                # Preempt the most recently admitted request not already in this step.
+                victim = next(
+                    (s for s in reversed(self.running) if s is not seq and s.request_id not in scheduled), None
+                )
                 if victim is None:
                     self._preempt(seq)
                     break
@@ -84,6 +87,7 @@ class Scheduler:
             if seq.status != SeqStatus.RUNNING:
                 continue
             out.append(Scheduled(seq, n))
+            scheduled.add(seq.request_id)
             budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
