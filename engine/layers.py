@@ -7,6 +7,8 @@ module owns them; the weight loader stacks the per-expert tensors.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -133,9 +135,10 @@ class MoE(nn.Module):
 
 def _use_grouped_mm(x: torch.Tensor) -> bool:
     """torch's grouped GEMM: bf16 on Hopper (sm90) or newer."""
-    return (
-        x.is_cuda
-        and x.dtype == torch.bfloat16
-        and hasattr(torch, "_grouped_mm")
-        and torch.cuda.get_device_capability(x.device)[0] >= 9
-    )
+    return x.is_cuda and x.dtype == torch.bfloat16 and _grouped_mm_supported(x.device.index or 0)
+
+
+@functools.cache
+def _grouped_mm_supported(device_index: int) -> bool:
+    # Asked once per device: this runs in every MoE layer of every (host-bound) decode step.
+    return hasattr(torch, "_grouped_mm") and torch.cuda.get_device_capability(device_index)[0] >= 9

@@ -20,10 +20,19 @@ class StepLogits:
     logits: torch.Tensor
 
 
-def wants_all_rows(s: Scheduled) -> bool:
+def logits_span(s: Scheduled) -> tuple[int, int] | None:
+    """(first new row, row count) of a request's rows that need logits this step, or None.
+
+    All rows while in the prompt when prompt logprobs/logits are wanted; else the last row when the
+    step samples.
+    """
     seq = s.seq
     in_prompt = seq.num_computed < len(seq.prompt_token_ids)
-    return in_prompt and (seq.params.prompt_logprobs is not None or seq.want_prompt_logits)
+    if in_prompt and (seq.params.prompt_logprobs is not None or seq.want_prompt_logits):
+        return 0, s.num_new
+    if s.samples:
+        return s.num_new - 1, 1
+    return None
 
 
 def build_batch(scheduled: list[Scheduled], block_size: int, device: torch.device) -> ForwardBatch:
@@ -49,10 +58,9 @@ def build_batch(scheduled: list[Scheduled], block_size: int, device: torch.devic
             dec_lens.append(start + 1)
         else:
             prefills.append(PrefillSegment(row, n, start, table.to(device)))
-        if wants_all_rows(s):
-            logits_rows.extend(range(row, row + n))
-        elif s.samples:
-            logits_rows.append(row + n - 1)
+        span = logits_span(s)
+        if span is not None:
+            logits_rows.extend(range(row + span[0], row + span[0] + span[1]))
         row += n
     width = max((len(t) for t in dec_tables), default=0)
     padded = [t + [0] * (width - len(t)) for t in dec_tables]
@@ -84,13 +92,11 @@ class ModelRunner:
         out: list[StepLogits | None] = []
         pos = 0
         for s in scheduled:
-            if wants_all_rows(s):
-                k, first = s.num_new, 0
-            elif s.samples:
-                k, first = 1, s.num_new - 1
-            else:
+            span = logits_span(s)
+            if span is None:
                 out.append(None)
                 continue
+            first, k = span
             assert logits is not None
             out.append(StepLogits(first, logits[pos : pos + k]))
             pos += k
