@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.parallel.grid import ParallelConfig
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 
@@ -29,6 +31,15 @@ class EngineConfig:
     # torch intra-op threads on CPU. 1 by default: a node runs several rank processes, and torch's
     # OpenMP pool slows by 10-100x when processes oversubscribe the cores (measured on 2 cores).
     cpu_threads: int = 1
+    # Topology (engine.parallel): DP replicas x PCP x PP rank processes; 1 x 1 x 1 runs in-process.
+    dp: int = 1
+    pcp: int = 1
+    pp: int = 1
+    kv_layout: str = "sharded"  # "sharded" (each block on one PCP rank) or "replicated" (all of them)
+    kv_interleave: int | None = None  # sharded: tokens per run on one PCP rank (default: one block)
+    dist_host: str = "127.0.0.1"  # torch.distributed rendezvous of the rank processes
+    dist_port: int | None = None  # default: a free port
+    rank_timeout_s: float = 600.0  # longest wait for a rank's answer (startup, one step) before failing
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:
@@ -49,8 +60,16 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.cpu_threads <= 0:
             raise ValueError(f"cpu_threads must be > 0, got {self.cpu_threads}")
+        if self.rank_timeout_s <= 0:
+            raise ValueError(f"rank_timeout_s must be > 0, got {self.rank_timeout_s}")
+        self.parallel().interleave(self.block_size)  # validates the topology and the interleave
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
+
+    def parallel(self) -> ParallelConfig:
+        return ParallelConfig(
+            dp=self.dp, pcp=self.pcp, pp=self.pp, kv_layout=self.kv_layout, kv_interleave=self.kv_interleave
+        )
 
     def torch_device(self) -> torch.device:
         if self.device == "auto":

@@ -8,8 +8,12 @@ cached context merged with the new tokens by log-sum-exp).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from engine.parallel.step_plan import PCPStep
 
 
 @dataclass
@@ -31,6 +35,8 @@ class ForwardBatch:
     decode_max_len: int  # max of decode_seq_lens, known on the host (no device sync to read it)
     prefills: list[PrefillSegment]
     logits_rows: torch.Tensor  # [N] int64: rows whose logits the step needs
+    # Set on a rank of a parallel replica: this rank's share of the step (engine.parallel.step_plan).
+    pcp: PCPStep | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -41,3 +47,8 @@ def slots_for(block_table: torch.Tensor, start: int, end: int, block_size: int) 
     """Flat cache slots of positions [start, end) of a request with this block table."""
     pos = torch.arange(start, end, device=block_table.device)
     return block_table[pos // block_size] * block_size + pos % block_size
+
+
+def gather_latents(tables: torch.Tensor, pos: torch.Tensor, flat_cache: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Cached latents [B, len(pos), L+R] at positions ``pos`` of each block-table row [B, W]."""
+    return flat_cache[tables[:, pos // block_size] * block_size + pos % block_size]

@@ -8,10 +8,27 @@ serves all layers.
 from __future__ import annotations
 
 from collections import deque
+from typing import Protocol
 
 import torch
 
 from engine.config import ModelConfig
+
+
+class BlockSpace(Protocol):
+    """What the scheduler needs from an allocator (one rank's, or a sharded set of ranks')."""
+
+    @property
+    def num_used(self) -> int: ...
+
+    @property
+    def num_free(self) -> int: ...
+
+    def can_allocate(self, n: int, first: int = 0) -> bool: ...
+
+    def allocate(self, n: int, first: int = 0) -> list[int]: ...
+
+    def free(self, ids: list[int]) -> None: ...
 
 
 class BlockAllocator:
@@ -32,10 +49,11 @@ class BlockAllocator:
     def num_used(self) -> int:
         return len(self._used)
 
-    def can_allocate(self, n: int) -> bool:
+    def can_allocate(self, n: int, first: int = 0) -> bool:
+        """``first`` (the request's first new logical block) matters only to sharded allocators."""
         return n <= len(self._free)
 
-    def allocate(self, n: int) -> list[int]:
+    def allocate(self, n: int, first: int = 0) -> list[int]:
         if n > len(self._free):
             raise MemoryError(f"asked for {n} KV blocks, {len(self._free)} free")
         ids = [self._free.popleft() for _ in range(n)]

@@ -14,8 +14,10 @@ from typing import Any
 
 import torch
 
+from engine.config import ModelConfig
 from engine.engine_config import EngineConfig
-from engine.llm_engine import LLMEngine
+from engine.llm_engine import LLMEngine, resolve_max_model_len
+from engine.parallel.replica import ParallelNode
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
 
@@ -51,10 +53,29 @@ def _output(engine: LLMEngine, seq: Sequence) -> RequestOutput:
 
 
 class LLM:
-    """A whole model on one device, generating for batches of prompts (strings or token-id lists)."""
+    """A model generating for batches of prompts (strings or token-id lists).
+
+    In this process by default; with a topology (``dp``, ``pcp``, ``pp`` > 1, ``kv_layout``) on
+    rank processes, with the same results::
+
+        LLM(model=DIR, pcp=2, pp=2, dp=1, kv_layout="sharded")
+    """
 
     def __init__(self, model: str, **kwargs: Any) -> None:
-        self.engine = LLMEngine(EngineConfig(model=model, **kwargs))
+        config = EngineConfig(model=model, **kwargs)
+        par = config.parallel()
+        self.node: ParallelNode | None = None
+        if par.world_size == 1:
+            self.engines = [LLMEngine(config)]
+        else:
+            mc = ModelConfig.from_pretrained(model)
+            self.node = ParallelNode(config, resolve_max_model_len(config, mc))
+            try:
+                self.engines = [LLMEngine(config, self.node.replica(d)) for d in range(par.dp)]
+            except BaseException:
+                self.node.shutdown()
+                raise
+        self.engine = self.engines[0]
 
     def generate(
         self,
@@ -86,26 +107,38 @@ class LLM:
     def _run(
         self, prompts: list[Any], params: list[SamplingParams], want_prompt_logits: bool = False
     ) -> list[Sequence]:
-        seqs: list[Sequence] = []
+        placed: list[tuple[LLMEngine, Sequence]] = []
+        load = [0] * len(self.engines)
         try:
             for prompt, p in zip(prompts, params):
-                seqs.append(self.engine.add_request(prompt, p, want_prompt_logits=want_prompt_logits))
-            while self.engine.has_unfinished():
-                self.engine.step()
+                d = load.index(min(load))  # DP: the replica with the fewest requests of this call
+                load[d] += 1
+                eng = self.engines[d]
+                placed.append((eng, eng.add_request(prompt, p, want_prompt_logits=want_prompt_logits)))
+            while any(e.has_unfinished() for e in self.engines):
+                busy = [e for e in self.engines if e.has_unfinished()]
+                for e in busy:  # replicas compute concurrently: launch all, then collect
+                    e.launch_step()
+                for e in busy:
+                    e.finish_step()
         except BaseException:
-            for s in seqs:  # leave nothing behind on error or interrupt
-                self.engine.abort(s.request_id)
+            for eng, s in placed:  # leave nothing behind on error or interrupt
+                eng.abort(s.request_id)
             raise
-        return seqs
+        return [s for _, s in placed]
 
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
 
     def shutdown(self) -> None:
-        """Release the model and cache memory."""
-        eng = getattr(self, "engine", None)
-        if eng is not None:
+        """Stop the rank processes (if any) and release the model and cache memory."""
+        node = getattr(self, "node", None)
+        if node is not None:
+            node.shutdown()
+            self.node = None
+        if getattr(self, "engine", None) is not None:
             del self.engine
+            self.engines = []
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
 

@@ -9,77 +9,59 @@ from __future__ import annotations
 
 import itertools
 import logging
-import time
 
 import torch
 
 from engine.config import ModelConfig
 from engine.engine_config import EngineConfig
-from engine.kv_cache import KVCache, bytes_per_block
-from engine.model_runner import ModelRunner, StepLogits
+from engine.executor import Executor, LocalExecutor
+from engine.model_runner import StepLogits
+from engine.parallel.kv_layout import RankBlocks
 from engine.sampler import sample, top_logprobs
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduled, Scheduler
 from engine.sequence import SeqStatus, Sequence
 from engine.tokenizer import Tokenizer
-from engine.weights import build_empty_model, init_random_weights, load_weights
 
 log = logging.getLogger(__name__)
 
 
+def resolve_max_model_len(config: EngineConfig, mc: ModelConfig) -> int:
+    n = config.max_model_len or mc.max_position_embeddings
+    if n > mc.max_position_embeddings:
+        raise ValueError(f"max_model_len {n} exceeds the model's max_position_embeddings {mc.max_position_embeddings}")
+    return n
+
+
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
+    """Scheduling, sampling and request state for one model replica; ``executor`` runs the steps
+    (default: the whole model in this process)."""
+
+    def __init__(self, config: EngineConfig, executor: Executor | None = None) -> None:
         self.config = config
         self.model_config = ModelConfig.from_pretrained(config.model)
         mc = self.model_config
-        self.device = config.torch_device()
-        self.dtype = config.torch_dtype(mc.torch_dtype)
-        if self.device.type == "cpu":
-            torch.set_num_threads(config.cpu_threads)
-        self.max_model_len = config.max_model_len or mc.max_position_embeddings
-        if self.max_model_len > mc.max_position_embeddings:
-            raise ValueError(
-                f"max_model_len {self.max_model_len} exceeds the model's max_position_embeddings "
-                f"{mc.max_position_embeddings}"
-            )
-        t0 = time.perf_counter()
-        self.model = build_empty_model(mc, self.dtype, self.device)
-        if config.load_format == "dummy":
-            init_random_weights(self.model, config.seed)
-        else:
-            load_weights(self.model, config.model)
-        log.info("loaded %s in %.1fs", config.model, time.perf_counter() - t0)
-        self.cache = KVCache(
-            mc, range(mc.num_hidden_layers), self._num_blocks(), config.block_size, self.dtype, self.device
-        )
-        self.runner = ModelRunner(self.model, self.cache, self.device)
+        self.max_model_len = resolve_max_model_len(config, mc)
+        self.executor: Executor = executor if executor is not None else LocalExecutor(config, mc, self.max_model_len)
         self.scheduler = Scheduler(
-            self.cache.allocator, config.block_size, config.max_num_batched_tokens, config.max_num_seqs
+            self.executor.allocator, config.block_size, config.max_num_batched_tokens, config.max_num_seqs
         )
         self.tokenizer = None if config.skip_tokenizer_init else Tokenizer(config.tokenizer or config.model)
+        # Sampling runs on the driver's CPU unless the model is local on a GPU.
+        self.device = getattr(self.executor, "device", torch.device("cpu"))
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self._requests: dict[str, Sequence] = {}
+        self.held: dict[str, Sequence] = {}  # finished requests whose KV blocks are kept (hold_kv)
         self._ids = itertools.count()
+        self._launched: list[Scheduled] | None = None
 
-    def _num_blocks(self) -> int:
-        cfg, mc = self.config, self.model_config
-        per_block = bytes_per_block(mc, cfg.block_size, self.dtype, mc.num_hidden_layers)
-        needed_min = -(-self.max_model_len // cfg.block_size)
-        full = needed_min * cfg.max_num_seqs  # every slot filled to max_model_len: never more useful
-        if cfg.num_kv_blocks is not None:
-            n = cfg.num_kv_blocks
-        elif self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            reserve = total * (1 - cfg.gpu_memory_utilization) + 2 * 2**30  # activations and workspace
-            n = min(full, int(max(0, free - reserve) // per_block))
-        else:
-            n = min(full, int(cfg.cpu_kv_cache_gb * 2**30 // per_block))
-        if n < needed_min:
-            raise ValueError(
-                f"KV cache of {n} blocks of {cfg.block_size} tokens cannot hold one request of max_model_len "
-                f"{self.max_model_len} ({needed_min} blocks): lower max_model_len or give the cache more memory"
-            )
-        return n
+    @property
+    def model(self) -> torch.nn.Module:
+        """The in-process model (local executor only)."""
+        model = getattr(self.executor, "model", None)
+        if model is None:
+            raise AttributeError("the model runs on rank processes, not in this process")
+        return model
 
     # -- requests ------------------------------------------------------------------------------
     def add_request(
@@ -88,7 +70,9 @@ class LLMEngine:
         params: SamplingParams,
         request_id: str | None = None,
         want_prompt_logits: bool = False,
+        hold_kv: bool = False,
     ) -> Sequence:
+        """Queue a request. ``hold_kv`` keeps its KV blocks after it finishes, until ``release``."""
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
         text = prompt if isinstance(prompt, str) else None
@@ -104,7 +88,7 @@ class LLMEngine:
         room = self.max_model_len - n
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         request_id = request_id if request_id is not None else str(next(self._ids))
-        if request_id in self._requests:
+        if request_id in self._requests or request_id in self.held:
             raise ValueError(f"request id {request_id!r} is already in flight")
         gen = None
         if params.seed is not None:
@@ -118,6 +102,7 @@ class LLMEngine:
             prompt=text,
             generator=gen,
             want_prompt_logits=want_prompt_logits,
+            hold_kv=hold_kv,
         )
         self._requests[request_id] = seq
         self.scheduler.add(seq)
@@ -133,28 +118,91 @@ class LLMEngine:
         return list(prompt)
 
     def abort(self, request_id: str) -> bool:
+        """Stop a request (or release a held one); its blocks are free on return."""
+        if self.release(request_id):
+            return True
         seq = self._requests.pop(request_id, None)
         if seq is None:
             return False
         self.scheduler.finish(seq, "abort")
         return True
 
+    def release(self, request_id: str) -> bool:
+        """Free the KV blocks of a finished request that was held (``hold_kv``)."""
+        seq = self.held.pop(request_id, None)
+        if seq is None:
+            return False
+        self.scheduler.allocator.free(seq.block_ids)
+        seq.block_ids = []
+        return True
+
+    def _lookup(self, request_id: str) -> Sequence:
+        seq = self._requests.get(request_id) or self.held.get(request_id)
+        if seq is None:
+            raise KeyError(f"no request {request_id!r} in flight or held")
+        return seq
+
+    def kv_ownership(self, request_id: str) -> list[RankBlocks]:
+        """Which (pcp, pp) rank holds which of the request's blocks, for which layers."""
+        return self.executor.ownership(self._lookup(request_id).block_ids)
+
+    def read_kv(self, request_id: str, pcp: int | None = None) -> dict[int, torch.Tensor]:
+        """The request's cached latents per layer, [tokens computed, L+R] in position order.
+
+        Read back from the ranks that hold them (``pcp``: only that PCP rank's blocks; positions
+        it does not hold are NaN). For tests and debugging: it copies every block to the driver.
+        """
+        seq = self._lookup(request_id)
+        bs = self.config.block_size
+        dim = self.model_config.kv_cache_dim
+        out: dict[int, torch.Tensor] = {}
+        for rb in self.executor.ownership(seq.block_ids):
+            if (pcp is not None and rb.pcp != pcp) or not rb.physical:
+                continue
+            for layer, blocks in self.executor.read_blocks(rb.pcp, rb.pp, rb.physical).items():
+                empty = torch.full((len(seq.block_ids) * bs, dim), float("nan"), dtype=blocks.dtype)
+                dst = out.setdefault(layer, empty)
+                for j, blk in zip(rb.logical, blocks):
+                    dst[j * bs : (j + 1) * bs] = blk
+        return {layer: t[: seq.num_computed] for layer, t in sorted(out.items())}
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
     @property
     def num_used_blocks(self) -> int:
-        return self.cache.allocator.num_used
+        return self.scheduler.allocator.num_used
+
+    def used_blocks_per_rank(self) -> list[int]:
+        """Used blocks per PCP rank (sharded layout); one entry otherwise."""
+        per_rank = getattr(self.scheduler.allocator, "used_per_rank", None)
+        return per_rank() if per_rank is not None else [self.num_used_blocks]
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()
 
     # -- the loop ------------------------------------------------------------------------------
     def step(self) -> list[Sequence]:
         """Run one forward step. Returns the requests that finished in it."""
+        self.launch_step()
+        return self.finish_step()
+
+    def launch_step(self) -> None:
+        """Schedule a step and hand it to the executor (returns before it has run on rank processes)."""
+        assert self._launched is None, "launch_step() twice without finish_step()"
         scheduled = self.scheduler.schedule()
+        if not scheduled and self.scheduler.has_unfinished():
+            raise RuntimeError("scheduler made no progress (KV cache too small for any waiting request)")
+        if scheduled:
+            self.executor.launch(scheduled)
+        self._launched = scheduled
+
+    def finish_step(self) -> list[Sequence]:
+        """Wait for the launched step, sample, and return the requests that finished in it."""
+        scheduled, self._launched = self._launched, None
         if not scheduled:
-            if self.scheduler.has_unfinished():
-                raise RuntimeError("scheduler made no progress (KV cache too small for any waiting request)")
             return []
-        step_logits = self.runner.run(scheduled)
+        step_logits = self.executor.collect()
         finished: list[Sequence] = []
         to_sample: list[tuple[Sequence, torch.Tensor]] = []
         for s, sl in zip(scheduled, step_logits):
@@ -170,29 +218,33 @@ class LLMEngine:
                     finished.append(seq)
         for seq in finished:
             self._requests.pop(seq.request_id, None)
+            if seq.hold_kv and seq.block_ids:
+                self.held[seq.request_id] = seq
         return finished
 
     def _record_prompt_logits(self, s: Scheduled, sl: StepLogits | None) -> None:
+        """Record prompt logits/logprobs of this step's rows, skipping rows recorded before (a
+        preempted request recomputes its prompt, perhaps in other chunks)."""
         seq = s.seq
         if sl is None or sl.logits.shape[0] < s.num_new:
             return
         start = seq.num_computed
-        done = len(seq.prompt_logits) if seq.want_prompt_logits else len(seq.prompt_logprobs)
-        if start < done:
-            return  # recomputation after preemption: already recorded
-        n_prompt = len(seq.prompt_token_ids)
-        rows = min(s.num_new, n_prompt - start)
+        rows = min(s.num_new, len(seq.prompt_token_ids) - start)  # rows inside the prompt
         if seq.want_prompt_logits:
-            seq.prompt_logits.extend(sl.logits[:rows].cpu())
+            first = max(0, len(seq.prompt_logits) - start)
+            seq.prompt_logits.extend(sl.logits[first:rows].cpu())
         k = seq.params.prompt_logprobs
         if k is None:
             return
-        if start == 0:
+        if not seq.prompt_logprobs:
             seq.prompt_logprobs.append(None)  # the first prompt token has no logprob
             seq.prompt_top_logprobs.append(None)
-        # Row i predicts prompt token start+i+1; the last prompt row predicts the first output.
-        targets = seq.prompt_token_ids[start + 1 : start + rows + 1]
-        logp = torch.log_softmax(sl.logits[: len(targets)], dim=-1)
+        # Row i predicts prompt token start+i+1; entries so far cover tokens [0, len(prompt_logprobs)).
+        first = max(0, len(seq.prompt_logprobs) - start - 1)
+        targets = seq.prompt_token_ids[start + first + 1 : start + rows + 1]
+        if not targets:
+            return
+        logp = torch.log_softmax(sl.logits[first : first + len(targets)], dim=-1)
         chosen = logp.gather(1, torch.tensor(targets, device=logp.device).unsqueeze(1)).squeeze(1)
         seq.prompt_logprobs.extend(chosen.tolist())
         seq.prompt_top_logprobs.extend(top_logprobs(logp, k))
@@ -201,7 +253,7 @@ class LLMEngine:
         """Add a sampled token; returns True when the request finished (its blocks are then free)."""
         p = seq.params
         if seq.max_tokens == 0:
-            self.scheduler.finish(seq, "length")
+            self.scheduler.finish(seq, "length", keep_blocks=seq.hold_kv)
             return True
         seq.output_token_ids.append(token)
         seq.logprobs.append(logprob)
@@ -217,7 +269,7 @@ class LLMEngine:
         if reason is None and n_out >= seq.max_tokens:
             reason = "length"
         if reason is not None:
-            self.scheduler.finish(seq, reason)
+            self.scheduler.finish(seq, reason, keep_blocks=seq.hold_kv)
             return True
         return False
 
@@ -243,7 +295,8 @@ class LLMEngine:
             "waiting": len(self.scheduler.waiting),
             "running": len(self.scheduler.running),
             "used_blocks": self.num_used_blocks,
-            "free_blocks": self.cache.allocator.num_free,
+            "free_blocks": self.scheduler.allocator.num_free,
+            "held": len(self.held),
         }
 
 

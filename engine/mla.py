@@ -17,8 +17,9 @@ from torch import nn
 
 from engine.attention_ops import attention, attention_lse, merge_attention
 from engine.config import ModelConfig
-from engine.forward_batch import ForwardBatch, slots_for
+from engine.forward_batch import ForwardBatch, gather_latents, slots_for
 from engine.layers import RMSNorm
+from engine.parallel.pcp_mla import pcp_attention
 from engine.rope import RotaryEmbedding
 
 
@@ -77,6 +78,9 @@ class MLAttention(nn.Module):
         kv_c = self.kv_a_layernorm(kv_a[:, : cfg.kv_lora_rank])
         k_pe = rope.apply(kv_a[:, cfg.kv_lora_rank :], batch.positions)
         flat_cache = cache.view(-1, cfg.kv_cache_dim)
+        if batch.pcp is not None:
+            out = pcp_attention(self, q_nope, q_pe, torch.cat((kv_c, k_pe), dim=-1), batch, flat_cache, cache.shape[1])
+            return self.o_proj(out.flatten(1))
         flat_cache[batch.slot_mapping] = torch.cat((kv_c, k_pe), dim=-1).to(cache.dtype)
 
         out = x.new_empty(x.shape[0], self.num_heads, cfg.v_head_dim)
@@ -125,16 +129,31 @@ class MLAttention(nn.Module):
         self, q_nope: torch.Tensor, q_pe: torch.Tensor, batch: ForwardBatch, flat_cache: torch.Tensor, bs: int
     ) -> torch.Tensor:
         """q_nope [B, H, nope], q_pe [B, H, R] -> [B, H, v] over each request's cached latents."""
-        w_uk, w_uv = self._absorbed_weights()
         tables, lens = batch.decode_block_tables, batch.decode_seq_lens
-        max_len = batch.decode_max_len
-        pos = torch.arange(max_len, device=tables.device)
-        slots = tables[:, pos // bs] * bs + pos % bs  # [B, max_len]
-        kv = flat_cache[slots].to(q_nope.dtype)  # [B, max_len, L+R]
+        pos = torch.arange(batch.decode_max_len, device=tables.device)
+        mask = pos[None, :] < lens[:, None]
+        out_lat, _ = self.absorbed_attention(q_nope, q_pe, gather_latents(tables, pos, flat_cache, bs), mask)
+        return self.expand_latent_out(out_lat, q_nope.dtype)
+
+    def absorbed_attention(
+        self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """MQA over latents kv [B, T, L+R] where ``mask`` [B, T] -> (latent out [B, H, L] fp32, lse [B, H]).
+
+        Rows whose mask is all False get lse = -inf and a zero output (never NaN).
+        """
+        w_uk, _ = self._absorbed_weights()
         q_lat = torch.einsum("bhn,hnl->bhl", q_nope, w_uk)  # [B, H, L]
         qq = torch.cat((q_lat, q_pe), dim=-1)  # [B, H, L+R]
         scores = torch.einsum("bhc,btc->bht", qq.float(), kv.float()) * self.scale
-        scores = scores.masked_fill((pos[None, :] >= lens[:, None]).unsqueeze(1), float("-inf"))
-        p = scores.softmax(dim=-1)
+        scores = scores.masked_fill(~mask.unsqueeze(1), float("-inf"))
+        lse = torch.logsumexp(scores, dim=-1)
+        p = torch.exp(scores - lse.unsqueeze(-1).clamp_min(torch.finfo(scores.dtype).min))
         out_lat = torch.einsum("bht,btl->bhl", p, kv[..., : self.cfg.kv_lora_rank].float())
-        return torch.einsum("bhl,hvl->bhv", out_lat.to(q_nope.dtype), w_uv)
+        return out_lat, lse
+
+    def expand_latent_out(self, out_lat: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Latent attention output [B, H, L] -> per-head values [B, H, v] through W_UV."""
+        _, w_uv = self._absorbed_weights()
+        return torch.einsum("bhl,hvl->bhv", out_lat.to(dtype), w_uv)
+

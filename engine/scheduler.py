@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from engine.kv_cache import BlockAllocator
+from engine.kv_cache import BlockSpace
 from engine.sequence import SeqStatus, Sequence
 
 
@@ -29,7 +29,7 @@ class Scheduled:
 
 class Scheduler:
     def __init__(
-        self, allocator: BlockAllocator, block_size: int, max_num_batched_tokens: int, max_num_seqs: int
+        self, allocator: BlockSpace, block_size: int, max_num_batched_tokens: int, max_num_seqs: int
     ) -> None:
         self.allocator = allocator
         self.block_size = block_size
@@ -50,9 +50,10 @@ class Scheduler:
 
     def _grow(self, seq: Sequence, num_new: int) -> bool:
         n = self._blocks_to_add(seq, num_new)
-        if not self.allocator.can_allocate(n):
+        first = len(seq.block_ids)
+        if not self.allocator.can_allocate(n, first):
             return False
-        seq.block_ids.extend(self.allocator.allocate(n))
+        seq.block_ids.extend(self.allocator.allocate(n, first))
         return True
 
     def _preempt(self, seq: Sequence) -> None:
@@ -103,13 +104,13 @@ class Scheduler:
         out.sort(key=lambda s: s.num_new != 1)
         return out
 
-    def finish(self, seq: Sequence, reason: str) -> None:
-        """Release a request's blocks and mark it finished (from running or waiting)."""
+    def finish(self, seq: Sequence, reason: str, keep_blocks: bool = False) -> None:
+        """Mark a request finished (from running or waiting) and release its blocks unless kept."""
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        if seq.block_ids:
+        if seq.block_ids and not keep_blocks:
             self.allocator.free(seq.block_ids)
             seq.block_ids = []
         seq.status = SeqStatus.FINISHED

@@ -39,6 +39,7 @@ class Sequence:
     prompt_top_logprobs: list[dict[int, float] | None] = field(default_factory=list)
     prompt_logits: list[torch.Tensor] = field(default_factory=list)  # filled only when asked (tests)
     want_prompt_logits: bool = False
+    hold_kv: bool = False  # keep the KV blocks after finishing (until the engine's release())
     finish_reason: str | None = None
     generator: torch.Generator | None = None
     text: str = ""

@@ -144,11 +144,26 @@ class RankGroup:
             for s in ready:
                 if s in sentinels:
                     i = sentinels[s]
-                    self._fail(f"rank {i} exited with code {self._procs[i].exitcode}")
+                    self._fail(self._last_words(i) or f"rank {i} exited with code {self._procs[i].exitcode}")
+
+    def _last_words(self, rank: int) -> str | None:
+        """The error a dead rank sent before exiting, if it is still in its pipe."""
+        conn = self._conns[rank]
+        try:
+            while conn.poll():
+                msg = conn.recv()
+                if isinstance(msg, tuple) and msg and msg[0] == "error":
+                    return str(msg[1])
+        except (EOFError, OSError):
+            pass
+        return None
 
     def _fail(self, why: str) -> None:
         self.shutdown()
         raise RankFailure(why)
+
+    def pids(self) -> list[int]:
+        return [p.pid for p in self._procs if p.pid is not None]
 
     def alive(self) -> list[bool]:
         return [p.is_alive() for p in self._procs]

@@ -1,0 +1,117 @@
+"""Executors run the engine's scheduled steps: in this process (``LocalExecutor``) or on the rank
+processes of a DP replica (``engine.parallel.replica.ReplicaExecutor``).
+
+A step is split in two so a driver can keep several DP replicas busy at once: ``launch`` hands the
+step over, ``collect`` waits for its logits.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Protocol
+
+import torch
+
+from engine.config import ModelConfig
+from engine.engine_config import EngineConfig
+from engine.kv_cache import BlockSpace, KVCache, bytes_per_block
+from engine.model_runner import ModelRunner, StepLogits
+from engine.parallel.grid import ParallelConfig
+from engine.parallel.kv_layout import RankBlocks, kv_ownership
+from engine.scheduler import Scheduled
+from engine.weights import build_empty_model, init_random_weights, load_weights
+
+log = logging.getLogger(__name__)
+
+
+class Executor(Protocol):
+    allocator: BlockSpace
+    block_size: int
+
+    def launch(self, scheduled: list[Scheduled]) -> None: ...
+
+    def collect(self) -> list[StepLogits | None]: ...
+
+    def ownership(self, block_ids: list[int]) -> list[RankBlocks]: ...
+
+    def read_blocks(self, pcp: int, pp: int, physical: list[int]) -> dict[int, torch.Tensor]: ...
+
+    def shutdown(self) -> None: ...
+
+
+def kv_blocks_for_memory(
+    config: EngineConfig, mc: ModelConfig, max_model_len: int, dtype: torch.dtype, device: torch.device,
+    num_layers: int,
+) -> int:
+    """KV blocks to allocate on one device holding ``num_layers`` layers (after the weights are loaded)."""
+    per_block = bytes_per_block(mc, config.block_size, dtype, num_layers)
+    needed_min = -(-max_model_len // config.block_size)
+    full = needed_min * config.max_num_seqs  # every slot filled to max_model_len: never more useful
+    if config.num_kv_blocks is not None:
+        return config.num_kv_blocks
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        reserve = total * (1 - config.gpu_memory_utilization) + 2 * 2**30  # activations and workspace
+        return min(full, int(max(0, free - reserve) // per_block))
+    return min(full, int(config.cpu_kv_cache_gb * 2**30 // per_block))
+
+
+def check_kv_capacity(num_blocks: int, block_size: int, max_model_len: int, shards: int = 1) -> None:
+    """Fail clearly when the cache cannot hold one request of ``max_model_len`` (over ``shards`` ranks)."""
+    needed = -(-max_model_len // block_size)
+    if num_blocks * shards < needed:
+        raise ValueError(
+            f"KV cache of {num_blocks} blocks of {block_size} tokens per rank cannot hold one request of "
+            f"max_model_len {max_model_len} ({needed} blocks): lower max_model_len or give the cache more memory"
+        )
+
+
+def load_model(
+    config: EngineConfig, mc: ModelConfig, dtype: torch.dtype, device: torch.device, layers: range | None = None
+) -> torch.nn.Module:
+    t0 = time.perf_counter()
+    model = build_empty_model(mc, dtype, device, layers)
+    if config.load_format == "dummy":
+        init_random_weights(model, config.seed)
+    else:
+        load_weights(model, config.model)
+    log.info("loaded %s in %.1fs", config.model, time.perf_counter() - t0)
+    return model
+
+
+class LocalExecutor:
+    """The whole model and its cache in this process, on one device."""
+
+    def __init__(self, config: EngineConfig, mc: ModelConfig, max_model_len: int) -> None:
+        self.device = config.torch_device()
+        self.dtype = config.torch_dtype(mc.torch_dtype)
+        if self.device.type == "cpu":
+            torch.set_num_threads(config.cpu_threads)
+        self.num_layers = mc.num_hidden_layers
+        self.model = load_model(config, mc, self.dtype, self.device)
+        n = kv_blocks_for_memory(config, mc, max_model_len, self.dtype, self.device, self.num_layers)
+        check_kv_capacity(n, config.block_size, max_model_len)
+        self.cache = KVCache(mc, range(self.num_layers), n, config.block_size, self.dtype, self.device)
+        self.runner = ModelRunner(self.model, self.cache, self.device)  # type: ignore[arg-type]
+        self.allocator: BlockSpace = self.cache.allocator
+        self.block_size = config.block_size
+        self._pending: list[Scheduled] | None = None
+
+    def launch(self, scheduled: list[Scheduled]) -> None:
+        self._pending = scheduled
+
+    def collect(self) -> list[StepLogits | None]:
+        assert self._pending is not None, "collect() without launch()"
+        scheduled, self._pending = self._pending, None
+        return self.runner.run(scheduled)
+
+    def ownership(self, block_ids: list[int]) -> list[RankBlocks]:
+        return kv_ownership(block_ids, ParallelConfig(), 0, self.num_layers)
+
+    def read_blocks(self, pcp: int, pp: int, physical: list[int]) -> dict[int, torch.Tensor]:
+        ids = torch.tensor(physical, dtype=torch.long, device=self.device)
+        return {i: t[ids].cpu() for i, t in self.cache.layers.items()}
+
+    def shutdown(self) -> None:
+        pass

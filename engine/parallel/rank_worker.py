@@ -1,0 +1,129 @@
+"""The body of one rank process: its PP stage's layers, its KV cache, and the step loop.
+
+Protocol with the driver (over the rank's pipe, after the launcher's ``ready``):
+
+- rank -> ``("loaded", capacity_blocks)``; driver -> ``("cache", n)`` (the minimum over all ranks);
+  rank -> ``("cache_ready", rank)``.
+- driver -> ``("step", StepPlan)``: every rank of the replica runs it; the last stage's PCP rank 0
+  answers ``("logits", tensor | None)`` with the plan's logits rows in plan order.
+- driver -> ``("read", physical_ids)``: the rank answers ``("blocks", {layer: [n, bs, L+R]})``.
+- driver -> ``("stop",)``: the rank returns (the launcher tears the process group down).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from engine.config import ModelConfig
+from engine.engine_config import EngineConfig
+from engine.executor import kv_blocks_for_memory, load_model
+from engine.kv_cache import KVCache
+from engine.parallel.collectives import gather_padded
+from engine.parallel.grid import ParallelConfig, stage_layers
+from engine.parallel.launcher import RankContext
+from engine.parallel.step_plan import StepPlan, build_rank_batch
+
+
+@dataclass(frozen=True)
+class RankSpec:
+    config: EngineConfig
+    max_model_len: int
+
+
+def rank_device(config: EngineConfig, rank: int) -> torch.device:
+    dev = config.torch_device()
+    if dev.type == "cuda":
+        return torch.device("cuda", rank % torch.cuda.device_count())
+    return dev
+
+
+class RankWorker:
+    def __init__(self, spec: RankSpec, rank: int) -> None:
+        cfg = spec.config
+        self.config = cfg
+        self.par: ParallelConfig = cfg.parallel()
+        self.coord = self.par.coord(rank)
+        self.device = rank_device(cfg, rank)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        else:
+            torch.set_num_threads(cfg.cpu_threads)
+        self.mc = ModelConfig.from_pretrained(cfg.model)
+        self.dtype = cfg.torch_dtype(self.mc.torch_dtype)
+        self.layers = stage_layers(self.mc.num_hidden_layers, self.par.pp, self.coord.pp)
+        self.model = load_model(cfg, self.mc, self.dtype, self.device, self.layers)
+        self.max_model_len = spec.max_model_len
+        # Every rank creates every PCP group, in the same order (new_group is collective).
+        self.pcp_group: dist.ProcessGroup | None = None
+        for ranks in self.par.all_pcp_groups():
+            g = dist.new_group(ranks)
+            if rank in ranks:
+                self.pcp_group = g
+        stages = self.par.pp_group(rank)
+        pp = self.coord.pp
+        self.prev_rank = stages[pp - 1] if pp > 0 else None
+        self.next_rank = stages[pp + 1] if pp + 1 < len(stages) else None
+        self.reports = self.next_rank is None and self.coord.pcp == 0
+        self.cache: KVCache | None = None
+
+    def capacity_blocks(self) -> int:
+        return kv_blocks_for_memory(
+            self.config, self.mc, self.max_model_len, self.dtype, self.device, len(self.layers)
+        )
+
+    def init_cache(self, num_blocks: int) -> None:
+        self.cache = KVCache(self.mc, self.layers, num_blocks, self.config.block_size, self.dtype, self.device)
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> torch.Tensor | None:
+        assert self.cache is not None
+        batch = build_rank_batch(plan, self.par, self.coord.pcp, self.cache.block_size, self.device, self.pcp_group)
+        n = batch.num_tokens
+        hidden = None
+        if self.prev_rank is not None:
+            hidden = torch.empty(n, self.mc.hidden_size, dtype=self.dtype, device=self.device)
+            if n:
+                dist.recv(hidden, src=self.prev_rank)
+        hidden = self.model(batch, self.cache.layers, hidden)
+        if self.next_rank is not None:
+            if n:
+                dist.send(hidden.contiguous(), dst=self.next_rank)
+            return None
+        st = batch.pcp
+        assert st is not None and st.logits_index is not None
+        rows = gather_padded(hidden[batch.logits_rows], st.logits_counts, self.pcp_group)[st.logits_index]
+        if not self.reports or rows.shape[0] == 0:
+            return None
+        return self.model.compute_logits(rows).cpu()
+
+    def read_blocks(self, physical: list[int]) -> dict[int, torch.Tensor]:
+        assert self.cache is not None
+        ids = torch.tensor(physical, dtype=torch.long, device=self.device)
+        return {i: t[ids].cpu() for i, t in self.cache.layers.items()}
+
+
+def serve_rank(ctx: RankContext) -> None:
+    """Launcher target: load, size the cache with the driver, then serve steps until ``stop``."""
+    worker = RankWorker(ctx.payload, ctx.rank)
+    ctx.conn.send(("loaded", worker.capacity_blocks()))
+    msg: Any = ctx.conn.recv()
+    if msg[0] == "stop":
+        return
+    worker.init_cache(int(msg[1]))
+    ctx.conn.send(("cache_ready", ctx.rank))
+    while True:
+        msg = ctx.conn.recv()
+        if msg[0] == "stop":
+            return
+        if msg[0] == "step":
+            out = worker.execute(msg[1])
+            if worker.reports:
+                ctx.conn.send(("logits", out))
+        elif msg[0] == "read":
+            ctx.conn.send(("blocks", worker.read_blocks(msg[1])))
+        else:
+            raise ValueError(f"rank {ctx.rank}: unknown message {msg[0]!r}")

@@ -1,0 +1,143 @@
+"""Driver side of a parallel node: the DP × PCP × PP rank processes and one executor per DP replica.
+
+The driver schedules and samples; ranks only compute. Each step the replica's executor sends the
+same plan (request rows, global block tables, which rows need logits) to every rank of the replica,
+and the last PP stage's PCP rank 0 returns the logits in plan order. Sampled tokens come back into
+the next plan, so every stage sees the global batch's tokens. DP replicas are independent: the
+driver launches a step on each before collecting any, so they compute concurrently.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from engine.config import ModelConfig
+from engine.engine_config import EngineConfig
+from engine.executor import check_kv_capacity
+from engine.kv_cache import BlockAllocator, BlockSpace
+from engine.model_runner import StepLogits, logits_span
+from engine.parallel.grid import ParallelConfig
+from engine.parallel.kv_layout import RankBlocks, ShardedBlockAllocator, kv_ownership
+from engine.parallel.launcher import RankFailure, RankGroup
+from engine.parallel.rank_worker import RankSpec, serve_rank
+from engine.parallel.step_plan import PlanRow, StepPlan, local_token_counts
+from engine.scheduler import Scheduled
+
+log = logging.getLogger(__name__)
+
+
+class ParallelNode:
+    """Starts every rank of the node, sizes the KV cache (the minimum any rank can hold), and stops them."""
+
+    def __init__(self, config: EngineConfig, max_model_len: int) -> None:
+        self.config = config
+        self.par: ParallelConfig = config.parallel()
+        self.num_layers = ModelConfig.from_pretrained(config.model).num_hidden_layers
+        if self.par.pp > self.num_layers:
+            raise ValueError(f"pp={self.par.pp} exceeds the model's {self.num_layers} layers")
+        backend = "nccl" if config.torch_device().type == "cuda" else "gloo"
+        ws = self.par.world_size
+        self.group = RankGroup(
+            serve_rank, ws, [RankSpec(config, max_model_len)] * ws, backend=backend,
+            host=config.dist_host, port=config.dist_port,
+        )
+        t = config.rank_timeout_s
+        self.group.start(ready_timeout_s=t)
+        try:
+            caps = [self._expect(r, "loaded", t)[1] for r in range(ws)]
+            self.num_blocks = int(min(caps))
+            shards = self.par.pcp if self.par.kv_layout == "sharded" else 1
+            check_kv_capacity(self.num_blocks, config.block_size, max_model_len, shards)
+            self.group.broadcast(("cache", self.num_blocks))
+            for r in range(ws):
+                self._expect(r, "cache_ready", t)
+        except BaseException:
+            self.group.shutdown()
+            raise
+        log.info("%d ranks up (dp=%d pcp=%d pp=%d, %s KV, %d blocks per rank)", ws, self.par.dp,
+                 self.par.pcp, self.par.pp, self.par.kv_layout, self.num_blocks)
+
+    def _expect(self, rank: int, kind: str, timeout_s: float) -> tuple:
+        msg = self.group.recv(rank, timeout_s)
+        if not (isinstance(msg, tuple) and msg and msg[0] == kind):
+            self.group.shutdown()
+            raise RankFailure(f"rank {rank} sent {msg!r}, expected {kind!r}")
+        return msg
+
+    def replica(self, dp: int) -> ReplicaExecutor:
+        return ReplicaExecutor(self, dp)
+
+    def pids(self) -> list[int]:
+        return self.group.pids()
+
+    def shutdown(self) -> None:
+        self.group.shutdown()
+
+
+class ReplicaExecutor:
+    """Runs one DP replica's steps on its PCP × PP ranks (see the module docstring)."""
+
+    def __init__(self, node: ParallelNode, dp: int) -> None:
+        self.node = node
+        self.dp = dp
+        par = node.par
+        self.par = par
+        self.block_size = node.config.block_size
+        self.ranks = par.replica_ranks(dp)
+        self.reporter = par.rank(dp, par.pp - 1, 0)
+        self.allocator: BlockSpace = (
+            ShardedBlockAllocator(node.num_blocks, par.pcp, self.block_size, par.interleave(self.block_size))
+            if par.kv_layout == "sharded"
+            else BlockAllocator(node.num_blocks)
+        )
+        self._pending: StepPlan | None = None
+        self.local_counts: list[int] = []  # the last step's rows per PCP rank (DP metadata)
+
+    def launch(self, scheduled: list[Scheduled]) -> None:
+        plan = StepPlan([
+            PlanRow(
+                token_ids=s.seq.token_ids[s.seq.num_computed : s.seq.num_computed + s.num_new],
+                start=s.seq.num_computed,
+                block_ids=list(s.seq.block_ids),
+                logits=logits_span(s),
+            )
+            for s in scheduled
+        ])
+        self.local_counts = local_token_counts(plan, self.par.pcp)
+        for r in self.ranks:
+            self.node.group.send(r, ("step", plan))
+        self._pending = plan
+
+    def collect(self) -> list[StepLogits | None]:
+        assert self._pending is not None, "collect() without launch()"
+        plan, self._pending = self._pending, None
+        msg = self.node.group.recv(self.reporter, self.node.config.rank_timeout_s)
+        if not (isinstance(msg, tuple) and msg and msg[0] == "logits"):
+            self.node.shutdown()
+            raise RankFailure(f"rank {self.reporter} sent {msg!r} instead of a step's logits")
+        logits: torch.Tensor | None = msg[1]
+        out: list[StepLogits | None] = []
+        pos = 0
+        for row in plan.rows:
+            if row.logits is None:
+                out.append(None)
+                continue
+            first, k = row.logits
+            assert logits is not None
+            out.append(StepLogits(first, logits[pos : pos + k]))
+            pos += k
+        return out
+
+    def ownership(self, block_ids: list[int]) -> list[RankBlocks]:
+        return kv_ownership(block_ids, self.par, self.dp, self.node.num_layers)
+
+    def read_blocks(self, pcp: int, pp: int, physical: list[int]) -> dict[int, torch.Tensor]:
+        rank = self.par.rank(self.dp, pp, pcp)
+        self.node.group.send(rank, ("read", physical))
+        msg = self.node.group.recv(rank, self.node.config.rank_timeout_s)
+        return msg[1]
+
+    def shutdown(self) -> None:
+        self.node.shutdown()

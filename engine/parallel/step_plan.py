@@ -1,0 +1,246 @@
+"""One step of a DP replica: what the driver sends every rank, and each rank's local view of it.
+
+The driver schedules globally (one request list per replica) and sends every rank the same
+:class:`StepPlan`. Each rank derives deterministically, with no communication, its own rows (decode
+rows on every PCP rank, zigzag rows of each prefill), where its rows land in the PCP all-gathers,
+which new tokens it stores (sharded: the positions it owns; replicated: all), which context slots
+it reads, and which of its rows feed the logits. All ranks of a PCP group therefore agree on every
+collective's sizes without exchanging them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from engine.forward_batch import ForwardBatch
+from engine.parallel.collectives import padded_index
+from engine.parallel.grid import ParallelConfig
+from engine.parallel.kv_layout import local_block_ids
+from engine.parallel.pcp_split import zigzag_indices
+
+
+@dataclass
+class PlanRow:
+    """One scheduled request: ``token_ids`` are this step's new tokens, at positions ``start…``."""
+
+    token_ids: list[int]
+    start: int
+    block_ids: list[int]  # global block table covering start + len(token_ids) tokens
+    logits: tuple[int, int] | None  # (first new row, count) whose logits the driver wants
+
+    @property
+    def num_new(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass
+class StepPlan:
+    rows: list[PlanRow]  # decode rows (one new token) first, then prefill segments
+
+    def __post_init__(self) -> None:
+        seen_prefill = False
+        for r in self.rows:
+            if r.num_new > 1:
+                seen_prefill = True
+            elif seen_prefill:
+                raise ValueError("decode rows must precede prefill rows in a step plan")
+
+    @property
+    def num_logits(self) -> int:
+        return sum(r.logits[1] for r in self.rows if r.logits is not None)
+
+
+@dataclass
+class SegmentView:
+    """One prefill request as seen by one PCP rank."""
+
+    local_rows: slice  # its rows among this rank's local rows
+    local_idx: list[int]  # which of its new tokens those rows are (ascending zigzag indices)
+    new: slice  # its tokens in the step-order tensor of all new prefill tokens
+    ctx: slice  # its cached context in the step-order context tensor (empty slice: none)
+
+
+@dataclass
+class PCPStep:
+    """Everything the PCP attention path needs for one step on one rank (tensors on its device)."""
+
+    size: int
+    rank: int
+    group: dist.ProcessGroup | None
+    sharded: bool  # KV sharded over the PCP group with size > 1
+    num_decode: int
+    dec_write_rows: torch.Tensor  # local decode rows whose new KV this rank stores
+    dec_write_slots: torch.Tensor
+    dec_mask: torch.Tensor  # [B, max_len] bool: cached positions this rank holds, per decode row
+    segments: list[SegmentView]
+    num_new: int  # new prefill tokens in the step, all ranks
+    new_counts: list[int]  # local prefill rows per PCP rank
+    new_index: torch.Tensor  # step-order new token -> row of the padded all-gather
+    new_write_src: torch.Tensor  # step-order new tokens this rank stores ...
+    new_write_slots: torch.Tensor  # ... and where
+    num_ctx: int
+    ctx_counts: list[int]  # sharded: context tokens each rank reads and contributes
+    ctx_read_slots: torch.Tensor  # slots this rank reads (sharded: the ones it holds; replicated: all)
+    ctx_index: torch.Tensor | None  # sharded: step-order context token -> row of the padded all-gather
+    logits_counts: list[int] = field(default_factory=list)
+    logits_index: torch.Tensor | None = None  # plan-order logits row -> row of the padded all-gather
+
+
+def _table(ids: list[int]) -> torch.Tensor:
+    return torch.tensor(ids, dtype=torch.long) if ids else torch.zeros(0, dtype=torch.long)
+
+
+def _slots(table: torch.Tensor, pos: torch.Tensor, bs: int) -> torch.Tensor:
+    return table[pos // bs] * bs + pos % bs
+
+
+def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
+
+
+def build_rank_batch(
+    plan: StepPlan,
+    par: ParallelConfig,
+    pcp_rank: int,
+    block_size: int,
+    device: torch.device,
+    group: dist.ProcessGroup | None = None,
+) -> ForwardBatch:
+    """This PCP rank's rows of ``plan`` as a ForwardBatch carrying its :class:`PCPStep`."""
+    P, r, bs = par.pcp, pcp_rank, block_size
+    sharded = par.kv_layout == "sharded" and P > 1
+    inter = par.interleave(bs)
+
+    def held(pos: torch.Tensor, rank: int) -> torch.Tensor:
+        return (pos // inter) % P == rank if sharded else torch.ones_like(pos, dtype=torch.bool)
+
+    decodes = [row for row in plan.rows if row.num_new == 1]
+    prefills = [row for row in plan.rows if row.num_new > 1]
+    nd = len(decodes)
+    local = [_table(local_block_ids(row.block_ids, par, r)) for row in plan.rows]
+    ids: list[int] = [row.token_ids[0] for row in decodes]
+    positions: list[int] = [row.start for row in decodes]
+
+    # Decode rows: computed on every PCP rank; each holder stores the new token and attends its part.
+    dec_lens = torch.tensor([row.start + 1 for row in decodes], dtype=torch.long)
+    width = max((len(row.block_ids) for row in decodes), default=0)
+    dec_tables = torch.zeros(nd, width, dtype=torch.long)
+    for d in range(nd):
+        dec_tables[d, : local[d].numel()] = local[d].clamp_min(0)
+    max_len = int(dec_lens.max()) if nd else 0
+    pos = torch.arange(max_len)
+    dec_mask = (pos[None, :] < dec_lens[:, None]) & held(pos, r)[None, :]
+    starts = torch.tensor([row.start for row in decodes], dtype=torch.long)
+    dec_write_rows = torch.nonzero(held(starts, r)).flatten() if nd else torch.zeros(0, dtype=torch.long)
+    dec_write_slots = _cat([_slots(local[d], starts[d : d + 1], bs) for d in dec_write_rows.tolist()])
+
+    # Prefill segments: zigzag rows per rank; every rank's share is needed for the gather indices.
+    zig = [[torch.tensor(zigzag_indices(row.num_new, P, q), dtype=torch.long) for row in prefills] for q in range(P)]
+    new_off, ctx_off, n_new, n_ctx = [], [], 0, 0
+    for row in prefills:
+        new_off.append(n_new)
+        ctx_off.append(n_ctx)
+        n_new += row.num_new
+        n_ctx += row.start
+    new_counts = [sum(int(z.numel()) for z in zig[q]) for q in range(P)]
+    new_index = padded_index(
+        [_cat([new_off[s] + zig[q][s] for s in range(len(prefills))]) for q in range(P)], new_counts, n_new
+    )
+    segments: list[SegmentView] = []
+    write_src, write_slots, ctx_parts_by_rank, read_slots = [], [], [[] for _ in range(P)], []
+    row0 = nd
+    for s, row in enumerate(prefills):
+        table = local[nd + s]
+        mine = zig[r][s]
+        ids.extend(row.token_ids[i] for i in mine.tolist())
+        positions.extend((row.start + mine).tolist())
+        segments.append(
+            SegmentView(
+                local_rows=slice(row0, row0 + mine.numel()),
+                local_idx=mine.tolist(),
+                new=slice(new_off[s], new_off[s] + row.num_new),
+                ctx=slice(ctx_off[s], ctx_off[s] + row.start),
+            )
+        )
+        row0 += mine.numel()
+        new_pos = row.start + torch.arange(row.num_new)
+        keep = held(new_pos, r)
+        write_src.append(new_off[s] + torch.nonzero(keep).flatten())
+        write_slots.append(_slots(table, new_pos[keep], bs))
+        ctx_pos = torch.arange(row.start)
+        if sharded:
+            for q in range(P):
+                ctx_parts_by_rank[q].append(ctx_off[s] + ctx_pos[held(ctx_pos, q)])
+            read_slots.append(_slots(table, ctx_pos[held(ctx_pos, r)], bs))
+        else:
+            read_slots.append(_slots(table, ctx_pos, bs))
+    ctx_counts = [sum(int(t.numel()) for t in parts) for parts in ctx_parts_by_rank]
+    ctx_index = padded_index([_cat(p) for p in ctx_parts_by_rank], ctx_counts, n_ctx) if sharded else None
+
+    # Logits rows: decode rows from PCP rank 0, prefill rows from the rank that computed them.
+    per_rank_out: list[list[torch.Tensor]] = [[] for _ in range(P)]
+    my_rows: list[torch.Tensor] = []
+    out_off = 0
+    seg_start = [[0] * len(prefills) for _ in range(P)]
+    for q in range(P):
+        acc = 0
+        for s in range(len(prefills)):
+            seg_start[q][s] = acc
+            acc += int(zig[q][s].numel())
+    for i, row in enumerate(plan.rows):
+        if row.logits is None:
+            continue
+        first, k = row.logits
+        if i < nd:
+            per_rank_out[0].append(torch.tensor([out_off]))
+            if r == 0:
+                my_rows.append(torch.tensor([i]))
+        else:
+            s = i - nd
+            for q in range(P):
+                z = zig[q][s]
+                sel = torch.nonzero((z >= first) & (z < first + k)).flatten()
+                per_rank_out[q].append(out_off + z[sel] - first)
+                if q == r:
+                    my_rows.append(nd + seg_start[q][s] + sel)
+        out_off += k
+    logits_counts = [sum(int(t.numel()) for t in parts) for parts in per_rank_out]
+    logits_index = padded_index([_cat(p) for p in per_rank_out], logits_counts, out_off)
+
+    def dev(t: torch.Tensor) -> torch.Tensor:
+        return t.to(device, non_blocking=True)
+
+    step = PCPStep(
+        size=P, rank=r, group=group, sharded=sharded, num_decode=nd,
+        dec_write_rows=dev(dec_write_rows), dec_write_slots=dev(dec_write_slots), dec_mask=dev(dec_mask),
+        segments=segments, num_new=n_new, new_counts=new_counts, new_index=dev(new_index),
+        new_write_src=dev(_cat(write_src)), new_write_slots=dev(_cat(write_slots)),
+        num_ctx=n_ctx, ctx_counts=ctx_counts, ctx_read_slots=dev(_cat(read_slots)),
+        ctx_index=dev(ctx_index) if ctx_index is not None else None,
+        logits_counts=logits_counts, logits_index=dev(logits_index),
+    )
+    empty = torch.zeros(0, dtype=torch.long, device=device)
+    return ForwardBatch(
+        input_ids=torch.tensor(ids, dtype=torch.long, device=device),
+        positions=torch.tensor(positions, dtype=torch.long, device=device),
+        slot_mapping=empty,
+        num_decode=nd,
+        decode_block_tables=dev(dec_tables),
+        decode_seq_lens=dev(dec_lens),
+        decode_max_len=max_len,
+        prefills=[],
+        logits_rows=dev(_cat(my_rows)),
+        pcp=step,
+    )
+
+
+def local_token_counts(plan: StepPlan, pcp: int) -> list[int]:
+    """Rows each PCP rank computes for ``plan`` (after the zigzag split): DP metadata per step."""
+    nd = sum(1 for row in plan.rows if row.num_new == 1)
+    return [
+        nd + sum(len(zigzag_indices(row.num_new, pcp, q)) for row in plan.rows if row.num_new > 1)
+        for q in range(pcp)
+    ]
