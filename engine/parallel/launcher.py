@@ -90,6 +90,7 @@ class RankGroup:
         self._init = f"tcp://{host}:{port or free_port(host)}"
         self._timeout = collective_timeout_s
         self._procs: list[mp.process.BaseProcess] = []
+        self._stopped: str | None = None  # why the group was stopped, once it was
         self._conns: list[Connection] = []
 
     def start(self, ready_timeout_s: float = 120.0) -> None:
@@ -113,7 +114,12 @@ class RankGroup:
                 self.shutdown()
                 raise RankFailure(f"rank {rank} sent {msg!r} instead of its ready acknowledgement")
 
+    def _check_running(self) -> None:
+        if self._stopped is not None:
+            raise RankFailure(f"the rank group is stopped ({self._stopped})")
+
     def send(self, rank: int, msg: Any) -> None:
+        self._check_running()
         try:
             self._conns[rank].send(msg)
         except (OSError, EOFError) as e:
@@ -125,6 +131,7 @@ class RankGroup:
 
     def recv(self, rank: int, timeout_s: float = 600.0) -> Any:
         """The next message from ``rank``; raises RankFailure if any rank dies or errs meanwhile."""
+        self._check_running()
         conn = self._conns[rank]
         deadline = time.monotonic() + timeout_s
         sentinels = {p.sentinel: i for i, p in enumerate(self._procs)}
@@ -159,7 +166,8 @@ class RankGroup:
         return None
 
     def _fail(self, why: str) -> None:
-        self.shutdown()
+        # Survivors are likely blocked in a collective with the dead rank: a short grace, then terminate.
+        self.shutdown(grace_s=2.0, why=why)
         raise RankFailure(why)
 
     def pids(self) -> list[int]:
@@ -168,7 +176,7 @@ class RankGroup:
     def alive(self) -> list[bool]:
         return [p.is_alive() for p in self._procs]
 
-    def shutdown(self, grace_s: float = 5.0) -> None:
+    def shutdown(self, grace_s: float = 5.0, why: str = "shut down") -> None:
         """Ask every rank to stop, then terminate, then kill: returns within ~2 × grace_s."""
         for c in self._conns:
             try:
@@ -191,6 +199,8 @@ class RankGroup:
             c.close()
         self._conns = []
         self._procs = []
+        if self._stopped is None:
+            self._stopped = why.splitlines()[0]
 
     def __enter__(self) -> RankGroup:
         self.start()

@@ -4,23 +4,11 @@ from __future__ import annotations
 
 import time
 
-import psutil
 import pytest
+from procs import rank_children
 from rank_targets import allreduce_server
 
 from engine.parallel.launcher import RankFailure, RankGroup
-
-
-def _children() -> list[psutil.Process]:
-    """Live rank processes (multiprocessing's resource tracker, also a child, is not one)."""
-    out = []
-    for c in psutil.Process().children(recursive=True):
-        try:
-            if c.status() != psutil.STATUS_ZOMBIE and "spawn_main" in " ".join(c.cmdline()):
-                out.append(c)
-        except psutil.NoSuchProcess:
-            pass
-    return out
 
 
 def test_ranks_start_reduce_and_stop() -> None:
@@ -30,7 +18,7 @@ def test_ranks_start_reduce_and_stop() -> None:
         replies = [g.recv(r, 30) for r in range(4)]
         assert [m[2] for m in replies] == [10.0] * 4
         assert [m[3] for m in replies] == ["p0", "p1", "p2", "p3"]
-    assert not _children()
+    assert not rank_children()
 
 
 @pytest.mark.parametrize("how", ["crash", "raise"])
@@ -44,4 +32,4 @@ def test_a_failing_rank_stops_the_group_within_10s(how) -> None:
     with pytest.raises(RankFailure, match="rank 1"):
         g.recv(0, 60)
     assert time.monotonic() - t0 < 10
-    assert not _children()
+    assert not rank_children()

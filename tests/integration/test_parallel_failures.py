@@ -1,0 +1,82 @@
+"""A parallel LLM whose rank dies or fails reports it and stops every other rank within 10 s."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from safetensors.torch import load_file, save_file
+
+from engine import LLM, SamplingParams
+from engine.parallel.launcher import RankFailure
+
+KW = dict(dtype="float32", device="cpu", max_model_len=1024)
+PROMPTS = [[(i * 7 + 3) % 1000 + 2 for i in range(607)], [5, 9, 17, 33, 65, 129, 257]]
+
+
+def _gone(pids: list[int]) -> bool:
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                return False
+        except psutil.NoSuchProcess:
+            pass
+    return True
+
+
+@pytest.mark.parametrize("victim", [1, 3], ids=["stage0-pcp1", "stage1-pcp1"])
+def test_killed_rank_mid_generation_fails_the_node_within_10s(tiny_model, victim) -> None:
+    llm = LLM(str(tiny_model), **KW, pcp=2, pp=2)
+    pids = llm.node.pids()
+    assert len(pids) == 4
+    failure: list[tuple[float, BaseException]] = []
+
+    def generate() -> None:
+        try:
+            llm.generate(PROMPTS, SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True))
+        except BaseException as e:  # noqa: BLE001 - the test inspects it
+            failure.append((time.monotonic(), e))
+
+    t = threading.Thread(target=generate)
+    t.start()
+    deadline = time.monotonic() + 30
+    while not llm.engine.has_unfinished() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.5)  # inside the decode loop
+    assert t.is_alive(), "generation ended before the rank could be killed"
+    os.kill(pids[victim], signal.SIGKILL)
+    killed_at = time.monotonic()
+    t.join(30)
+    assert not t.is_alive()
+    assert failure, "generation did not fail"
+    when, err = failure[0]
+    assert isinstance(err, RankFailure)
+    assert f"rank {victim}" in str(err)
+    assert when - killed_at < 10
+    while not _gone(pids) and time.monotonic() < killed_at + 10:
+        time.sleep(0.05)
+    assert _gone(pids), "other ranks still running 10 s after the crash"
+    assert llm.engine.num_used_blocks == 0  # the failed requests were aborted on the driver
+    with pytest.raises(RankFailure):
+        llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2))
+    llm.shutdown()
+
+
+def test_a_rank_error_at_startup_is_reported_with_its_cause(tiny_model, tmp_path: Path) -> None:
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for f in tiny_model.iterdir():
+        if f.suffix != ".safetensors":
+            (broken / f.name).write_bytes(f.read_bytes())
+    tensors = load_file(str(tiny_model / "model.safetensors"))
+    del tensors["model.layers.2.self_attn.kv_b_proj.weight"]  # a last-stage weight: only rank 1 loads it
+    save_file(tensors, str(broken / "model.safetensors"))
+    t0 = time.monotonic()
+    with pytest.raises(RankFailure, match="model.layers.2.self_attn.kv_b_proj.weight"):
+        LLM(str(broken), **KW, pp=2)
+    assert time.monotonic() - t0 < 60
