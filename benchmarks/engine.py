@@ -19,41 +19,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.config import ModelConfig  # noqa: E402
+from presets import H200_BF16_PEAK_TFLOPS, V2_LITE, prefill_flops  # noqa: E402
+
 from engine.engine_config import EngineConfig  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
-
-# DeepSeek-V2-Lite's published shape (random weights: only the shapes matter for speed).
-V2_LITE = {
-    "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2", "vocab_size": 102400,
-    "hidden_size": 2048, "intermediate_size": 10944, "moe_intermediate_size": 1408, "num_hidden_layers": 27,
-    "num_attention_heads": 16, "num_key_value_heads": 16, "kv_lora_rank": 512, "q_lora_rank": None,
-    "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "n_routed_experts": 64,
-    "num_experts_per_tok": 6, "n_shared_experts": 2, "first_k_dense_replace": 1, "moe_layer_freq": 1,
-    "topk_method": "greedy", "n_group": 1, "topk_group": 1, "norm_topk_prob": False,
-    "routed_scaling_factor": 1.0, "scoring_func": "softmax", "max_position_embeddings": 163840,
-    "rms_norm_eps": 1e-6, "rope_theta": 10000, "hidden_act": "silu", "tie_word_embeddings": False,
-    "rope_scaling": {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 32,
-                     "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707},
-    "bos_token_id": 100000, "eos_token_id": 100001, "torch_dtype": "bfloat16",
-}
-H200_BF16_PEAK_TFLOPS = 989.0  # dense bf16 tensor-core peak (datasheet), the MFU denominator
-
-
-def prefill_flops(cfg: ModelConfig, t: int) -> float:
-    """Matmul FLOPs of one t-token causal prefill (router, norms and the single lm_head row ignored)."""
-    h, nh = cfg.hidden_size, cfg.num_attention_heads
-    attn_proj = h * nh * cfg.qk_head_dim + h * cfg.kv_cache_dim + cfg.kv_lora_rank * nh * (
-        cfg.qk_nope_head_dim + cfg.v_head_dim) + nh * cfg.v_head_dim * h
-    dense_mlp = 3 * h * cfg.intermediate_size
-    moe_mlp = 3 * h * cfg.moe_intermediate_size * (cfg.num_experts_per_tok + cfg.n_shared_experts)
-    per_token = 0
-    for i in range(cfg.num_hidden_layers):
-        per_token += attn_proj + (moe_mlp if cfg.is_moe_layer(i) else dense_mlp)
-    # causal attention: QK^T and PV over t^2/2 pairs per head
-    attn = cfg.num_hidden_layers * nh * (t * t / 2) * (cfg.qk_head_dim + cfg.v_head_dim)
-    return 2.0 * (per_token * t + attn)
 
 
 def _sync(dev: torch.device) -> None:
@@ -150,10 +120,11 @@ def main() -> None:
     cfg = eng.model_config
     dev = eng.device
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
-    print(f"model {args.preset} on {name} ({eng.dtype}), loaded in {load_s:.1f}s, {eng.cache.num_blocks} KV blocks")
+    ex = eng.executor
+    print(f"model {args.preset} on {name} ({ex.dtype}), loaded in {load_s:.1f}s, {ex.cache.num_blocks} KV blocks")
     if args.profile:
         profile(eng, prefill[0])
-    res: dict = {"bench": "engine", "preset": args.preset, "device": name, "dtype": str(eng.dtype).split(".")[-1]}
+    res: dict = {"bench": "engine", "preset": args.preset, "device": name, "dtype": str(ex.dtype).split(".")[-1]}
     for n in prefill:
         s = time_prefill(eng, n, args.repeats)
         flops = prefill_flops(cfg, n)

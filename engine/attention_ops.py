@@ -34,23 +34,26 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, c
     return out[0].transpose(0, 1)[..., :dv]
 
 
+# Fused kernel for attention with LSE on CUDA: "cudnn" (Hopper-tuned, the one SDPA picks for the
+# no-LSE case on H100/H200) or "flash" (PyTorch's FlashAttention-2). Chosen by benchmarks/attention_kernels.py.
+LSE_KERNEL = "cudnn"
+
+
 def attention_lse(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention returning (out [S, H, Dv], lse [S, H])."""
     if _use_flash(q) and (not causal or q.shape[0] == k.shape[0]):
         dv = v.shape[-1]
-        res = torch.ops.aten._scaled_dot_product_flash_attention(
-            q.transpose(0, 1).unsqueeze(0),
-            k.transpose(0, 1).unsqueeze(0),
-            _pad_v(v, q.shape[-1]).transpose(0, 1).unsqueeze(0),
-            0.0,
-            causal,
-            False,
-            scale=scale,
-        )
-        out, lse = res[0], res[1]  # [1, H, S, D], [1, H, S]
-        return out[0].transpose(0, 1)[..., :dv], lse[0].transpose(0, 1).float()
+        qq, kk = q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0)
+        vv = _pad_v(v, q.shape[-1]).transpose(0, 1).unsqueeze(0)
+        if LSE_KERNEL == "cudnn":
+            res = torch.ops.aten._scaled_dot_product_cudnn_attention(qq, kk, vv, None, True, 0.0, causal, False,
+                                                                      scale=scale)
+        else:
+            res = torch.ops.aten._scaled_dot_product_flash_attention(qq, kk, vv, 0.0, causal, False, scale=scale)
+        out, lse = res[0], res[1]  # [1, H, S, D], [1, H, S] (cuDNN: [1, H, S, 1])
+        return out[0].transpose(0, 1)[..., :dv], lse.reshape(lse.shape[1], -1).transpose(0, 1).float()
     return _attention_lse_reference(q, k, v, scale, causal)
 
 

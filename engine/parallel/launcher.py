@@ -52,6 +52,10 @@ def _rank_main(
     import torch.distributed as dist
 
     try:
+        if backend == "nccl":  # one GPU per rank, chosen before NCCL sees the process
+            import torch
+
+            torch.cuda.set_device(rank % torch.cuda.device_count())
         dist.init_process_group(
             backend, init_method=init_method, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s)
         )

@@ -27,15 +27,16 @@ def contiguous_runs(indices: list[int]) -> list[tuple[int, int]]:
 
 
 def pcp_local_attention(
-    q: torch.Tensor, local_idx: list[int], k: torch.Tensor, v: torch.Tensor, scale: float
+    q: torch.Tensor, runs: list[tuple[int, int]], k: torch.Tensor, v: torch.Tensor, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [S_local, H, Dq] for new-token indices ``local_idx`` (ascending); k/v [N, H, ·] all new tokens.
+    """q [S_local, H, Dq] for the new-token index ``runs`` (ascending, half-open, see
+    ``contiguous_runs``); k/v [N, H, ·] all new tokens.
 
     Returns (out [S_local, H, Dv], lse [S_local, H]) of causal attention within the new tokens.
     """
     outs, lses = [], []
     row = 0
-    for a, b in contiguous_runs(local_idx):
+    for a, b in runs:
         qr = q[row : row + (b - a)]
         row += b - a
         out, lse = attention_lse(qr, k[a:b], v[a:b], scale, causal=True)

@@ -68,7 +68,7 @@ def pcp_attention(
         seg_new = new[seg.new]
         k, v = attn._expand_kv(seg_new[:, :L], seg_new[:, L:])
         q = torch.cat((q_nope[rows], q_pe[rows]), dim=-1)
-        o, lse = pcp_local_attention(q, seg.local_idx, k, v, attn.scale)
+        o, lse = pcp_local_attention(q, seg.runs, k, v, attn.scale)
         if seg.ctx.stop > seg.ctx.start:
             assert ctx is not None
             seg_ctx = ctx[seg.ctx]

@@ -8,16 +8,19 @@ causal attention work. Decode rows (one new token) are not split: every PCP rank
 from __future__ import annotations
 
 
-def zigzag_indices(num_tokens: int, pcp: int, rank: int) -> list[int]:
-    """Indices (0-based within this step's new tokens) that PCP rank ``rank`` computes."""
+def zigzag_runs(num_tokens: int, pcp: int, rank: int) -> list[tuple[int, int]]:
+    """The (at most two) half-open index runs of this step's new tokens that PCP rank ``rank`` computes."""
     if not 0 <= rank < pcp:
         raise ValueError(f"pcp rank {rank} outside [0, {pcp})")
     chunks = 2 * pcp
     size = -(-num_tokens // chunks)
-    out: list[int] = []
-    for c in (rank, chunks - 1 - rank):
-        out.extend(range(min(c * size, num_tokens), min((c + 1) * size, num_tokens)))
-    return out
+    runs = [(min(c * size, num_tokens), min((c + 1) * size, num_tokens)) for c in (rank, chunks - 1 - rank)]
+    return [(a, b) for a, b in runs if b > a]
+
+
+def zigzag_indices(num_tokens: int, pcp: int, rank: int) -> list[int]:
+    """Indices (0-based within this step's new tokens) that PCP rank ``rank`` computes, ascending."""
+    return [i for a, b in zigzag_runs(num_tokens, pcp, rank) for i in range(a, b)]
 
 
 def kv_owner(position: int, pcp: int, interleave: int) -> int:

@@ -12,6 +12,9 @@ Protocol with the driver (over the rank's pipe, after the launcher's ``ready``):
 
 from __future__ import annotations
 
+import os
+import sys
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -69,6 +72,9 @@ class RankWorker:
         self.next_rank = stages[pp + 1] if pp + 1 < len(stages) else None
         self.reports = self.next_rank is None and self.coord.pcp == 0
         self.cache: KVCache | None = None
+        self.rank = rank
+        self.timing = os.environ.get("PDCLUSTER_STEP_TIMING") == "1"
+        self._t = 0.0
 
     def capacity_blocks(self) -> int:
         return kv_blocks_for_memory(
@@ -78,17 +84,32 @@ class RankWorker:
     def init_cache(self, num_blocks: int) -> None:
         self.cache = KVCache(self.mc, self.layers, num_blocks, self.config.block_size, self.dtype, self.device)
 
+    def _mark(self, what: str) -> None:
+        """With PDCLUSTER_STEP_TIMING=1, print how long each phase of a step took (synchronising)."""
+        if not self.timing:
+            return
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        now = time.perf_counter()
+        if what != "start":
+            print(f"rank {self.rank}: {what} {1e3 * (now - self._t):.1f} ms", file=sys.stderr, flush=True)
+        self._t = now
+
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> torch.Tensor | None:
         assert self.cache is not None
+        self._mark("start")
         batch = build_rank_batch(plan, self.par, self.coord.pcp, self.cache.block_size, self.device, self.pcp_group)
+        self._mark("plan")
         n = batch.num_tokens
         hidden = None
         if self.prev_rank is not None:
             hidden = torch.empty(n, self.mc.hidden_size, dtype=self.dtype, device=self.device)
             if n:
                 dist.recv(hidden, src=self.prev_rank)
+            self._mark("recv")
         hidden = self.model(batch, self.cache.layers, hidden)
+        self._mark("layers")
         if self.next_rank is not None:
             if n:
                 dist.send(hidden.contiguous(), dst=self.next_rank)

@@ -19,7 +19,7 @@ from engine.forward_batch import ForwardBatch
 from engine.parallel.collectives import padded_index
 from engine.parallel.grid import ParallelConfig
 from engine.parallel.kv_layout import local_block_ids
-from engine.parallel.pcp_split import zigzag_indices
+from engine.parallel.pcp_split import zigzag_indices, zigzag_runs
 
 
 @dataclass
@@ -58,7 +58,7 @@ class SegmentView:
     """One prefill request as seen by one PCP rank."""
 
     local_rows: slice  # its rows among this rank's local rows
-    local_idx: list[int]  # which of its new tokens those rows are (ascending zigzag indices)
+    runs: list[tuple[int, int]]  # which of its new tokens those rows are (ascending zigzag runs)
     new: slice  # its tokens in the step-order tensor of all new prefill tokens
     ctx: slice  # its cached context in the step-order context tensor (empty slice: none)
 
@@ -138,7 +138,8 @@ def build_rank_batch(
     dec_write_slots = _cat([_slots(local[d], starts[d : d + 1], bs) for d in dec_write_rows.tolist()])
 
     # Prefill segments: zigzag rows per rank; every rank's share is needed for the gather indices.
-    zig = [[torch.tensor(zigzag_indices(row.num_new, P, q), dtype=torch.long) for row in prefills] for q in range(P)]
+    runs = [[zigzag_runs(row.num_new, P, q) for row in prefills] for q in range(P)]
+    zig = [[_cat([torch.arange(a, b) for a, b in rs]) for rs in per_rank] for per_rank in runs]
     new_off, ctx_off, n_new, n_ctx = [], [], 0, 0
     for row in prefills:
         new_off.append(n_new)
@@ -155,12 +156,12 @@ def build_rank_batch(
     for s, row in enumerate(prefills):
         table = local[nd + s]
         mine = zig[r][s]
-        ids.extend(row.token_ids[i] for i in mine.tolist())
+        ids.extend(t for a, b in runs[r][s] for t in row.token_ids[a:b])
         positions.extend((row.start + mine).tolist())
         segments.append(
             SegmentView(
                 local_rows=slice(row0, row0 + mine.numel()),
-                local_idx=mine.tolist(),
+                runs=runs[r][s],
                 new=slice(new_off[s], new_off[s] + row.num_new),
                 ctx=slice(ctx_off[s], ctx_off[s] + row.start),
             )

@@ -69,7 +69,7 @@ def test_grouped_gemm_moe_equals_expert_loop(tiny_model) -> None:
 
 def test_pcp_local_attention_flash_path_matches_fp64() -> None:
     from engine.attention_ops import attention_lse
-    from engine.parallel.pcp_attention import pcp_local_attention
+    from engine.parallel.pcp_attention import contiguous_runs, pcp_local_attention
     from engine.parallel.pcp_split import zigzag_indices
 
     n, pcp, h = 4099, 2, 16
@@ -81,6 +81,6 @@ def test_pcp_local_attention_flash_path_matches_fp64() -> None:
     qb, kb, vb = (t.to("cuda", torch.bfloat16) for t in (q, k, v))
     for r in range(pcp):
         idx = zigzag_indices(n, pcp, r)
-        o, _ = pcp_local_attention(qb[idx], idx, kb, vb, 0.07)
+        o, _ = pcp_local_attention(qb[idx], contiguous_runs(idx), kb, vb, 0.07)
         out[idx] = o.double().cpu()
     assert _rel(out, ref) < 1e-2

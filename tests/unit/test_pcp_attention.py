@@ -29,7 +29,7 @@ def test_zigzag_ranks_reassemble_full_causal_attention(n, pcp) -> None:
     lse = torch.full_like(ref_lse, float("nan"))
     for r in range(pcp):
         idx = zigzag_indices(n, pcp, r)
-        o, s = pcp_local_attention(q[idx], idx, k, v, 0.2)
+        o, s = pcp_local_attention(q[idx], contiguous_runs(idx), k, v, 0.2)
         out[idx], lse[idx] = o, s
     assert not out.isnan().any()
     assert torch.allclose(out, ref, atol=1e-10) and torch.allclose(lse, ref_lse, atol=1e-10)

@@ -1,0 +1,76 @@
+"""MLA prefill attention kernels on a GPU: one causal prompt, and one PCP rank's share of it.
+
+  python benchmarks/attention_kernels.py --tokens 32768 --pcp 2
+
+Compares SDPA without LSE (what PCP1 uses for a prompt with no cached context) with the two fused
+kernels that return the LSE (needed to merge parts: PCP runs, cached context): PyTorch's
+FlashAttention-2 and cuDNN. Shapes are DeepSeek-V2-Lite's (16 heads, q/k 192, v 128 padded to 192).
+The last line of output is one JSON object with all figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from engine import attention_ops  # noqa: E402
+from engine.parallel.pcp_attention import pcp_local_attention  # noqa: E402
+from engine.parallel.pcp_split import zigzag_runs  # noqa: E402
+
+
+def bench(fn, repeats: int = 10) -> float:
+    for _ in range(3):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeats):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / repeats
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", type=int, default=32768)
+    ap.add_argument("--pcp", type=int, default=2)
+    ap.add_argument("--heads", type=int, default=16)
+    args = ap.parse_args()
+    n, h, scale = args.tokens, args.heads, 192**-0.5
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k = (torch.randn(n, h, 192, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+    v = torch.randn(n, h, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+    runs = zigzag_runs(n, args.pcp, 0)
+    q_local = torch.cat([q[a:b] for a, b in runs])
+    res: dict = {"bench": "attention_kernels", "device": torch.cuda.get_device_name(0), "tokens": n, "pcp": args.pcp}
+    ms = bench(lambda: attention_ops.attention(q, k, v, scale, causal=True))
+    print(f"sdpa (no lse), causal {n}: {ms:8.2f} ms")
+    res["sdpa_causal_ms"] = round(ms, 3)
+    ref = None
+    for kernel in ("flash", "cudnn"):
+        attention_ops.LSE_KERNEL = kernel
+        try:
+            out, lse = attention_ops.attention_lse(q, k, v, scale, causal=True)
+        except RuntimeError as e:
+            print(f"{kernel}: unavailable ({str(e).splitlines()[0]})")
+            continue
+        if ref is None:
+            ref = (out.float(), lse)
+        diff = max(float((out.float() - ref[0]).abs().max()), float((lse - ref[1]).abs().max()))
+        full = bench(lambda: attention_ops.attention_lse(q, k, v, scale, causal=True))
+        share = bench(lambda: pcp_local_attention(q_local, runs, k, v, scale))
+        print(f"{kernel:5} (lse), causal {n}: {full:8.2f} ms; PCP{args.pcp} rank 0 share: {share:8.2f} ms "
+              f"({full / share:.2f}x less); max diff vs flash {diff:.2e}")
+        res.update({f"{kernel}_causal_ms": round(full, 3), f"{kernel}_pcp_share_ms": round(share, 3),
+                    f"{kernel}_max_diff": diff})
+    print(json.dumps(res))
+
+
+if __name__ == "__main__":
+    main()
