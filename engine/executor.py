@@ -86,8 +86,8 @@ class LocalExecutor:
     def __init__(self, config: EngineConfig, mc: ModelConfig, max_model_len: int) -> None:
         self.device = config.torch_device()
         self.dtype = config.torch_dtype(mc.torch_dtype)
-        if self.device.type == "cpu":
-            torch.set_num_threads(config.cpu_threads)
+        # On a GPU too: the host's tensor work (batches, sampling) is small (see EngineConfig.cpu_threads).
+        torch.set_num_threads(config.cpu_threads)
         self.num_layers = mc.num_hidden_layers
         self.model = load_model(config, mc, self.dtype, self.device)
         n = kv_blocks_for_memory(config, mc, max_model_len, self.dtype, self.device, self.num_layers)

@@ -103,7 +103,8 @@ class MoE(nn.Module):
         k = ids.shape[1]
         flat = ids.flatten()
         order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=self.w13.shape[0])  # [E]
+        # Tokens per expert by scatter-add: bincount would sync with the host (it sizes its output).
+        counts = flat.new_zeros(self.w13.shape[0]).index_add_(0, flat, torch.ones_like(flat))  # [E]
         token_idx = order // k
         xs = x[token_idx]  # [T*K, D], grouped by expert
         out = self._experts_grouped(xs, counts) if _use_grouped_mm(xs) else self._experts_loop(xs, counts)

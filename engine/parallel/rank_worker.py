@@ -53,8 +53,8 @@ class RankWorker:
         self.device = rank_device(cfg, rank)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        else:
-            torch.set_num_threads(cfg.cpu_threads)
+        # Host-side tensor work (step plans) is small: a big OpenMP pool only adds wake-up latency.
+        torch.set_num_threads(cfg.cpu_threads)
         self.mc = ModelConfig.from_pretrained(cfg.model)
         self.dtype = cfg.torch_dtype(self.mc.torch_dtype)
         self.layers = stage_layers(self.mc.num_hidden_layers, self.par.pp, self.coord.pp)
@@ -74,6 +74,7 @@ class RankWorker:
         self.cache: KVCache | None = None
         self.rank = rank
         self.timing = os.environ.get("PDCLUSTER_STEP_TIMING") == "1"
+        self.steps = 0
         self._t = 0.0
 
     def capacity_blocks(self) -> int:
@@ -95,8 +96,22 @@ class RankWorker:
             print(f"rank {self.rank}: {what} {1e3 * (now - self._t):.1f} ms", file=sys.stderr, flush=True)
         self._t = now
 
-    @torch.inference_mode()
     def execute(self, plan: StepPlan) -> torch.Tensor | None:
+        """Run one step; with PDCLUSTER_PROFILE_STEP=N, rank 0 prints a torch.profiler table of step N."""
+        self.steps += 1
+        if self.rank != 0 or os.environ.get("PDCLUSTER_PROFILE_STEP") != str(self.steps):
+            return self._execute(plan)
+        from torch.profiler import ProfilerActivity, profile
+
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
+        with profile(activities=acts) as prof:
+            out = self._execute(plan)
+        key = "cuda_time_total" if self.device.type == "cuda" else "cpu_time_total"
+        print(prof.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=60), file=sys.stderr)
+        return out
+
+    @torch.inference_mode()
+    def _execute(self, plan: StepPlan) -> torch.Tensor | None:
         assert self.cache is not None
         self._mark("start")
         batch = build_rank_batch(plan, self.par, self.coord.pcp, self.cache.block_size, self.device, self.pcp_group)
