@@ -20,23 +20,44 @@ def _pad_v(v: torch.Tensor, dq: int) -> torch.Tensor:
     return v if v.shape[-1] == dq else F.pad(v, (0, dq - v.shape[-1]))
 
 
+# Fused attention on CUDA: "cudnn" (Hopper-tuned; takes v with its own head size, 128, next to
+# q/k of 192) or "flash" (PyTorch's FlashAttention-2, which needs v padded to q's head size).
+# Chosen by benchmarks/attention_kernels.py: cuDNN was 2x faster with LSE on an H200.
+LSE_KERNEL = "cudnn"
+
+
+def _bhsd(x: torch.Tensor) -> torch.Tensor:
+    """[S, H, D] -> the [1, H, S, D] layout the fused kernels take."""
+    return x.transpose(0, 1).unsqueeze(0)
+
+
+def _fused(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool, lse: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    dv = v.shape[-1]
+    if LSE_KERNEL == "cudnn":
+        res = torch.ops.aten._scaled_dot_product_cudnn_attention(
+            _bhsd(q), _bhsd(k), _bhsd(v.contiguous()), None, lse, 0.0, causal, False, scale=scale
+        )
+    else:
+        res = torch.ops.aten._scaled_dot_product_flash_attention(
+            _bhsd(q), _bhsd(k), _bhsd(_pad_v(v, q.shape[-1])), 0.0, causal, False, scale=scale
+        )
+    out = res[0][0].transpose(0, 1)[..., :dv]
+    if not lse:
+        return out, None
+    stats = res[1]  # [1, H, S] (cuDNN: [1, H, S, 1]), natural log
+    return out, stats.reshape(stats.shape[1], -1).transpose(0, 1).float()
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool) -> torch.Tensor:
     """Plain attention without the lse (the common no-context prefill)."""
     if q.shape[0] != k.shape[0] and causal:
         return attention_lse(q, k, v, scale, causal)[0]
-    dv = v.shape[-1]
-    vv = _pad_v(v, q.shape[-1]) if _use_flash(q) else v
-    # 4-D [1, H, S, D] inputs: the fused (flash / memory-efficient) kernels need a batch dimension.
-    out = F.scaled_dot_product_attention(
-        q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), vv.transpose(0, 1).unsqueeze(0),
-        is_causal=causal, scale=scale,
-    )  # [1, H, S, D]
-    return out[0].transpose(0, 1)[..., :dv]
-
-
-# Fused kernel for attention with LSE on CUDA: "cudnn" (Hopper-tuned, the one SDPA picks for the
-# no-LSE case on H100/H200) or "flash" (PyTorch's FlashAttention-2). Chosen by benchmarks/attention_kernels.py.
-LSE_KERNEL = "cudnn"
+    if _use_flash(q):
+        return _fused(q, k, v, scale, causal, lse=False)[0]
+    out = F.scaled_dot_product_attention(_bhsd(q), _bhsd(k), _bhsd(v), is_causal=causal, scale=scale)
+    return out[0].transpose(0, 1)
 
 
 def attention_lse(
@@ -44,16 +65,9 @@ def attention_lse(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention returning (out [S, H, Dv], lse [S, H])."""
     if _use_flash(q) and (not causal or q.shape[0] == k.shape[0]):
-        dv = v.shape[-1]
-        qq, kk = q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0)
-        vv = _pad_v(v, q.shape[-1]).transpose(0, 1).unsqueeze(0)
-        if LSE_KERNEL == "cudnn":
-            res = torch.ops.aten._scaled_dot_product_cudnn_attention(qq, kk, vv, None, True, 0.0, causal, False,
-                                                                      scale=scale)
-        else:
-            res = torch.ops.aten._scaled_dot_product_flash_attention(qq, kk, vv, 0.0, causal, False, scale=scale)
-        out, lse = res[0], res[1]  # [1, H, S, D], [1, H, S] (cuDNN: [1, H, S, 1])
-        return out[0].transpose(0, 1)[..., :dv], lse.reshape(lse.shape[1], -1).transpose(0, 1).float()
+        out, lse = _fused(q, k, v, scale, causal, lse=True)
+        assert lse is not None
+        return out, lse
     return _attention_lse_reference(q, k, v, scale, causal)
 
 

@@ -108,8 +108,10 @@ class MoE(nn.Module):
         token_idx = order // k
         xs = x[token_idx]  # [T*K, D], grouped by expert
         out = self._experts_grouped(xs, counts) if _use_grouped_mm(xs) else self._experts_loop(xs, counts)
-        out = out * weights.flatten()[order].unsqueeze(-1).to(out.dtype)
-        routed = torch.zeros_like(x).index_add_(0, token_idx, out)
+        # Back to (token, choice) order (a permutation: no atomics), then each token's weighted sum
+        # of its K expert outputs as one batched [1, K] x [K, D] product.
+        per_choice = torch.empty_like(out).index_copy_(0, order, out).view(-1, k, out.shape[-1])
+        routed = torch.bmm(weights.unsqueeze(1).to(out.dtype), per_choice).squeeze(1)
         if self.shared_experts is not None:
             routed = routed + self.shared_experts(x)
         return routed

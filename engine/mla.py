@@ -19,7 +19,7 @@ from engine.attention_ops import attention, attention_lse, merge_attention
 from engine.config import ModelConfig
 from engine.forward_batch import ForwardBatch, gather_latents, slots_for
 from engine.layers import RMSNorm
-from engine.parallel.pcp_mla import pcp_attention
+from engine.parallel.pcp_mla import pcp_attention, start_new_kv_gather
 from engine.rope import RotaryEmbedding
 
 
@@ -71,17 +71,20 @@ class MLAttention(nn.Module):
     ) -> torch.Tensor:
         """x: [T, D]; cache: this layer's [num_blocks, block_size, L+R] (written in place) -> [T, D]."""
         cfg = self.cfg
-        q = self._project_q(x)
-        q_nope, q_pe = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
-        q_pe = rope.apply(q_pe, batch.positions)
         kv_a = self.kv_a_proj_with_mqa(x)
         kv_c = self.kv_a_layernorm(kv_a[:, : cfg.kv_lora_rank])
         k_pe = rope.apply(kv_a[:, cfg.kv_lora_rank :], batch.positions)
+        latent = torch.cat((kv_c, k_pe), dim=-1)
+        # Under PCP the new latents' all-gather starts now and overlaps the q projection.
+        pending = start_new_kv_gather(latent, batch) if batch.pcp is not None else None
+        q = self._project_q(x)
+        q_nope, q_pe = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
+        q_pe = rope.apply(q_pe, batch.positions)
         flat_cache = cache.view(-1, cfg.kv_cache_dim)
         if batch.pcp is not None:
-            out = pcp_attention(self, q_nope, q_pe, torch.cat((kv_c, k_pe), dim=-1), batch, flat_cache, cache.shape[1])
+            out = pcp_attention(self, q_nope, q_pe, latent, pending, batch, flat_cache, cache.shape[1])
             return self.o_proj(out.flatten(1))
-        flat_cache[batch.slot_mapping] = torch.cat((kv_c, k_pe), dim=-1).to(cache.dtype)
+        flat_cache[batch.slot_mapping] = latent.to(cache.dtype)
 
         out = x.new_empty(x.shape[0], self.num_heads, cfg.v_head_dim)
         nd = batch.num_decode
@@ -132,25 +135,30 @@ class MLAttention(nn.Module):
         tables, lens = batch.decode_block_tables, batch.decode_seq_lens
         pos = torch.arange(batch.decode_max_len, device=tables.device)
         mask = pos[None, :] < lens[:, None]
-        out_lat, _ = self.absorbed_attention(q_nope, q_pe, gather_latents(tables, pos, flat_cache, bs), mask)
+        out_lat, _ = self.absorbed_attention(
+            q_nope, q_pe, gather_latents(tables, pos, flat_cache, bs), mask, want_lse=False
+        )
         return self.expand_latent_out(out_lat, q_nope.dtype)
 
     def absorbed_attention(
-        self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor, want_lse: bool = True
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """MQA over latents kv [B, T, L+R] where ``mask`` [B, T] -> (latent out [B, H, L] fp32, lse [B, H]).
 
-        Rows whose mask is all False get lse = -inf and a zero output (never NaN).
+        With ``want_lse``, rows whose mask is all False get lse = -inf and a zero output (never NaN);
+        without it (every row has a key) a plain softmax: fewer kernels on the decode hot path.
         """
         w_uk, _ = self._absorbed_weights()
         q_lat = torch.einsum("bhn,hnl->bhl", q_nope, w_uk)  # [B, H, L]
         qq = torch.cat((q_lat, q_pe), dim=-1)  # [B, H, L+R]
         scores = torch.einsum("bhc,btc->bht", qq.float(), kv.float()) * self.scale
         scores = scores.masked_fill(~mask.unsqueeze(1), float("-inf"))
+        lat = kv[..., : self.cfg.kv_lora_rank].float()
+        if not want_lse:
+            return torch.einsum("bht,btl->bhl", scores.softmax(dim=-1), lat), None
         lse = torch.logsumexp(scores, dim=-1)
         p = torch.exp(scores - lse.unsqueeze(-1).clamp_min(torch.finfo(scores.dtype).min))
-        out_lat = torch.einsum("bht,btl->bhl", p, kv[..., : self.cfg.kv_lora_rank].float())
-        return out_lat, lse
+        return torch.einsum("bht,btl->bhl", p, lat), lse
 
     def expand_latent_out(self, out_lat: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Latent attention output [B, H, L] -> per-head values [B, H, v] through W_UV."""

@@ -23,11 +23,18 @@ import torch
 
 from engine.attention_ops import attention_lse, merge_attention
 from engine.forward_batch import ForwardBatch, gather_latents
-from engine.parallel.collectives import gather_padded
+from engine.parallel.collectives import PendingGather, gather_padded, start_gather
 from engine.parallel.pcp_attention import pcp_local_attention
 
 if TYPE_CHECKING:
     from engine.mla import MLAttention
+
+
+def start_new_kv_gather(latent: torch.Tensor, batch: ForwardBatch) -> PendingGather | None:
+    """Step 1 started early: the all-gather of this rank's new prefill latents [T - decodes, L+R]."""
+    st = batch.pcp
+    assert st is not None
+    return start_gather(latent[st.num_decode :], st.new_counts, st.group) if st.num_new else None
 
 
 def pcp_attention(
@@ -35,18 +42,20 @@ def pcp_attention(
     q_nope: torch.Tensor,
     q_pe: torch.Tensor,
     latent: torch.Tensor,
+    pending: PendingGather | None,
     batch: ForwardBatch,
     flat_cache: torch.Tensor,
     block_size: int,
 ) -> torch.Tensor:
-    """Local rows' q [T, H, ·] and new latents [T, L+R] -> attention output [T, H, v]."""
+    """Local rows' q [T, H, ·], new latents [T, L+R] and their gather in flight -> output [T, H, v]."""
     st = batch.pcp
     assert st is not None
     L = attn.cfg.kv_lora_rank
     nd = st.num_decode
     new = None
     if st.num_new:
-        new = gather_padded(latent[nd:], st.new_counts, st.group)[st.new_index]
+        assert pending is not None
+        new = pending.wait()[st.new_index]
         flat_cache[st.new_write_slots] = new[st.new_write_src].to(flat_cache.dtype)
     if st.dec_write_rows.numel():
         flat_cache[st.dec_write_slots] = latent[st.dec_write_rows].to(flat_cache.dtype)
