@@ -26,26 +26,53 @@ def contiguous_runs(indices: list[int]) -> list[tuple[int, int]]:
     return runs
 
 
+def causal_squares(
+    q: torch.Tensor, runs: list[tuple[int, int]], k_local: torch.Tensor, v_local: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each run's rows attending causally to the run's own keys (this rank's rows of k/v, in ``runs``
+    order): the part that needs nothing from other ranks. -> (out [S_local, H, Dv], lse [S_local, H])."""
+    if not runs:
+        lse_dtype = torch.promote_types(q.dtype, torch.float32)
+        return q.new_empty(0, q.shape[1], v_local.shape[-1]), q.new_empty(0, q.shape[1], dtype=lse_dtype)
+    outs, lses = [], []
+    row = 0
+    for a, b in runs:
+        sl = slice(row, row + b - a)
+        out, lse = attention_lse(q[sl], k_local[sl], v_local[sl], scale, causal=True)
+        outs.append(out)
+        lses.append(lse)
+        row += b - a
+    return torch.cat(outs), torch.cat(lses)
+
+
+def add_prefixes(
+    q: torch.Tensor,
+    runs: list[tuple[int, int]],
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    k_prefix: torch.Tensor,
+    v_prefix: torch.Tensor,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge into each run ``[a, b)`` its fully visible keys ``[0, a)`` (k/v_prefix cover at least
+    ``[0, max a)``). A run with a = 0 has none (its LSE part is −inf, so it is left as it is)."""
+    row = 0
+    for a, b in runs:
+        sl = slice(row, row + b - a)
+        row += b - a
+        if a == 0:
+            continue
+        o_p, l_p = attention_lse(q[sl], k_prefix[:a], v_prefix[:a], scale, causal=False)
+        out[sl], lse[sl] = merge_attention(o_p, l_p, out[sl], lse[sl])
+    return out, lse
+
+
 def pcp_local_attention(
     q: torch.Tensor, runs: list[tuple[int, int]], k: torch.Tensor, v: torch.Tensor, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q [S_local, H, Dq] for the new-token index ``runs`` (ascending, half-open, see
-    ``contiguous_runs``); k/v [N, H, ·] all new tokens.
-
-    Returns (out [S_local, H, Dv], lse [S_local, H]) of causal attention within the new tokens.
+    ``contiguous_runs``); k/v [N, H, ·] all new tokens -> causal attention within the new tokens.
     """
-    outs, lses = [], []
-    row = 0
-    for a, b in runs:
-        qr = q[row : row + (b - a)]
-        row += b - a
-        out, lse = attention_lse(qr, k[a:b], v[a:b], scale, causal=True)
-        if a > 0:
-            out_p, lse_p = attention_lse(qr, k[:a], v[:a], scale, causal=False)
-            out, lse = merge_attention(out_p, lse_p, out, lse)
-        outs.append(out)
-        lses.append(lse)
-    if not outs:
-        lse_dtype = torch.promote_types(q.dtype, torch.float32)
-        return q.new_empty(0, q.shape[1], v.shape[-1]), q.new_empty(0, q.shape[1], dtype=lse_dtype)
-    return torch.cat(outs), torch.cat(lses)
+    idx = [i for a, b in runs for i in range(a, b)]
+    out, lse = causal_squares(q, runs, k[idx], v[idx], scale)
+    return add_prefixes(q, runs, out, lse, k, v, scale)

@@ -2,15 +2,16 @@
 
 Per layer:
 
-1. The new latents (``kv_c_normed | k_pe``) of this rank's prefill rows are all-gathered over the PCP
-   group, so every rank has every new token of the step in order.
-2. The cache is written: sharded, each rank stores the positions it owns; replicated, all of them.
-3. Prefill rows attend (decompressed form) the new tokens up to their own position
-   (``pcp_local_attention``) and the request's cached context, merged by log-sum-exp. Sharded
-   context is all-gathered from its holders first; replicated context is read locally.
-4. Decode rows (on every rank) attend in the absorbed form. Sharded, each rank covers the positions
-   it holds and the partial results are all-gathered and merged by log-sum-exp; a rank holding none
-   of a request's positions contributes LSE = −inf.
+1. The all-gather of this rank's new prefill latents (``kv_c_normed | k_pe``) over the PCP group
+   starts as soon as they exist, before the q projection (``start_new_kv_gather``).
+2. While it is in flight, each zigzag run's rows attend causally to the run's own keys (local).
+   Decode rows (on every rank) store their new token where it is held and attend in the absorbed
+   form; sharded, each rank covers the positions it holds and the partial results are
+   all-gathered and merged by log-sum-exp (a rank holding none contributes LSE = −inf).
+3. With every new token of the step in order, the cache is written (sharded: the positions this
+   rank owns; replicated: all), and each run merges in its fully visible prefix of new keys and the
+   request's cached context (sharded: all-gathered from its holders; replicated: read locally),
+   both by log-sum-exp.
 
 Every collective's sizes follow from the plan, so all ranks of the group call the same sequence.
 """
@@ -24,7 +25,7 @@ import torch
 from engine.attention_ops import attention_lse, merge_attention
 from engine.forward_batch import ForwardBatch, gather_latents
 from engine.parallel.collectives import PendingGather, gather_padded, start_gather
-from engine.parallel.pcp_attention import pcp_local_attention
+from engine.parallel.pcp_attention import add_prefixes, causal_squares
 
 if TYPE_CHECKING:
     from engine.mla import MLAttention
@@ -52,32 +53,38 @@ def pcp_attention(
     assert st is not None
     L = attn.cfg.kv_lora_rank
     nd = st.num_decode
+    out = latent.new_empty(latent.shape[0], attn.num_heads, attn.cfg.v_head_dim)
+    # While the all-gather is in flight: each zigzag run's causal square needs only this rank's keys.
+    parts = []
+    for seg in st.segments:
+        rows = seg.local_rows
+        q = torch.cat((q_nope[rows], q_pe[rows]), dim=-1)
+        k, v = attn._expand_kv(latent[rows, :L], latent[rows, L:])
+        parts.append((q, *causal_squares(q, seg.runs, k, v, attn.scale)))
+    if nd:
+        out[:nd] = _decode(attn, q_nope[:nd], q_pe[:nd], batch, flat_cache, block_size, latent[:nd])
+
     new = None
     if st.num_new:
         assert pending is not None
         new = pending.wait()[st.new_index]
         flat_cache[st.new_write_slots] = new[st.new_write_src].to(flat_cache.dtype)
-    if st.dec_write_rows.numel():
-        flat_cache[st.dec_write_slots] = latent[st.dec_write_rows].to(flat_cache.dtype)
-
     ctx = None
     if st.num_ctx:
         mine = flat_cache[st.ctx_read_slots]
         ctx = mine if st.ctx_index is None else gather_padded(mine, st.ctx_counts, st.group)[st.ctx_index]
         ctx = ctx.to(latent.dtype)
 
-    out = latent.new_empty(latent.shape[0], attn.num_heads, attn.cfg.v_head_dim)
-    if nd:
-        out[:nd] = _decode(attn, q_nope[:nd], q_pe[:nd], batch, flat_cache, block_size)
-    for seg in st.segments:
+    for seg, (q, o, lse) in zip(st.segments, parts):
         rows = seg.local_rows
         if rows.stop == rows.start:
             continue
         assert new is not None
-        seg_new = new[seg.new]
-        k, v = attn._expand_kv(seg_new[:, :L], seg_new[:, L:])
-        q = torch.cat((q_nope[rows], q_pe[rows]), dim=-1)
-        o, lse = pcp_local_attention(q, seg.runs, k, v, attn.scale)
+        reach = max(a for a, _ in seg.runs)  # keys [0, reach) are some run's fully visible prefix
+        if reach:
+            seg_new = new[seg.new.start : seg.new.start + reach]
+            kp, vp = attn._expand_kv(seg_new[:, :L], seg_new[:, L:])
+            o, lse = add_prefixes(q, seg.runs, o, lse, kp, vp, attn.scale)
         if seg.ctx.stop > seg.ctx.start:
             assert ctx is not None
             seg_ctx = ctx[seg.ctx]
@@ -95,9 +102,13 @@ def _decode(
     batch: ForwardBatch,
     flat_cache: torch.Tensor,
     block_size: int,
+    latent: torch.Tensor,
 ) -> torch.Tensor:
+    """Decode rows (the same on every PCP rank): store the new token where held, attend, merge."""
     st = batch.pcp
     assert st is not None
+    if st.dec_write_rows.numel():
+        flat_cache[st.dec_write_slots] = latent[st.dec_write_rows].to(flat_cache.dtype)
     pos = torch.arange(batch.decode_max_len, device=q_nope.device)
     kv = gather_latents(batch.decode_block_tables, pos, flat_cache, block_size)
     out_lat, lse = attn.absorbed_attention(q_nope, q_pe, kv, st.dec_mask)
