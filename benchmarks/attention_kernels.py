@@ -69,6 +69,15 @@ def main() -> None:
               f"({full / share:.2f}x less); max diff vs flash {diff:.2e}")
         res.update({f"{kernel}_causal_ms": round(full, 3), f"{kernel}_pcp_share_ms": round(share, 3),
                     f"{kernel}_max_diff": diff})
+    # What returning the LSE costs, per call, at the shapes of one PCP rank's pieces.
+    attention_ops.LSE_KERNEL = "cudnn"
+    m = n // (2 * args.pcp)
+    for name, qs, ks, causal in (("square", m, m, True), ("prefix", m, n - m, False)):
+        qq, kk, vv = q[:qs], k[:ks], v[:ks]
+        t_no = bench(lambda qq=qq, kk=kk, vv=vv, c=causal: attention_ops._fused(qq, kk, vv, scale, c, lse=False))
+        t_yes = bench(lambda qq=qq, kk=kk, vv=vv, c=causal: attention_ops._fused(qq, kk, vv, scale, c, lse=True))
+        print(f"cudnn {name} {qs}x{ks}: {t_no:.3f} ms without LSE, {t_yes:.3f} ms with")
+        res.update({f"cudnn_{name}_ms": round(t_no, 3), f"cudnn_{name}_lse_ms": round(t_yes, 3)})
     # Does cuDNN take v with its own head size (128), saving the padding to 192 and a third of PV?
     def cudnn_dv(qq: torch.Tensor, kk: torch.Tensor, vv: torch.Tensor) -> torch.Tensor:
         t = [x.transpose(0, 1).unsqueeze(0) for x in (qq, kk, vv)]
