@@ -73,6 +73,9 @@ def pcp_local_attention(
     """q [S_local, H, Dq] for the new-token index ``runs`` (ascending, half-open, see
     ``contiguous_runs``); k/v [N, H, ·] all new tokens -> causal attention within the new tokens.
     """
-    idx = [i for a, b in runs for i in range(a, b)]
-    out, lse = causal_squares(q, runs, k[idx], v[idx], scale)
+    if not runs:
+        return causal_squares(q, runs, k[:0], v[:0], scale)
+    k_local = torch.cat([k[a:b] for a, b in runs])
+    v_local = torch.cat([v[a:b] for a, b in runs])
+    out, lse = causal_squares(q, runs, k_local, v_local, scale)
     return add_prefixes(q, runs, out, lse, k, v, scale)
