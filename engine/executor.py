@@ -57,13 +57,15 @@ def kv_blocks_for_memory(
     return min(full, int(config.cpu_kv_cache_gb * 2**30 // per_block))
 
 
-def check_kv_capacity(num_blocks: int, block_size: int, max_model_len: int, shards: int = 1) -> None:
-    """Fail clearly when the cache cannot hold one request of ``max_model_len`` (over ``shards`` ranks)."""
-    needed = -(-max_model_len // block_size)
-    if num_blocks * shards < needed:
+def check_kv_capacity(num_blocks: int, block_size: int, max_model_len: int, needed: int | None = None) -> None:
+    """Fail clearly when a rank's cache cannot hold its part of one request of ``max_model_len``
+    (``needed`` blocks; default: the whole request)."""
+    needed = -(-max_model_len // block_size) if needed is None else needed
+    if num_blocks < needed:
         raise ValueError(
             f"KV cache of {num_blocks} blocks of {block_size} tokens per rank cannot hold one request of "
-            f"max_model_len {max_model_len} ({needed} blocks): lower max_model_len or give the cache more memory"
+            f"max_model_len {max_model_len} ({needed} blocks on a rank): lower max_model_len or give the cache "
+            "more memory"
         )
 
 
@@ -96,15 +98,16 @@ class LocalExecutor:
         self.runner = ModelRunner(self.model, self.cache, self.device)  # type: ignore[arg-type]
         self.allocator: BlockSpace = self.cache.allocator
         self.block_size = config.block_size
-        self._pending: list[Scheduled] | None = None
+        self._pending: list[StepLogits | None] | None = None
 
     def launch(self, scheduled: list[Scheduled]) -> None:
-        self._pending = scheduled
+        # In process the step runs now, while the requests' block tables are as scheduled.
+        self._pending = self.runner.run(scheduled)
 
     def collect(self) -> list[StepLogits | None]:
         assert self._pending is not None, "collect() without launch()"
-        scheduled, self._pending = self._pending, None
-        return self.runner.run(scheduled)
+        out, self._pending = self._pending, None
+        return out
 
     def ownership(self, block_ids: list[int]) -> list[RankBlocks]:
         return kv_ownership(block_ids, ParallelConfig(), 0, self.num_layers)

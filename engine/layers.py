@@ -99,6 +99,8 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, D] -> [T, D]."""
+        if x.shape[0] == 0:  # a PCP rank with no rows this step
+            return x.clone()
         weights, ids = self.gate(x)  # [T, K]
         k = ids.shape[1]
         flat = ids.flatten()

@@ -118,17 +118,27 @@ class LLM:
                 load[d] += 1
                 eng = self.engines[d]
                 placed.append((eng, eng.add_request(prompt, p, want_prompt_logits=want_prompt_logits)))
+            self._step_until_done()
+        except BaseException:
+            for eng, s in placed:  # leave nothing behind on error or interrupt
+                eng.abort(s.request_id)
+            raise
+        return [s for _, s in placed]
+
+    def _step_until_done(self) -> None:
+        try:
             while any(e.has_unfinished() for e in self.engines):
                 busy = [e for e in self.engines if e.has_unfinished()]
                 for e in busy:  # replicas compute concurrently: launch all, then collect
                     e.launch_step()
                 for e in busy:
                     e.finish_step()
-        except BaseException:
-            for eng, s in placed:  # leave nothing behind on error or interrupt
-                eng.abort(s.request_id)
+        except BaseException as exc:
+            # Interrupted or failed between sending a step and reading its answer: the ranks' pipes
+            # and collectives are out of step with the driver, so the node cannot be reused.
+            if self.node is not None:
+                self.node.shutdown(why=f"a step was interrupted ({type(exc).__name__})")
             raise
-        return [s for _, s in placed]
 
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer

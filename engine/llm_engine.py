@@ -206,6 +206,8 @@ class LLMEngine:
         finished: list[Sequence] = []
         to_sample: list[tuple[Sequence, torch.Tensor]] = []
         for s, sl in zip(scheduled, step_logits):
+            if s.seq.is_finished:
+                continue  # aborted while the step ran: its blocks are already free
             self._record_prompt_logits(s, sl)
             if s.samples:
                 assert sl is not None

@@ -63,6 +63,14 @@ class ShardedBlockAllocator:
             self.ranks[gid % self.pcp].free([gid // self.pcp])
 
 
+def max_blocks_per_rank(num_tokens: int, block_size: int, pcp: int, interleave: int) -> int:
+    """Blocks the busiest PCP rank holds for one request of ``num_tokens`` (sharded layout)."""
+    counts = [0] * pcp
+    for j in range(-(-num_tokens // block_size)):
+        counts[kv_owner(j * block_size, pcp, interleave)] += 1
+    return max(counts)
+
+
 def local_block_ids(global_ids: list[int], par: ParallelConfig, pcp_rank: int) -> list[int]:
     """Per logical block, this PCP rank's physical id, or -1 where another rank holds it."""
     if par.kv_layout == "replicated" or par.pcp == 1:

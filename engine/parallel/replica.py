@@ -19,7 +19,7 @@ from engine.executor import check_kv_capacity
 from engine.kv_cache import BlockAllocator, BlockSpace
 from engine.model_runner import StepLogits, logits_span
 from engine.parallel.grid import ParallelConfig
-from engine.parallel.kv_layout import RankBlocks, ShardedBlockAllocator, kv_ownership
+from engine.parallel.kv_layout import RankBlocks, ShardedBlockAllocator, kv_ownership, max_blocks_per_rank
 from engine.parallel.launcher import RankFailure, RankGroup
 from engine.parallel.rank_worker import RankSpec, serve_rank
 from engine.parallel.step_plan import PlanRow, StepPlan, local_token_counts
@@ -37,19 +37,27 @@ class ParallelNode:
         self.num_layers = ModelConfig.from_pretrained(config.model).num_hidden_layers
         if self.par.pp > self.num_layers:
             raise ValueError(f"pp={self.par.pp} exceeds the model's {self.num_layers} layers")
-        backend = "nccl" if config.torch_device().type == "cuda" else "gloo"
         ws = self.par.world_size
+        on_gpu = config.torch_device().type == "cuda"
+        if on_gpu and ws > torch.cuda.device_count():
+            raise ValueError(
+                f"dp x pcp x pp = {ws} ranks need {ws} GPUs (one each); {torch.cuda.device_count()} visible"
+            )
+        backend = "nccl" if on_gpu else "gloo"
         self.group = RankGroup(
             serve_rank, ws, [RankSpec(config, max_model_len)] * ws, backend=backend,
-            host=config.dist_host, port=config.dist_port,
+            host=config.dist_host, port=config.dist_port, collective_timeout_s=config.rank_timeout_s,
         )
         t = config.rank_timeout_s
         self.group.start(ready_timeout_s=t)
         try:
             caps = [self._expect(r, "loaded", t)[1] for r in range(ws)]
             self.num_blocks = int(min(caps))
-            shards = self.par.pcp if self.par.kv_layout == "sharded" else 1
-            check_kv_capacity(self.num_blocks, config.block_size, max_model_len, shards)
+            bs = config.block_size
+            need = None  # replicated: every rank holds the whole request
+            if self.par.kv_layout == "sharded":  # the busiest rank's share (interleave runs can be uneven)
+                need = max_blocks_per_rank(max_model_len, bs, self.par.pcp, self.par.interleave(bs))
+            check_kv_capacity(self.num_blocks, bs, max_model_len, need)
             self.group.broadcast(("cache", self.num_blocks))
             for r in range(ws):
                 self._expect(r, "cache_ready", t)
@@ -72,8 +80,8 @@ class ParallelNode:
     def pids(self) -> list[int]:
         return self.group.pids()
 
-    def shutdown(self) -> None:
-        self.group.shutdown()
+    def shutdown(self, why: str = "shut down") -> None:
+        self.group.shutdown(why=why)
 
 
 class ReplicaExecutor:
@@ -134,9 +142,14 @@ class ReplicaExecutor:
         return kv_ownership(block_ids, self.par, self.dp, self.node.num_layers)
 
     def read_blocks(self, pcp: int, pp: int, physical: list[int]) -> dict[int, torch.Tensor]:
+        if self._pending is not None:
+            raise RuntimeError("cannot read KV blocks while a step is running on the replica")
         rank = self.par.rank(self.dp, pp, pcp)
         self.node.group.send(rank, ("read", physical))
         msg = self.node.group.recv(rank, self.node.config.rank_timeout_s)
+        if not (isinstance(msg, tuple) and msg and msg[0] == "blocks"):
+            self.node.shutdown(why=f"rank {rank} answered a block read with {str(msg)[:80]}")
+            raise RankFailure(f"rank {rank} sent {str(msg)[:80]!r} instead of KV blocks")
         return msg[1]
 
     def shutdown(self) -> None:

@@ -80,3 +80,27 @@ def test_a_rank_error_at_startup_is_reported_with_its_cause(tiny_model, tmp_path
     with pytest.raises(RankFailure, match="model.layers.2.self_attn.kv_b_proj.weight"):
         LLM(str(broken), **KW, pp=2)
     assert time.monotonic() - t0 < 60
+
+
+def test_an_interrupted_step_stops_the_node(tiny_model) -> None:
+    llm = LLM(str(tiny_model), **KW, pcp=2)
+    ex = llm.engine.executor
+    real_collect = ex.collect
+
+    def interrupted() -> None:
+        raise KeyboardInterrupt
+
+    ex.collect = interrupted  # the step is on the ranks; the driver is interrupted before its answer
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(PROMPTS, SamplingParams(max_tokens=4))
+    ex.collect = real_collect
+    assert llm.engine.num_used_blocks == 0
+    with pytest.raises(RankFailure, match="interrupted"):  # never reads the stale answer as a new step's
+        llm.generate(PROMPTS, SamplingParams(max_tokens=4))
+    llm.shutdown()
+
+
+def test_sharded_cache_too_small_for_the_busiest_rank_is_refused(tiny_model) -> None:
+    # 80 tokens = 5 blocks in runs of 4 (interleave 64): rank 0 must hold 4 of them.
+    with pytest.raises(ValueError, match=r"\(4 blocks on a rank\)"):
+        LLM(str(tiny_model), **{**KW, "max_model_len": 80}, pcp=2, kv_interleave=64, num_kv_blocks=3)

@@ -66,3 +66,14 @@ def test_preemption_keeps_outputs_and_frees_blocks(tiny_model) -> None:
         got = [o.token_ids for o in tight.generate(prompts, sp)]
         assert tight.engine.num_used_blocks == 0
     assert got == ref
+
+
+def test_abort_between_launch_and_finish_of_a_step(tiny_model) -> None:
+    with LLM(str(tiny_model), dtype="float32", device="cpu", max_model_len=256) as llm:
+        eng = llm.engine
+        seq = eng.add_request([5, 6, 7, 8], SamplingParams(max_tokens=4, temperature=0.0))
+        eng.launch_step()
+        assert eng.abort(seq.request_id)
+        assert eng.finish_step() == []
+        assert seq.finish_reason == "abort" and seq.output_token_ids == []
+        assert eng.num_used_blocks == 0 and not eng.has_unfinished()

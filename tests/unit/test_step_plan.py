@@ -100,3 +100,11 @@ def test_sharded_allocator_places_blocks_on_their_owner() -> None:
 def test_plan_rejects_decode_rows_after_prefills() -> None:
     with pytest.raises(ValueError, match="decode rows must precede"):
         StepPlan([PlanRow([1, 2], 0, [0], None), PlanRow([3], 5, [1, 2], None)])
+
+
+def test_busiest_rank_share_of_a_request() -> None:
+    from engine.parallel.kv_layout import max_blocks_per_rank
+
+    assert max_blocks_per_rank(80, 16, 2, 64) == 4  # 5 blocks in runs of 4: ranks hold 4 and 1
+    assert max_blocks_per_rank(80, 16, 2, 16) == 3
+    assert max_blocks_per_rank(16, 16, 4, 16) == 1
