@@ -78,6 +78,18 @@ def main() -> None:
         t_yes = bench(lambda qq=qq, kk=kk, vv=vv, c=causal: attention_ops._fused(qq, kk, vv, scale, c, lse=True))
         print(f"cudnn {name} {qs}x{ks}: {t_no:.3f} ms without LSE, {t_yes:.3f} ms with")
         res.update({f"cudnn_{name}_ms": round(t_no, 3), f"cudnn_{name}_lse_ms": round(t_yes, 3)})
+    # Is cuDNN's causal mask aligned bottom-right when there are fewer queries than keys? Then a run
+    # [a, b) could attend keys [0, b) in one call, with no LSE and no merge.
+    a, b = n - m, n
+    split = pcp_local_attention(q[a:b], [(a, b)], k, v, scale)[0]
+    one = attention_ops._fused(q[a:b], k[:b], v[:b], scale, True, lse=False)[0]
+    align_diff = float((one.float() - split.float()).abs().max())
+    t_split = bench(lambda: pcp_local_attention(q[a:b], [(a, b)], k, v, scale))
+    t_one = bench(lambda: attention_ops._fused(q[a:b], k[:b], v[:b], scale, True, lse=False))
+    print(f"cudnn causal {m}x{b} in one call: max diff vs square+prefix {align_diff:.2e} "
+          f"({'bottom-right' if align_diff < 0.05 else 'NOT bottom-right'}); {t_one:.3f} ms vs {t_split:.3f} ms split")
+    res.update({"cudnn_bottom_right_diff": align_diff, "cudnn_one_call_ms": round(t_one, 3),
+                "cudnn_split_ms": round(t_split, 3)})
     # Does cuDNN take v with its own head size (128), saving the padding to 192 and a third of PV?
     def cudnn_dv(qq: torch.Tensor, kk: torch.Tensor, vv: torch.Tensor) -> torch.Tensor:
         t = [x.transpose(0, 1).unsqueeze(0) for x in (qq, kk, vv)]

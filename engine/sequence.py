@@ -48,6 +48,13 @@ class Sequence:
     def token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
+    def tokens(self, start: int, end: int) -> list[int]:
+        """``token_ids[start:end]`` without building the whole list."""
+        n = len(self.prompt_token_ids)
+        if end <= n:
+            return self.prompt_token_ids[start:end]
+        return self.prompt_token_ids[start:n] + self.output_token_ids[max(0, start - n) : end - n]
+
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)

@@ -36,6 +36,12 @@ class ShardedBlockAllocator:
     def _owners(self, n: int, first: int) -> list[int]:
         return [kv_owner(j * self.block_size, self.pcp, self.interleave) for j in range(first, first + n)]
 
+    def _counts(self, owners: list[int]) -> list[int]:
+        counts = [0] * self.pcp
+        for r in owners:
+            counts[r] += 1
+        return counts
+
     @property
     def num_free(self) -> int:
         return sum(a.num_free for a in self.ranks)
@@ -48,15 +54,18 @@ class ShardedBlockAllocator:
         return [a.num_used for a in self.ranks]
 
     def can_allocate(self, n: int, first: int = 0) -> bool:
-        owners = self._owners(n, first)
-        return all(owners.count(r) <= a.num_free for r, a in enumerate(self.ranks))
+        counts = self._counts(self._owners(n, first))
+        return all(c <= a.num_free for c, a in zip(counts, self.ranks))
 
     def allocate(self, n: int, first: int = 0) -> list[int]:
         """Global ids of logical blocks ``[first, first + n)`` of one request."""
-        if not self.can_allocate(n, first):
+        owners = self._owners(n, first)
+        counts = self._counts(owners)
+        if any(c > a.num_free for c, a in zip(counts, self.ranks)):
             raise MemoryError(f"asked for {n} KV blocks from logical block {first}; free per rank: "
                               f"{[a.num_free for a in self.ranks]}")
-        return [self.ranks[r].allocate(1)[0] * self.pcp + r for r in self._owners(n, first)]
+        fresh = [iter(a.allocate(c)) for a, c in zip(self.ranks, counts)]
+        return [next(fresh[r]) * self.pcp + r for r in owners]
 
     def free(self, ids: list[int]) -> None:
         for gid in ids:

@@ -22,7 +22,7 @@ from engine.parallel.grid import ParallelConfig
 from engine.parallel.kv_layout import RankBlocks, ShardedBlockAllocator, kv_ownership, max_blocks_per_rank
 from engine.parallel.launcher import RankFailure, RankGroup
 from engine.parallel.rank_worker import RankSpec, serve_rank
-from engine.parallel.step_plan import PlanRow, StepPlan, local_token_counts
+from engine.parallel.step_plan import PlanRow, StepPlan, int_tensor, local_token_counts
 from engine.scheduler import Scheduled
 
 log = logging.getLogger(__name__)
@@ -106,7 +106,7 @@ class ReplicaExecutor:
     def launch(self, scheduled: list[Scheduled]) -> None:
         plan = StepPlan([
             PlanRow(
-                token_ids=s.seq.token_ids[s.seq.num_computed : s.seq.num_computed + s.num_new],
+                token_ids=int_tensor(s.seq.tokens(s.seq.num_computed, s.seq.num_computed + s.num_new)),
                 start=s.seq.num_computed,
                 block_ids=list(s.seq.block_ids),
                 logits=logits_span(s),

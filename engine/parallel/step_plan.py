@@ -10,6 +10,7 @@ collective's sizes without exchanging them.
 
 from __future__ import annotations
 
+import array
 from dataclasses import dataclass, field
 
 import torch
@@ -19,21 +20,25 @@ from engine.forward_batch import ForwardBatch
 from engine.parallel.collectives import padded_index
 from engine.parallel.grid import ParallelConfig
 from engine.parallel.kv_layout import local_block_ids
-from engine.parallel.pcp_split import zigzag_indices, zigzag_runs
+from engine.parallel.pcp_split import zigzag_runs
 
 
 @dataclass
 class PlanRow:
     """One scheduled request: ``token_ids`` are this step's new tokens, at positions ``start…``."""
 
-    token_ids: list[int]
+    token_ids: torch.Tensor  # [n] int64 (a list is converted): pickles and slices without Python loops
     start: int
     block_ids: list[int]  # global block table covering start + len(token_ids) tokens
     logits: tuple[int, int] | None  # (first new row, count) whose logits the driver wants
 
+    def __post_init__(self) -> None:
+        if not isinstance(self.token_ids, torch.Tensor):
+            self.token_ids = int_tensor(self.token_ids)
+
     @property
     def num_new(self) -> int:
-        return len(self.token_ids)
+        return int(self.token_ids.numel())
 
 
 @dataclass
@@ -89,8 +94,15 @@ class PCPStep:
     logits_index: torch.Tensor | None = None  # plan-order logits row -> row of the padded all-gather
 
 
+def int_tensor(values: list[int]) -> torch.Tensor:
+    """A list of ints as an int64 tensor, through a buffer (7x faster than torch.tensor for 32k)."""
+    if not values:
+        return torch.zeros(0, dtype=torch.long)
+    return torch.frombuffer(array.array("q", values), dtype=torch.int64)
+
+
 def _table(ids: list[int]) -> torch.Tensor:
-    return torch.tensor(ids, dtype=torch.long) if ids else torch.zeros(0, dtype=torch.long)
+    return int_tensor(ids)
 
 
 def _slots(table: torch.Tensor, pos: torch.Tensor, bs: int) -> torch.Tensor:
@@ -121,8 +133,8 @@ def build_rank_batch(
     prefills = [row for row in plan.rows if row.num_new > 1]
     nd = len(decodes)
     local = [_table(local_block_ids(row.block_ids, par, r)) for row in plan.rows]
-    ids: list[int] = [row.token_ids[0] for row in decodes]
-    positions: list[int] = [row.start for row in decodes]
+    ids: list[torch.Tensor] = [row.token_ids for row in decodes]
+    positions: list[torch.Tensor] = [torch.tensor([row.start]) for row in decodes]
 
     # Decode rows: computed on every PCP rank; each holder stores the new token and attends its part.
     dec_lens = torch.tensor([row.start + 1 for row in decodes], dtype=torch.long)
@@ -156,8 +168,8 @@ def build_rank_batch(
     for s, row in enumerate(prefills):
         table = local[nd + s]
         mine = zig[r][s]
-        ids.extend(t for a, b in runs[r][s] for t in row.token_ids[a:b])
-        positions.extend((row.start + mine).tolist())
+        ids.extend(row.token_ids[a:b] for a, b in runs[r][s])
+        positions.append(row.start + mine)
         segments.append(
             SegmentView(
                 local_rows=slice(row0, row0 + mine.numel()),
@@ -225,8 +237,8 @@ def build_rank_batch(
     )
     empty = torch.zeros(0, dtype=torch.long, device=device)
     return ForwardBatch(
-        input_ids=torch.tensor(ids, dtype=torch.long, device=device),
-        positions=torch.tensor(positions, dtype=torch.long, device=device),
+        input_ids=dev(_cat(ids)),
+        positions=dev(_cat(positions)),
         slot_mapping=empty,
         num_decode=nd,
         decode_block_tables=dev(dec_tables),
@@ -242,6 +254,6 @@ def local_token_counts(plan: StepPlan, pcp: int) -> list[int]:
     """Rows each PCP rank computes for ``plan`` (after the zigzag split): DP metadata per step."""
     nd = sum(1 for row in plan.rows if row.num_new == 1)
     return [
-        nd + sum(len(zigzag_indices(row.num_new, pcp, q)) for row in plan.rows if row.num_new > 1)
+        nd + sum(b - a for row in plan.rows if row.num_new > 1 for a, b in zigzag_runs(row.num_new, pcp, q))
         for q in range(pcp)
     ]
