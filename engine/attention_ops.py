@@ -95,13 +95,18 @@ def _attention_lse_reference(
 def merge_attention(
     o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Combine two attention results over disjoint key sets. An empty part has lse = -inf (never NaN)."""
+    """Combine two attention results over disjoint key sets. An empty part has lse = -inf (never NaN).
+
+    The weights are computed in fp32 on [S, H]; the outputs are mixed in their own dtype by one
+    ``lerp`` (in bf16 that reads and writes each output once instead of round-tripping it through
+    fp32, about a tenth of the memory traffic; the weight is rounded to bf16, within the rounding
+    the output gets anyway).
+    """
     m = torch.maximum(lse1, lse2)
     m = torch.where(torch.isinf(m), torch.zeros_like(m), m)  # both parts empty: keep weights finite (0)
     w1, w2 = torch.exp(lse1 - m), torch.exp(lse2 - m)  # [S, H]
     denom = w1 + w2
     safe = torch.where(denom == 0, torch.ones_like(denom), denom)
-    acc = torch.promote_types(o1.dtype, torch.float32)
-    out = (o1.to(acc) * (w1 / safe).unsqueeze(-1) + o2.to(acc) * (w2 / safe).unsqueeze(-1)).to(o1.dtype)
+    out = torch.lerp(o2, o1, (w1 / safe).unsqueeze(-1).to(o1.dtype))
     lse = torch.where(denom == 0, torch.full_like(m, float("-inf")), m + torch.log(safe))
     return out, lse
