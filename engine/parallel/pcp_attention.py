@@ -27,18 +27,18 @@ def contiguous_runs(indices: list[int]) -> list[tuple[int, int]]:
 
 
 def causal_squares(
-    q: torch.Tensor, runs: list[tuple[int, int]], k_local: torch.Tensor, v_local: torch.Tensor, scale: float
+    q: torch.Tensor, runs: list[tuple[int, int]], k: torch.Tensor, v: torch.Tensor, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each run's rows attending causally to the run's own keys (this rank's rows of k/v, in ``runs``
-    order): the part that needs nothing from other ranks. -> (out [S_local, H, Dv], lse [S_local, H])."""
+    """Each run's rows attending causally to the run's own keys ``k[a:b]`` (k/v indexed by new-token
+    position; only the runs' own positions are read, so the rest may be unfilled yet): the part that
+    needs nothing from other ranks. -> (out [S_local, H, Dv], lse [S_local, H])."""
     if not runs:
         lse_dtype = torch.promote_types(q.dtype, torch.float32)
-        return q.new_empty(0, q.shape[1], v_local.shape[-1]), q.new_empty(0, q.shape[1], dtype=lse_dtype)
+        return q.new_empty(0, q.shape[1], v.shape[-1]), q.new_empty(0, q.shape[1], dtype=lse_dtype)
     outs, lses = [], []
     row = 0
     for a, b in runs:
-        sl = slice(row, row + b - a)
-        out, lse = attention_lse(q[sl], k_local[sl], v_local[sl], scale, causal=True)
+        out, lse = attention_lse(q[row : row + b - a], k[a:b], v[a:b], scale, causal=True)
         outs.append(out)
         lses.append(lse)
         row += b - a
@@ -73,9 +73,5 @@ def pcp_local_attention(
     """q [S_local, H, Dq] for the new-token index ``runs`` (ascending, half-open, see
     ``contiguous_runs``); k/v [N, H, ·] all new tokens -> causal attention within the new tokens.
     """
-    if not runs:
-        return causal_squares(q, runs, k[:0], v[:0], scale)
-    k_local = torch.cat([k[a:b] for a, b in runs])
-    v_local = torch.cat([v[a:b] for a, b in runs])
-    out, lse = causal_squares(q, runs, k_local, v_local, scale)
+    out, lse = causal_squares(q, runs, k, v, scale)
     return add_prefixes(q, runs, out, lse, k, v, scale)

@@ -55,12 +55,20 @@ def pcp_attention(
     nd = st.num_decode
     out = latent.new_empty(latent.shape[0], attn.num_heads, attn.cfg.v_head_dim)
     # While the all-gather is in flight: each zigzag run's causal square needs only this rank's keys.
+    # Per segment, K/V live in one buffer in token order: local runs expanded now, the rest of the
+    # visible prefix after the gather, so no token is expanded twice.
     parts = []
     for seg in st.segments:
         rows = seg.local_rows
         q = torch.cat((q_nope[rows], q_pe[rows]), dim=-1)
-        k, v = attn._expand_kv(latent[rows, :L], latent[rows, L:])
-        parts.append((q, *causal_squares(q, seg.runs, k, v, attn.scale)))
+        n = seg.new.stop - seg.new.start
+        k_all = latent.new_empty(n, attn.num_heads, attn.cfg.qk_head_dim)
+        v_all = latent.new_empty(n, attn.num_heads, attn.cfg.v_head_dim)
+        row = rows.start
+        for a, b in seg.runs:
+            _expand_into(attn, latent[row : row + b - a], k_all[a:b], v_all[a:b])
+            row += b - a
+        parts.append((q, k_all, v_all, *causal_squares(q, seg.runs, k_all, v_all, attn.scale)))
     if nd:
         out[:nd] = _decode(attn, q_nope[:nd], q_pe[:nd], batch, flat_cache, block_size, latent[:nd])
 
@@ -75,16 +83,16 @@ def pcp_attention(
         ctx = mine if st.ctx_index is None else gather_padded(mine, st.ctx_counts, st.group)[st.ctx_index]
         ctx = ctx.to(latent.dtype)
 
-    for seg, (q, o, lse) in zip(st.segments, parts):
+    for seg, (q, k_all, v_all, o, lse) in zip(st.segments, parts):
         rows = seg.local_rows
         if rows.stop == rows.start:
             continue
         assert new is not None
         reach = max(a for a, _ in seg.runs)  # keys [0, reach) are some run's fully visible prefix
         if reach:
-            seg_new = new[seg.new.start : seg.new.start + reach]
-            kp, vp = attn._expand_kv(seg_new[:, :L], seg_new[:, L:])
-            o, lse = add_prefixes(q, seg.runs, o, lse, kp, vp, attn.scale)
+            for c, d in _gaps(seg.runs, reach):  # the prefix tokens other ranks computed
+                _expand_into(attn, new[seg.new.start + c : seg.new.start + d], k_all[c:d], v_all[c:d])
+            o, lse = add_prefixes(q, seg.runs, o, lse, k_all, v_all, attn.scale)
         if seg.ctx.stop > seg.ctx.start:
             assert ctx is not None
             seg_ctx = ctx[seg.ctx]
@@ -92,6 +100,29 @@ def pcp_attention(
             oc, lc = attention_lse(q, kc, vc, attn.scale, causal=False)
             o, lse = merge_attention(oc, lc, o, lse)
         out[rows] = o
+    return out
+
+
+def _expand_into(attn: MLAttention, latent: torch.Tensor, k_out: torch.Tensor, v_out: torch.Tensor) -> None:
+    """Per-head K [n, H, nope+rope] and V [n, H, v] of latents [n, L+R], written into the given views."""
+    cfg = attn.cfg
+    kv = attn.kv_b_proj(latent[:, : cfg.kv_lora_rank]).view(-1, attn.num_heads, cfg.qk_nope_head_dim + cfg.v_head_dim)
+    k_pe = latent[:, cfg.kv_lora_rank :].unsqueeze(1).expand(-1, attn.num_heads, -1)
+    torch.cat((kv[..., : cfg.qk_nope_head_dim], k_pe), dim=-1, out=k_out)
+    v_out.copy_(kv[..., cfg.qk_nope_head_dim :])
+
+
+def _gaps(runs: list[tuple[int, int]], end: int) -> list[tuple[int, int]]:
+    """The parts of [0, end) not covered by the (ascending, disjoint) runs."""
+    out, pos = [], 0
+    for a, b in runs:
+        if a >= end:
+            break
+        if a > pos:
+            out.append((pos, a))
+        pos = max(pos, b)
+    if pos < end:
+        out.append((pos, end))
     return out
 
 
