@@ -12,7 +12,6 @@ Protocol with the driver (over the rank's pipe, after the launcher's ``ready``):
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 from dataclasses import dataclass
@@ -21,6 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from engine import envs
 from engine.config import ModelConfig
 from engine.engine_config import EngineConfig
 from engine.executor import kv_blocks_for_memory, load_model
@@ -73,7 +73,8 @@ class RankWorker:
         self.reports = self.next_rank is None and self.coord.pcp == 0
         self.cache: KVCache | None = None
         self.rank = rank
-        self.timing = os.environ.get("PDCLUSTER_STEP_TIMING") == "1"
+        self.timing = envs.step_timing()
+        self.profile_step = envs.profile_step()
         self.steps = 0
         self._t = 0.0
 
@@ -99,7 +100,7 @@ class RankWorker:
     def execute(self, plan: StepPlan) -> torch.Tensor | None:
         """Run one step; with PDCLUSTER_PROFILE_STEP=N, rank 0 prints a torch.profiler table of step N."""
         self.steps += 1
-        if self.rank != 0 or os.environ.get("PDCLUSTER_PROFILE_STEP") != str(self.steps):
+        if self.rank != 0 or self.profile_step != self.steps:
             return self._execute(plan)
         from torch.profiler import ProfilerActivity, profile
 

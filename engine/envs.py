@@ -1,0 +1,23 @@
+"""Environment variables the engine reads: all of them, typed, read when asked (never at import).
+
+- ``PDCLUSTER_STEP_TIMING=1``: each rank prints how long each phase of a step took (synchronising).
+- ``PDCLUSTER_PROFILE_STEP=N``: rank 0 prints a torch.profiler table of its N-th step.
+"""
+
+from __future__ import annotations
+
+import os
+
+
+def step_timing() -> bool:
+    return os.environ.get("PDCLUSTER_STEP_TIMING", "0") == "1"
+
+
+def profile_step() -> int | None:
+    value = os.environ.get("PDCLUSTER_PROFILE_STEP")
+    if value is None or value == "":
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"PDCLUSTER_PROFILE_STEP must be a step number, got {value!r}") from None

@@ -1,0 +1,114 @@
+"""The transfer planner: every destination block filled once from a holder, fan-in, balance, coalescing.
+
+The plans are executed here by a byte copy between in-process tensors at the planned addresses,
+so the test checks real addresses, not just the plan's bookkeeping.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.kv_cache import BlockAllocator
+from engine.parallel.grid import ParallelConfig
+from engine.parallel.kv_layout import ShardedBlockAllocator, kv_ownership
+from kv_transfer.layout import RequestKV, describe_cache
+from kv_transfer.planner import TransferPlan, plan_transfer
+
+BS, DIM, LAYERS = 4, 8, 4
+DEST_BLOCKS = [3, 4, 5, 6, 10, 11, 12, 13, 14]  # two destination runs
+
+
+def _caches(par: ParallelConfig, own: list) -> dict[int, dict[int, torch.Tensor]]:
+    """Per source rank, its layers' caches; block of logical j in layer l holds the value 1000·l + j."""
+    caches = {}
+    for h in own:
+        layers = {i: torch.full((16, BS, DIM), -1.0) for i in h.layers}
+        for j, b in zip(h.logical, h.physical):
+            for i in h.layers:
+                layers[i][b] = 1000 * i + j
+        caches[h.rank] = layers
+    return caches
+
+
+def _execute(plan: TransferPlan, caches: dict[int, dict[int, torch.Tensor]], dest: dict[int, torch.Tensor]) -> None:
+    for c in plan.copies:
+        src, dst = caches[c.source][c.layer], dest[c.layer]
+        s0, d0 = c.src_addr - src.data_ptr(), c.dst_addr - dst.data_ptr()
+        dst.view(torch.uint8).view(-1)[d0 : d0 + c.nbytes] = src.view(torch.uint8).view(-1)[s0 : s0 + c.nbytes]
+
+
+def _run(par: ParallelConfig, ids: list[int]) -> tuple[TransferPlan, dict[int, torch.Tensor], list]:
+    own = kv_ownership(ids, par, dp=0, num_layers=LAYERS)
+    caches = _caches(par, own)
+    dest = {i: torch.zeros(20, BS, DIM) for i in range(LAYERS)}
+    plan = plan_transfer(
+        RequestKV(own, len(ids)),
+        {rank: describe_cache(f"prefill-{rank}", layers) for rank, layers in caches.items()},
+        describe_cache("decode-0", dest),
+        DEST_BLOCKS,
+    )
+    _execute(plan, caches, dest)
+    return plan, dest, own
+
+
+def _assert_filled(dest: dict[int, torch.Tensor], n: int) -> None:
+    for i, t in dest.items():
+        for j in range(n):
+            assert (t[DEST_BLOCKS[j]] == 1000 * i + j).all(), f"layer {i}, block {j}"
+        untouched = [b for b in range(20) if b not in DEST_BLOCKS[:n]]
+        assert (t[untouched] == 0).all()
+
+
+@pytest.mark.parametrize("interleave", [BS, 2 * BS])
+def test_sharded_pcp2_pp2_fans_in_from_every_shard(interleave) -> None:
+    par = ParallelConfig(pcp=2, pp=2, kv_interleave=interleave)
+    ids = ShardedBlockAllocator(16, 2, BS, interleave).allocate(9)
+    plan, dest, own = _run(par, ids)
+    _assert_filled(dest, 9)
+    assert set(plan.by_source()) == {h.rank for h in own}  # every (pcp, pp) rank sends
+    assert plan.total_bytes == 9 * LAYERS * BS * DIM * 4
+    for c in plan.copies:  # a stage only sends its own layers
+        assert c.layer in next(h.layers for h in own if h.rank == c.source)
+    # Coalescing: one copy per maximal run of (same source, consecutive source and destination ids).
+    holder = {j: (h.rank, b) for h in own if h.pp == 0 for j, b in zip(h.logical, h.physical)}
+    runs = 1 + sum(
+        1 for j in range(1, 9)
+        if not (holder[j][0] == holder[j - 1][0] and holder[j][1] == holder[j - 1][1] + 1
+                and DEST_BLOCKS[j] == DEST_BLOCKS[j - 1] + 1)
+    )
+    assert len([c for c in plan.copies if c.layer == 0]) == runs
+
+
+def test_replicated_spreads_bytes_evenly_over_replicas() -> None:
+    par = ParallelConfig(pcp=2, pp=2, kv_layout="replicated")
+    ids = BlockAllocator(16).allocate(9)
+    plan, dest, own = _run(par, ids)
+    _assert_filled(dest, 9)
+    sent = plan.bytes_by_source()
+    assert set(sent) == {h.rank for h in own}
+    block_bytes = BS * DIM * 4
+    for pp in (0, 1):
+        stage = [h for h in own if h.pp == pp]
+        a, b = (sent[h.rank] for h in stage)
+        assert abs(a - b) <= block_bytes * len(stage[0].layers)  # at most one block (of each layer) apart
+
+
+def test_plan_refuses_what_cannot_be_moved() -> None:
+    par = ParallelConfig(pcp=2)
+    ids = ShardedBlockAllocator(16, 2, BS, BS).allocate(4)
+    own = kv_ownership(ids, par, dp=0, num_layers=2)
+    caches = _caches(par, own)
+    layouts = {r: describe_cache(f"p{r}", layers) for r, layers in caches.items()}
+    dest = describe_cache("d", {i: torch.zeros(8, BS, DIM) for i in range(2)})
+    with pytest.raises(ValueError, match="4 blocks to move but 3"):
+        plan_transfer(RequestKV(own, 4), layouts, dest, [0, 1, 2])
+    with pytest.raises(ValueError, match="no rank holds logical blocks"):
+        RequestKV([h for h in own if h.pcp == 0], 4)
+    with pytest.raises(ValueError, match="no cache layout for source rank 1"):
+        plan_transfer(RequestKV(own, 4), {0: layouts[0]}, dest, [0, 1, 2, 3])
+    wide = describe_cache("d", {i: torch.zeros(8, BS, 2 * DIM) for i in range(2)})
+    with pytest.raises(ValueError, match="block sizes must match"):
+        plan_transfer(RequestKV(own, 4), layouts, wide, [0, 1, 2, 3])
+    with pytest.raises(ValueError, match="outside"):
+        plan_transfer(RequestKV(own, 4), layouts, dest, [0, 1, 2, 8])
