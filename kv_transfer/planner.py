@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from engine.parallel.kv_layout import RankBlocks
 from kv_transfer.layout import CacheLayout, LayerRegion, RequestKV
+from kv_transfer.transport import Segment
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,10 @@ class TransferPlan:
     @property
     def total_bytes(self) -> int:
         return sum(c.nbytes for c in self.copies)
+
+    def pull_segments(self) -> dict[int, list[Segment]]:
+        """Per source rank, the segments the destination reads (local = destination range)."""
+        return {src: [Segment(c.dst_addr, c.src_addr, c.nbytes) for c in cs] for src, cs in self.by_source().items()}
 
 
 def _assign(stage: list[RankBlocks], num_blocks: int) -> dict[int, RankBlocks]:

@@ -1,0 +1,1 @@
+"""Transport implementations (see ``kv_transfer.transport``)."""
