@@ -5,9 +5,9 @@
   shard. A block held by several (replicated layout) comes from one of them: the stage's blocks are
   cut into contiguous parts of sizes differing by at most one block, part i from the i-th replica
   (deterministic, and the bytes per source differ by at most one block).
-- Consecutive logical blocks whose source and destination physical ids are both consecutive form
-  one copy per layer (a contiguous byte range on both sides), which is what batch transfer
-  descriptors want.
+- A source's blocks (in logical order) whose source and destination physical ids are both
+  consecutive form one copy per layer (a contiguous byte range on both sides), which is what batch
+  transfer descriptors want. ``arrange_destination`` picks destination ids so that they are.
 """
 
 from __future__ import annotations
@@ -29,8 +29,7 @@ class Copy:
     src_addr: int
     dst_addr: int
     nbytes: int
-    first_block: int  # logical block of the run's start
-    num_blocks: int
+    blocks: tuple[int, ...]  # the logical blocks the range holds, in order
 
 
 @dataclass
@@ -81,6 +80,25 @@ def _assign(stage: list[RankBlocks], num_blocks: int) -> dict[int, RankBlocks]:
     return out
 
 
+def arrange_destination(request: RequestKV, dest_ids: list[int]) -> list[int]:
+    """Which destination block each logical block gets, chosen so copies coalesce.
+
+    The decode side may place logical blocks anywhere. Giving each source's blocks consecutive
+    destination ids (in the source's order) makes every source one run per layer when ``dest_ids``
+    are contiguous, instead of one copy per block when sharded blocks alternate between ranks.
+    Returns ``dest_blocks`` with ``dest_blocks[j]`` for logical block j.
+    """
+    if len(dest_ids) < request.num_blocks:
+        raise ValueError(f"{request.num_blocks} blocks to move but {len(dest_ids)} destination blocks")
+    first_stage = min(h.pp for h in request.holders)
+    owner = _assign([h for h in request.holders if h.pp == first_stage], request.num_blocks)
+    order = sorted(range(request.num_blocks), key=lambda j: (owner[j].pcp, j))
+    out = [0] * request.num_blocks
+    for j, d in zip(order, sorted(dest_ids)[: request.num_blocks]):
+        out[j] = d
+    return out
+
+
 def plan_transfer(
     request: RequestKV,
     sources: dict[int, CacheLayout],
@@ -104,31 +122,24 @@ def plan_transfer(
         covered.update(layers)
         owner = _assign(stage, request.num_blocks)
         phys = {h.rank: dict(zip(h.logical, h.physical)) for h in stage}
+        per_source: dict[int, list[int]] = defaultdict(list)  # source rank -> its logical blocks, in order
+        for j in range(request.num_blocks):
+            per_source[owner[j].rank].append(j)
         for layer in layers:
             dst = dest.region(layer)
-            run: list[int] = []  # logical blocks of the current run
-            for j in range(request.num_blocks + 1):
-                if run and (j == request.num_blocks or not _extends(run, j, owner, phys, dest_blocks)):
-                    plan.copies.append(_copy(run, owner[run[0]].rank, layer, sources, dst, phys, dest_blocks))
-                    run = []
-                if j < request.num_blocks:
+            for src, blocks in per_source.items():
+                run: list[int] = []  # the source's blocks with consecutive ids on both sides
+                for j in blocks:
+                    if run and not (phys[src][j] == phys[src][run[-1]] + 1
+                                    and dest_blocks[j] == dest_blocks[run[-1]] + 1):
+                        plan.copies.append(_copy(run, src, layer, sources, dst, phys, dest_blocks))
+                        run = []
                     run.append(j)
+                plan.copies.append(_copy(run, src, layer, sources, dst, phys, dest_blocks))
     missing = sorted(set(dest.layers) - covered)
     if missing:
         raise ValueError(f"no PP stage holds layers {missing} that the destination expects")
     return plan
-
-
-def _extends(
-    run: list[int], j: int, owner: dict[int, RankBlocks], phys: dict[int, dict[int, int]], dest_blocks: list[int]
-) -> bool:
-    last = run[-1]
-    src = owner[last].rank
-    return (
-        owner[j].rank == src
-        and phys[src][j] == phys[src][last] + 1
-        and dest_blocks[j] == dest_blocks[last] + 1
-    )
 
 
 def _copy(
@@ -157,6 +168,5 @@ def _copy(
         src_addr=src_region.block_addr(phys[src][first]),
         dst_addr=dst_region.block_addr(dest_blocks[first]),
         nbytes=len(run) * src_region.block_bytes,
-        first_block=first,
-        num_blocks=len(run),
+        blocks=tuple(run),
     )

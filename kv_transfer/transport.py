@@ -48,6 +48,17 @@ class Transport(ABC):
     def write(self, peer: str, segments: list[Segment], timeout_s: float) -> None:
         """Copy each local range into the remote range of ``peer``; all or raise TransferError."""
 
+    def read_all(self, batches: dict[str, list[Segment]], timeout_s: float) -> None:
+        """Reads from several peers (one request's fan-in), all within ``timeout_s``.
+
+        Transports that can have batches in flight together override this; here, one after another.
+        """
+        import time
+
+        deadline = time.monotonic() + timeout_s
+        for peer, segments in batches.items():
+            self.read(peer, segments, max(0.0, deadline - time.monotonic()))
+
     @abstractmethod
     def close(self) -> None:
         """Unregister everything; peers see this endpoint as gone."""

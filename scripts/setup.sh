@@ -7,5 +7,14 @@ if ! "$PY" -c "import torch" 2>/dev/null; then
   echo "== installing torch (CPU build where one is available)"
   "$PY" -m pip install -q "torch==2.13.0"
 fi
+if ! ldconfig -p 2>/dev/null | grep -q "libibverbs.so.1"; then
+  echo "== installing libibverbs1 (Mooncake Transfer Engine loads it, even for tcp)"
+  if command -v apt-get >/dev/null; then
+    SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
+    $SUDO apt-get install -y -q libibverbs1 >/dev/null || { $SUDO apt-get update -q >/dev/null && $SUDO apt-get install -y -q libibverbs1 >/dev/null; }
+  else
+    echo "no apt-get: install libibverbs (rdma-core) with your package manager" >&2; exit 1
+  fi
+fi
 echo "== installing pdcluster and its Python dependencies"
-"$PY" -m pip install -q -e ".[dev]"
+"$PY" -m pip install -q -e ".[dev,transfer-cpu]"

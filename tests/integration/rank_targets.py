@@ -23,3 +23,15 @@ def allreduce_server(ctx: RankContext) -> None:
         t = torch.tensor([float(msg[1])])
         dist.all_reduce(t)
         ctx.conn.send(("sum", ctx.rank, t.item(), ctx.payload))
+
+
+def mooncake_source(conn) -> None:  # noqa: ANN001 - a multiprocessing Connection
+    """Registers a 1 MiB tensor (values 0..) with a Mooncake transport, reports where, then waits."""
+    from kv_transfer.layout import describe_cache
+    from kv_transfer.transports.mooncake import MooncakeTransport
+
+    t = MooncakeTransport()
+    buf = torch.arange(4 * 256 * 256, dtype=torch.float32).view(4, 256, 256)  # 4 "blocks" of 256 KiB
+    t.register(describe_cache("src", {0: buf}))
+    conn.send((t.endpoint, buf.data_ptr(), buf[0].numel() * 4))
+    conn.recv()  # until killed or told to stop

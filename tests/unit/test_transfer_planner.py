@@ -13,7 +13,7 @@ from engine.kv_cache import BlockAllocator
 from engine.parallel.grid import ParallelConfig
 from engine.parallel.kv_layout import ShardedBlockAllocator, kv_ownership
 from kv_transfer.layout import RequestKV, describe_cache
-from kv_transfer.planner import TransferPlan, plan_transfer
+from kv_transfer.planner import TransferPlan, arrange_destination, plan_transfer
 
 BS, DIM, LAYERS = 4, 8, 4
 DEST_BLOCKS = [3, 4, 5, 6, 10, 11, 12, 13, 14]  # two destination runs
@@ -70,14 +70,30 @@ def test_sharded_pcp2_pp2_fans_in_from_every_shard(interleave) -> None:
     assert plan.total_bytes == 9 * LAYERS * BS * DIM * 4
     for c in plan.copies:  # a stage only sends its own layers
         assert c.layer in next(h.layers for h in own if h.rank == c.source)
-    # Coalescing: one copy per maximal run of (same source, consecutive source and destination ids).
-    holder = {j: (h.rank, b) for h in own if h.pp == 0 for j, b in zip(h.logical, h.physical)}
-    runs = 1 + sum(
-        1 for j in range(1, 9)
-        if not (holder[j][0] == holder[j - 1][0] and holder[j][1] == holder[j - 1][1] + 1
-                and DEST_BLOCKS[j] == DEST_BLOCKS[j - 1] + 1)
-    )
+    # Coalescing: per source, one copy per maximal run of consecutive source and destination ids.
+    runs = 0
+    for h in (h for h in own if h.pp == 0):
+        pairs = list(zip(h.physical, (DEST_BLOCKS[j] for j in h.logical)))
+        runs += 1 + sum(1 for (p0, d0), (p1, d1) in zip(pairs, pairs[1:]) if (p1, d1) != (p0 + 1, d0 + 1))
     assert len([c for c in plan.copies if c.layer == 0]) == runs
+
+
+def test_arranged_destination_makes_one_copy_per_source_and_layer() -> None:
+    par = ParallelConfig(pcp=2, pp=2)
+    ids = ShardedBlockAllocator(16, 2, BS, BS).allocate(9)  # blocks alternate between the shards
+    own = kv_ownership(ids, par, dp=0, num_layers=LAYERS)
+    request = RequestKV(own, 9)
+    dest_blocks = arrange_destination(request, list(range(11, 20)))
+    assert sorted(dest_blocks) == list(range(11, 20))
+    caches = _caches(par, own)
+    dest = {i: torch.zeros(20, BS, DIM) for i in range(LAYERS)}
+    layouts = {rank: describe_cache(f"p{rank}", layers) for rank, layers in caches.items()}
+    plan = plan_transfer(request, layouts, describe_cache("d", dest), dest_blocks)
+    assert len(plan.copies) == 2 * LAYERS  # one per (source shard, layer) instead of one per block
+    _execute(plan, caches, dest)
+    for i, t in dest.items():
+        for j in range(9):
+            assert (t[dest_blocks[j]] == 1000 * i + j).all()
 
 
 def test_replicated_spreads_bytes_evenly_over_replicas() -> None:

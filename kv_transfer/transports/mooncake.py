@@ -1,0 +1,104 @@
+"""Mooncake Transfer Engine as a transport (``mooncake.engine.TransferEngine``).
+
+One engine per rank, peer-to-peer handshake (no metadata server): the endpoint is
+``"host:rpc_port"``. Batches are submitted asynchronously and polled against the timeout
+(``get_batch_transfer_status``: 1 pending, 0 done, -1 failed). Measured facts this relies on
+(mooncake-transfer-engine-non-cuda 0.3.13.post1): a submit to an unreachable peer returns batch id
+0 (asking the status of id 0 crashes the process, so it is never asked); a read of memory the
+peer did not register fails with -1. A batch that times out cannot be cancelled: its bytes may
+still land later, so the caller must not reuse the destination blocks at once.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from kv_transfer.layout import CacheLayout
+from kv_transfer.transport import Segment, TransferError, Transport
+
+_PENDING, _DONE = 1, 0
+# Measured limit of this engine (tcp, non-cuda 0.3.13.post1): with more than about 2,048 segments
+# in flight at once (one batch or several), batches fail with status -1. So segments go in
+# batches of MAX_BATCH with at most MAX_IN_FLIGHT segments outstanding.
+MAX_BATCH = 512
+MAX_IN_FLIGHT = 1024
+
+
+def _engine_class() -> Any:
+    try:
+        from mooncake.engine import TransferEngine
+    except ImportError as e:
+        raise ImportError(
+            "Mooncake Transfer Engine is not importable: pip install 'mooncake-transfer-engine-non-cuda' "
+            "(CPU) or 'mooncake-transfer-engine-cuda13' (GPU), and apt-get install libibverbs1 "
+            f"({e})"
+        ) from e
+    return TransferEngine
+
+
+class MooncakeTransport(Transport):
+    def __init__(self, host: str = "127.0.0.1", protocol: str = "tcp", device: str = "") -> None:
+        self._engine = _engine_class()()
+        rc = self._engine.initialize(host, "P2PHANDSHAKE", protocol, device)
+        if rc != 0:
+            raise RuntimeError(f"Mooncake initialize({host!r}, P2PHANDSHAKE, {protocol!r}) failed with {rc}")
+        self.endpoint = f"{host}:{self._engine.get_rpc_port()}"
+        self._registered: list[int] = []
+
+    def register(self, layout: CacheLayout) -> None:
+        for r in layout.regions.values():
+            rc = self._engine.register_memory(r.base, r.num_blocks * r.block_bytes)
+            if rc != 0:
+                raise RuntimeError(f"Mooncake could not register layer {r.layer} ({rc})")
+            self._registered.append(r.base)
+
+    def _run(self, batches: dict[str, list[Segment]], timeout_s: float, read: bool) -> None:
+        """All peers' segments, MAX_BATCH per batch, at most MAX_IN_FLIGHT outstanding, within the timeout."""
+        submit = self._engine.batch_transfer_async_read if read else self._engine.batch_transfer_async_write
+        todo = [(peer, segments[i : i + MAX_BATCH]) for peer, segments in batches.items()
+                for i in range(0, len(segments), MAX_BATCH)]
+        deadline = time.monotonic() + timeout_s
+        pending: dict[int, tuple[str, int]] = {}  # batch id -> (peer, segments)
+        in_flight = 0
+        pause = 5e-5
+        while todo or pending:
+            while todo and in_flight + len(todo[0][1]) <= max(MAX_IN_FLIGHT, len(todo[0][1])) and (
+                    not pending or in_flight + len(todo[0][1]) <= MAX_IN_FLIGHT):
+                peer, part = todo.pop(0)
+                batch = submit(peer, [s.local_addr for s in part], [s.remote_addr for s in part],
+                               [s.nbytes for s in part])
+                if not batch:
+                    raise TransferError("peer_gone", f"could not start a batch with {peer}")
+                pending[batch] = (peer, len(part))
+                in_flight += len(part)
+            for batch, (peer, n) in list(pending.items()):
+                status = self._engine.get_batch_transfer_status([batch])
+                if status == _DONE:
+                    del pending[batch]
+                    in_flight -= n
+                    pause = 5e-5
+                elif status != _PENDING:
+                    raise TransferError("refused", f"{peer} failed a batch (status {status})")
+            if not pending and not todo:
+                return
+            if time.monotonic() >= deadline:
+                peers = sorted({p for p, _ in pending.values()} | {p for p, _ in todo})
+                raise TransferError("timeout", f"batches with {peers} not done after {timeout_s}s")
+            time.sleep(pause)
+            pause = min(pause * 2, 1e-3)
+
+    def read_all(self, batches: dict[str, list[Segment]], timeout_s: float) -> None:
+        """Every peer's segments in flight together (the fan-in of one request), then waited for."""
+        self._run(batches, timeout_s, read=True)
+
+    def read(self, peer: str, segments: list[Segment], timeout_s: float) -> None:
+        self._run({peer: segments}, timeout_s, read=True)
+
+    def write(self, peer: str, segments: list[Segment], timeout_s: float) -> None:
+        self._run({peer: segments}, timeout_s, read=False)
+
+    def close(self) -> None:
+        for base in self._registered:
+            self._engine.unregister_memory(base)
+        self._registered = []
