@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+from collections.abc import Callable
 
 import torch
 
@@ -106,6 +107,46 @@ class LLMEngine:
         )
         self._requests[request_id] = seq
         self.scheduler.add(seq)
+        return seq
+
+    def add_prefilled(
+        self,
+        prompt: list[int],
+        first_token: int,
+        params: SamplingParams,
+        fill: Callable[[list[int]], list[int]],
+        request_id: str | None = None,
+        first_logprob: float = float("nan"),
+    ) -> Sequence:
+        """Admit a request whose prompt KV was computed elsewhere (disaggregated decode).
+
+        Blocks for the prompt are allocated here and handed to ``fill(block_ids)``: the KV transfer,
+        which may place the prompt's blocks among them as it likes (``kv_transfer.planner.
+        arrange_destination``) and returns the block table, the block of each logical block in
+        order. Only when it returns does the
+        request join the running batch, with ``first_token`` as its first output; if it raises, the
+        blocks are freed and the error propagates.
+        """
+        seq = self.add_request(prompt, params, request_id)
+        self.scheduler.waiting.remove(seq)
+        n = -(-len(prompt) // self.config.block_size)
+        try:
+            if not self.scheduler.allocator.can_allocate(n):
+                raise MemoryError(f"no room for {n} KV blocks (free: {self.scheduler.allocator.num_free})")
+            seq.block_ids = self.scheduler.allocator.allocate(n)
+            table = fill(list(seq.block_ids))
+            if sorted(table) != sorted(seq.block_ids):
+                raise ValueError("fill() must return a block table made of exactly the blocks it was given")
+            seq.block_ids = list(table)
+        except BaseException:
+            self._requests.pop(seq.request_id, None)
+            self.scheduler.finish(seq, "abort")
+            raise
+        seq.num_computed = len(prompt)
+        seq.status = SeqStatus.RUNNING
+        self.scheduler.running.append(seq)
+        if self._append(seq, first_token, first_logprob, None):  # max_tokens=1, or a stop token
+            self._requests.pop(seq.request_id, None)
         return seq
 
     def _tokenize(self, prompt: str | list[int]) -> list[int]:

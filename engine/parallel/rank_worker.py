@@ -3,7 +3,7 @@
 Protocol with the driver (over the rank's pipe, after the launcher's ``ready``):
 
 - rank -> ``("loaded", capacity_blocks)``; driver -> ``("cache", n)`` (the minimum over all ranks);
-  rank -> ``("cache_ready", rank)``.
+  rank -> ``("cache_ready", rank, CacheLayout | None)`` (the layout when ``kv_transport`` is set).
 - driver -> ``("step", StepPlan)``: every rank of the replica runs it; the last stage's PCP rank 0
   answers ``("logits", tensor | None)`` with the plan's logits rows in plan order.
 - driver -> ``("read", physical_ids)``: the rank answers ``("blocks", {layer: [n, bs, L+R]})``.
@@ -15,7 +15,7 @@ from __future__ import annotations
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -29,6 +29,9 @@ from engine.parallel.collectives import gather_padded
 from engine.parallel.grid import ParallelConfig, stage_layers
 from engine.parallel.launcher import RankContext
 from engine.parallel.step_plan import StepPlan, build_rank_batch
+
+if TYPE_CHECKING:
+    from kv_transfer.layout import CacheLayout
 
 
 @dataclass(frozen=True)
@@ -72,6 +75,7 @@ class RankWorker:
         self.next_rank = stages[pp + 1] if pp + 1 < len(stages) else None
         self.reports = self.next_rank is None and self.coord.pcp == 0
         self.cache: KVCache | None = None
+        self.transport: Any = None  # a kv_transfer Transport when config.kv_transport is set
         self.rank = rank
         self.timing = envs.step_timing()
         self.profile_step = envs.profile_step()
@@ -83,8 +87,18 @@ class RankWorker:
             self.config, self.mc, self.max_model_len, self.dtype, self.device, len(self.layers)
         )
 
-    def init_cache(self, num_blocks: int) -> None:
+    def init_cache(self, num_blocks: int) -> CacheLayout | None:
+        """Allocate the cache; with a KV transport, register it and return its layout for the driver."""
         self.cache = KVCache(self.mc, self.layers, num_blocks, self.config.block_size, self.dtype, self.device)
+        if self.config.kv_transport != "mooncake":
+            return None
+        from kv_transfer.layout import describe_cache
+        from kv_transfer.transports.mooncake import MooncakeTransport
+
+        self.transport = MooncakeTransport(host=self.config.dist_host)
+        layout = describe_cache(self.transport.endpoint, self.cache.layers)
+        self.transport.register(layout)
+        return layout
 
     def _mark(self, what: str) -> None:
         """With PDCLUSTER_STEP_TIMING=1, print how long each phase of a step took (synchronising)."""
@@ -150,8 +164,8 @@ def serve_rank(ctx: RankContext) -> None:
     msg: Any = ctx.conn.recv()
     if msg[0] == "stop":
         return
-    worker.init_cache(int(msg[1]))
-    ctx.conn.send(("cache_ready", ctx.rank))
+    layout = worker.init_cache(int(msg[1]))
+    ctx.conn.send(("cache_ready", ctx.rank, layout))
     while True:
         msg = ctx.conn.recv()
         if msg[0] == "stop":

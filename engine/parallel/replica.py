@@ -59,8 +59,8 @@ class ParallelNode:
                 need = max_blocks_per_rank(max_model_len, bs, self.par.pcp, self.par.interleave(bs))
             check_kv_capacity(self.num_blocks, bs, max_model_len, need)
             self.group.broadcast(("cache", self.num_blocks))
-            for r in range(ws):
-                self._expect(r, "cache_ready", t)
+            # With a KV transport, each rank's registered cache (kv_transfer.layout.CacheLayout).
+            self.cache_layouts = {r: self._expect(r, "cache_ready", t)[2] for r in range(ws)}
         except BaseException:
             self.group.shutdown()
             raise

@@ -77,3 +77,26 @@ def test_abort_between_launch_and_finish_of_a_step(tiny_model) -> None:
         assert eng.finish_step() == []
         assert seq.finish_reason == "abort" and seq.output_token_ids == []
         assert eng.num_used_blocks == 0 and not eng.has_unfinished()
+
+
+def test_add_prefilled_frees_its_blocks_unless_the_transfer_succeeds(tiny_model) -> None:
+    prompt = [5, 6, 7, 8] * 10
+    with LLM(str(tiny_model), dtype="float32", device="cpu", max_model_len=256) as llm:
+        eng = llm.engine
+
+        def broken(ids: list[int]) -> list[int]:
+            raise RuntimeError("source gone")
+
+        with pytest.raises(RuntimeError, match="source gone"):
+            eng.add_prefilled(prompt, 9, SamplingParams(max_tokens=4), broken, request_id="x")
+        with pytest.raises(ValueError, match="block table"):
+            eng.add_prefilled(prompt, 9, SamplingParams(max_tokens=4), lambda ids: [ids[0]] * len(ids))
+        assert eng.num_used_blocks == 0 and not eng.has_unfinished()
+        done = eng.add_prefilled(prompt, 9, SamplingParams(max_tokens=1), lambda ids: ids[::-1])
+        assert done.finish_reason == "length" and done.output_token_ids == [9]
+        assert eng.num_used_blocks == 0
+        seq = eng.add_prefilled(prompt, 9, SamplingParams(max_tokens=3, temperature=0.0), lambda ids: ids, "y")
+        while eng.has_unfinished():
+            eng.step()
+        assert len(seq.output_token_ids) == 3 and seq.output_token_ids[0] == 9
+        assert eng.num_used_blocks == 0

@@ -1,0 +1,58 @@
+"""Prefill on PCP2 x PP2 rank processes, KV pulled through Mooncake into a decode engine, decoding on.
+
+The decode engine's blocks must equal the prefill ranks' KV byte for byte, decoding must give the
+tokens colocated PCP1 generation gives, and both sides must end with zero used blocks.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from kv_transfer.layout import RequestKV, describe_cache
+from kv_transfer.planner import arrange_destination, plan_transfer
+from kv_transfer.transports.mooncake import MooncakeTransport
+
+KW = dict(dtype="float32", device="cpu", max_model_len=1024)
+PROMPT = [(i * 7 + 3) % 1000 + 2 for i in range(607)]
+
+
+@pytest.mark.parametrize("layout", ["sharded", "replicated"])
+def test_pcp2_pp2_prefill_then_remote_decode_matches_colocated(tiny_model, layout) -> None:
+    greedy = SamplingParams(max_tokens=8, temperature=0.0)
+    with LLM(str(tiny_model), **KW) as colocated:
+        want = colocated.generate([PROMPT], greedy)[0].token_ids
+    with (
+        LLM(str(tiny_model), **KW, pcp=2, pp=2, kv_layout=layout, kv_transport="mooncake",
+            max_num_batched_tokens=128) as prefill,
+        LLM(str(tiny_model), **KW) as decode,
+    ):
+        pe, de = prefill.engine, decode.engine
+        seq = pe.add_request(PROMPT, SamplingParams(max_tokens=1, temperature=0.0), request_id="r", hold_kv=True)
+        while pe.has_unfinished():
+            pe.step()
+        request = RequestKV(pe.kv_ownership("r"), len(pe.held["r"].block_ids))
+        layouts = prefill.node.cache_layouts
+        receiver = MooncakeTransport()
+        dest_layout = describe_cache(receiver.endpoint, de.executor.cache.layers)
+        receiver.register(dest_layout)
+
+        def pull(block_ids: list[int]) -> list[int]:
+            table = arrange_destination(request, block_ids)
+            plan = plan_transfer(request, layouts, dest_layout, table)
+            assert len(plan.pull_segments()) == 4 or layout == "replicated"  # fan-in from every shard
+            receiver.read_all({layouts[s].endpoint: segs for s, segs in plan.pull_segments().items()}, 30)
+            return table
+
+        dseq = de.add_prefilled(PROMPT, seq.output_token_ids[0], greedy, pull, request_id="r")
+        sent, got = pe.read_kv("r"), de.read_kv("r")
+        assert sorted(sent) == sorted(got) == [0, 1, 2]
+        for layer in sent:
+            assert torch.equal(sent[layer], got[layer]), f"layer {layer} differs after the transfer"
+        assert pe.release("r")  # the decode side confirmed: the prefill side frees
+        while de.has_unfinished():
+            de.step()
+        assert dseq.output_token_ids == want
+        assert pe.num_used_blocks == 0 and de.num_used_blocks == 0
+        receiver.close()
