@@ -56,3 +56,36 @@ def test_pcp2_pp2_prefill_then_remote_decode_matches_colocated(tiny_model, layou
         assert dseq.output_token_ids == want
         assert pe.num_used_blocks == 0 and de.num_used_blocks == 0
         receiver.close()
+
+
+def test_a_killed_prefill_rank_fails_the_pull_and_leaves_no_blocks(tiny_model) -> None:
+    import os
+    import signal
+    import time
+
+    from kv_transfer.receiver import Receiver
+    from kv_transfer.transport import TransferError
+
+    with (
+        LLM(str(tiny_model), **KW, pcp=2, kv_transport="mooncake") as prefill,
+        LLM(str(tiny_model), **KW) as decode,
+    ):
+        pe, de = prefill.engine, decode.engine
+        seq = pe.add_request(PROMPT, SamplingParams(max_tokens=1, temperature=0.0), request_id="r", hold_kv=True)
+        while pe.has_unfinished():
+            pe.step()
+        request = RequestKV(pe.kv_ownership("r"), len(pe.held["r"].block_ids))
+        transport = MooncakeTransport()
+        dest = describe_cache(transport.endpoint, de.executor.cache.layers)
+        transport.register(dest)
+        receiver = Receiver(transport, dest, timeout_s=5.0)
+        fill = receiver.fill("r", request, prefill.node.cache_layouts)
+        os.kill(prefill.node.pids()[1], signal.SIGKILL)  # one shard's process dies before the pull
+        t0 = time.monotonic()
+        with pytest.raises(TransferError):
+            de.add_prefilled(PROMPT, seq.output_token_ids[0], SamplingParams(max_tokens=4), fill, request_id="r")
+        assert time.monotonic() - t0 < 6
+        assert de.num_used_blocks == 0 and not de.has_unfinished()
+        assert sum(receiver.stats.failures.values()) == 1
+        assert pe.release("r") and pe.num_used_blocks == 0  # the sender's accounting frees too
+        transport.close()
