@@ -8,6 +8,7 @@ A transport instance belongs to one rank. It registers the rank's cache regions,
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
@@ -53,8 +54,6 @@ class Transport(ABC):
 
         Transports that can have batches in flight together override this; here, one after another.
         """
-        import time
-
         deadline = time.monotonic() + timeout_s
         for peer, segments in batches.items():
             self.read(peer, segments, max(0.0, deadline - time.monotonic()))

@@ -63,8 +63,7 @@ class MooncakeTransport(Transport):
         in_flight = 0
         pause = 5e-5
         while todo or pending:
-            while todo and in_flight + len(todo[0][1]) <= max(MAX_IN_FLIGHT, len(todo[0][1])) and (
-                    not pending or in_flight + len(todo[0][1]) <= MAX_IN_FLIGHT):
+            while todo and in_flight + len(todo[0][1]) <= MAX_IN_FLIGHT:  # a part is at most MAX_BATCH
                 peer, part = todo.pop(0)
                 batch = submit(peer, [s.local_addr for s in part], [s.remote_addr for s in part],
                                [s.nbytes for s in part])
