@@ -51,13 +51,24 @@ class MLAttention(nn.Module):
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
         return q.view(-1, self.num_heads, self.cfg.qk_head_dim)  # [T, H, nope+rope]
 
-    def _expand_kv(self, kv_c: torch.Tensor, k_pe: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Latent [K, L] + rope key [K, R] -> per-head k [K, H, nope+rope], v [K, H, v]."""
+    def expand_kv(
+        self, kv_c: torch.Tensor, k_pe: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Latent [K, L] + rope key [K, R] -> per-head k [K, H, nope+rope], v [K, H, v].
+
+        With ``out`` (contiguous views, e.g. slices of a token-ordered buffer) the results are
+        written there instead of into new tensors.
+        """
         cfg = self.cfg
         kv = self.kv_b_proj(kv_c).view(-1, self.num_heads, cfg.qk_nope_head_dim + cfg.v_head_dim)
         k_nope, v = kv.split([cfg.qk_nope_head_dim, cfg.v_head_dim], dim=-1)
-        k = torch.cat((k_nope, k_pe.unsqueeze(1).expand(-1, self.num_heads, -1)), dim=-1)
-        return k, v
+        k_pe_heads = k_pe.unsqueeze(1).expand(-1, self.num_heads, -1)
+        if out is None:
+            return torch.cat((k_nope, k_pe_heads), dim=-1), v
+        k_out, v_out = out
+        torch.cat((k_nope, k_pe_heads), dim=-1, out=k_out)
+        v_out.copy_(v)
+        return k_out, v_out
 
     def _absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """W_UK [H, nope, L] and W_UV [H, v, L], views of kv_b_proj."""
@@ -119,12 +130,12 @@ class MLAttention(nn.Module):
     ) -> torch.Tensor:
         """One request's new rows [S, ...] attending its cached context and itself -> [S, H, v]."""
         q = torch.cat((q_nope, q_pe), dim=-1)
-        k, v = self._expand_kv(kv_c, k_pe)
+        k, v = self.expand_kv(kv_c, k_pe)
         if context_len == 0:
             return attention(q, k, v, self.scale, causal=True)
         out_new, lse_new = attention_lse(q, k, v, self.scale, causal=True)
         ctx = flat_cache[slots_for(block_table, 0, context_len, block_size)].to(kv_c.dtype)  # [C, L+R]
-        k_ctx, v_ctx = self._expand_kv(ctx[:, : self.cfg.kv_lora_rank], ctx[:, self.cfg.kv_lora_rank :])
+        k_ctx, v_ctx = self.expand_kv(ctx[:, : self.cfg.kv_lora_rank], ctx[:, self.cfg.kv_lora_rank :])
         out_ctx, lse_ctx = attention_lse(q, k_ctx, v_ctx, self.scale, causal=False)
         return merge_attention(out_ctx, lse_ctx, out_new, lse_new)[0]
 

@@ -66,7 +66,8 @@ def pcp_attention(
         v_all = latent.new_empty(n, attn.num_heads, attn.cfg.v_head_dim)
         row = rows.start
         for a, b in seg.runs:
-            _expand_into(attn, latent[row : row + b - a], k_all[a:b], v_all[a:b])
+            own = latent[row : row + b - a]
+            attn.expand_kv(own[:, :L], own[:, L:], out=(k_all[a:b], v_all[a:b]))
             row += b - a
         parts.append((q, k_all, v_all, *causal_squares(q, seg.runs, k_all, v_all, attn.scale)))
     if nd:
@@ -91,25 +92,17 @@ def pcp_attention(
         reach = max(a for a, _ in seg.runs)  # keys [0, reach) are some run's fully visible prefix
         if reach:
             for c, d in _gaps(seg.runs, reach):  # the prefix tokens other ranks computed
-                _expand_into(attn, new[seg.new.start + c : seg.new.start + d], k_all[c:d], v_all[c:d])
+                seg_new = new[seg.new.start + c : seg.new.start + d]
+                attn.expand_kv(seg_new[:, :L], seg_new[:, L:], out=(k_all[c:d], v_all[c:d]))
             o, lse = add_prefixes(q, seg.runs, o, lse, k_all, v_all, attn.scale)
         if seg.ctx.stop > seg.ctx.start:
             assert ctx is not None
             seg_ctx = ctx[seg.ctx]
-            kc, vc = attn._expand_kv(seg_ctx[:, :L], seg_ctx[:, L:])
+            kc, vc = attn.expand_kv(seg_ctx[:, :L], seg_ctx[:, L:])
             oc, lc = attention_lse(q, kc, vc, attn.scale, causal=False)
             o, lse = merge_attention(oc, lc, o, lse)
         out[rows] = o
     return out
-
-
-def _expand_into(attn: MLAttention, latent: torch.Tensor, k_out: torch.Tensor, v_out: torch.Tensor) -> None:
-    """Per-head K [n, H, nope+rope] and V [n, H, v] of latents [n, L+R], written into the given views."""
-    cfg = attn.cfg
-    kv = attn.kv_b_proj(latent[:, : cfg.kv_lora_rank]).view(-1, attn.num_heads, cfg.qk_nope_head_dim + cfg.v_head_dim)
-    k_pe = latent[:, cfg.kv_lora_rank :].unsqueeze(1).expand(-1, attn.num_heads, -1)
-    torch.cat((kv[..., : cfg.qk_nope_head_dim], k_pe), dim=-1, out=k_out)
-    v_out.copy_(kv[..., cfg.qk_nope_head_dim :])
 
 
 def _gaps(runs: list[tuple[int, int]], end: int) -> list[tuple[int, int]]:

@@ -101,10 +101,6 @@ def int_tensor(values: list[int]) -> torch.Tensor:
     return torch.frombuffer(array.array("q", values), dtype=torch.int64)
 
 
-def _table(ids: list[int]) -> torch.Tensor:
-    return int_tensor(ids)
-
-
 def _slots(table: torch.Tensor, pos: torch.Tensor, bs: int) -> torch.Tensor:
     return table[pos // bs] * bs + pos % bs
 
@@ -132,7 +128,7 @@ def build_rank_batch(
     decodes = [row for row in plan.rows if row.num_new == 1]
     prefills = [row for row in plan.rows if row.num_new > 1]
     nd = len(decodes)
-    local = [_table(local_block_ids(row.block_ids, par, r)) for row in plan.rows]
+    local = [int_tensor(local_block_ids(row.block_ids, par, r)) for row in plan.rows]
     ids: list[torch.Tensor] = [row.token_ids for row in decodes]
     positions: list[torch.Tensor] = [torch.tensor([row.start]) for row in decodes]
 

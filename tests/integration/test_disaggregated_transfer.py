@@ -1,4 +1,4 @@
-"""Prefill on PCP2 x PP2 rank processes, KV pulled through Mooncake into a decode engine, decoding on.
+"""Prefill on PCP x PP rank processes, KV pulled through Mooncake into a decode engine, decoding on.
 
 The decode engine's blocks must equal the prefill ranks' KV byte for byte, decoding must give the
 tokens colocated PCP1 generation gives, and both sides must end with zero used blocks.
@@ -6,16 +6,40 @@ tokens colocated PCP1 generation gives, and both sides must end with zero used b
 
 from __future__ import annotations
 
+import os
+import signal
+import time
+
 import pytest
 import torch
 
 from engine import LLM, SamplingParams
+from engine.sequence import Sequence
 from kv_transfer.layout import RequestKV, describe_cache
-from kv_transfer.planner import arrange_destination, plan_transfer
+from kv_transfer.receiver import Receiver
+from kv_transfer.state import TransferState
+from kv_transfer.transport import TransferError
 from kv_transfer.transports.mooncake import MooncakeTransport
 
 KW = dict(dtype="float32", device="cpu", max_model_len=1024)
 PROMPT = [(i * 7 + 3) % 1000 + 2 for i in range(607)]
+
+
+def _prefill_held(prefill: LLM) -> tuple[Sequence, RequestKV]:
+    """Prefill PROMPT as request "r" (first token sampled), its blocks held for the transfer."""
+    pe = prefill.engine
+    seq = pe.add_request(PROMPT, SamplingParams(max_tokens=1, temperature=0.0), request_id="r", hold_kv=True)
+    while pe.has_unfinished():
+        pe.step()
+    return seq, RequestKV(pe.kv_ownership("r"), len(pe.held["r"].block_ids))
+
+
+def _receiver(decode: LLM, timeout_s: float) -> Receiver:
+    """A Mooncake receiver with the decode engine's cache registered."""
+    transport = MooncakeTransport()
+    dest = describe_cache(transport.endpoint, decode.engine.executor.cache.layers)
+    transport.register(dest)
+    return Receiver(transport, dest, timeout_s=timeout_s)
 
 
 @pytest.mark.parametrize("layout", ["sharded", "replicated"])
@@ -29,23 +53,13 @@ def test_pcp2_pp2_prefill_then_remote_decode_matches_colocated(tiny_model, layou
         LLM(str(tiny_model), **KW) as decode,
     ):
         pe, de = prefill.engine, decode.engine
-        seq = pe.add_request(PROMPT, SamplingParams(max_tokens=1, temperature=0.0), request_id="r", hold_kv=True)
-        while pe.has_unfinished():
-            pe.step()
-        request = RequestKV(pe.kv_ownership("r"), len(pe.held["r"].block_ids))
-        layouts = prefill.node.cache_layouts
-        receiver = MooncakeTransport()
-        dest_layout = describe_cache(receiver.endpoint, de.executor.cache.layers)
-        receiver.register(dest_layout)
-
-        def pull(block_ids: list[int]) -> list[int]:
-            table = arrange_destination(request, block_ids)
-            plan = plan_transfer(request, layouts, dest_layout, table)
-            assert len(plan.pull_segments()) == 4 or layout == "replicated"  # fan-in from every shard
-            receiver.read_all({layouts[s].endpoint: segs for s, segs in plan.pull_segments().items()}, 30)
-            return table
-
-        dseq = de.add_prefilled(PROMPT, seq.output_token_ids[0], greedy, pull, request_id="r")
+        seq, request = _prefill_held(prefill)
+        receiver = _receiver(decode, timeout_s=30)
+        fill = receiver.fill("r", request, prefill.node.cache_layouts)
+        dseq = de.add_prefilled(PROMPT, seq.output_token_ids[0], greedy, fill, request_id="r")
+        record = receiver.stats.recent[-1]
+        assert record.state == TransferState.DONE
+        assert record.sources == 4  # every (pcp, pp) rank sends: shards fan in, replicas share the bytes
         sent, got = pe.read_kv("r"), de.read_kv("r")
         assert sorted(sent) == sorted(got) == [0, 1, 2]
         for layer in sent:
@@ -55,30 +69,17 @@ def test_pcp2_pp2_prefill_then_remote_decode_matches_colocated(tiny_model, layou
             de.step()
         assert dseq.output_token_ids == want
         assert pe.num_used_blocks == 0 and de.num_used_blocks == 0
-        receiver.close()
+        receiver.transport.close()
 
 
 def test_a_killed_prefill_rank_fails_the_pull_and_leaves_no_blocks(tiny_model) -> None:
-    import os
-    import signal
-    import time
-
-    from kv_transfer.receiver import Receiver
-    from kv_transfer.transport import TransferError
-
     with (
         LLM(str(tiny_model), **KW, pcp=2, kv_transport="mooncake") as prefill,
         LLM(str(tiny_model), **KW) as decode,
     ):
         pe, de = prefill.engine, decode.engine
-        seq = pe.add_request(PROMPT, SamplingParams(max_tokens=1, temperature=0.0), request_id="r", hold_kv=True)
-        while pe.has_unfinished():
-            pe.step()
-        request = RequestKV(pe.kv_ownership("r"), len(pe.held["r"].block_ids))
-        transport = MooncakeTransport()
-        dest = describe_cache(transport.endpoint, de.executor.cache.layers)
-        transport.register(dest)
-        receiver = Receiver(transport, dest, timeout_s=5.0)
+        seq, request = _prefill_held(prefill)
+        receiver = _receiver(decode, timeout_s=5.0)
         fill = receiver.fill("r", request, prefill.node.cache_layouts)
         os.kill(prefill.node.pids()[1], signal.SIGKILL)  # one shard's process dies before the pull
         t0 = time.monotonic()
@@ -88,4 +89,4 @@ def test_a_killed_prefill_rank_fails_the_pull_and_leaves_no_blocks(tiny_model) -
         assert de.num_used_blocks == 0 and not de.has_unfinished()
         assert sum(receiver.stats.failures.values()) == 1
         assert pe.release("r") and pe.num_used_blocks == 0  # the sender's accounting frees too
-        transport.close()
+        receiver.transport.close()

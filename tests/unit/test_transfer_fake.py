@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from transfer_helpers import BS, DIM, marked_caches
 
 from engine import LLM, SamplingParams
 from engine.parallel.grid import ParallelConfig
@@ -15,8 +16,6 @@ from kv_transfer.state import TransferState, agree
 from kv_transfer.transport import Segment, TransferError
 from kv_transfer.transports.fake import Fabric
 
-BS, DIM = 4, 8
-
 
 @pytest.fixture()
 def setup():
@@ -25,14 +24,10 @@ def setup():
     ids = ShardedBlockAllocator(8, 2, BS, BS).allocate(6)
     own = kv_ownership(ids, par, dp=0, num_layers=2)
     fabric = Fabric()
-    caches, layouts = {}, {}
+    layouts = {}
+    caches = marked_caches(own, 8)
     for h in own:
-        layers = {i: torch.full((8, BS, DIM), -1.0) for i in h.layers}
-        for j, b in zip(h.logical, h.physical):
-            for i in h.layers:
-                layers[i][b] = 1000 * i + j
-        caches[h.rank] = layers
-        layouts[h.rank] = describe_cache(f"prefill-{h.rank}", layers)
+        layouts[h.rank] = describe_cache(f"prefill-{h.rank}", caches[h.rank])
         fabric.transport(layouts[h.rank].endpoint).register(layouts[h.rank])
     dest = {i: torch.zeros(10, BS, DIM) for i in range(2)}
     dest_layout = describe_cache("decode-0", dest)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from transfer_helpers import BS, DIM, marked_caches
 
 from engine.kv_cache import BlockAllocator
 from engine.parallel.grid import ParallelConfig
@@ -15,20 +16,8 @@ from engine.parallel.kv_layout import ShardedBlockAllocator, kv_ownership
 from kv_transfer.layout import RequestKV, describe_cache
 from kv_transfer.planner import TransferPlan, arrange_destination, plan_transfer
 
-BS, DIM, LAYERS = 4, 8, 4
+LAYERS = 4
 DEST_BLOCKS = [3, 4, 5, 6, 10, 11, 12, 13, 14]  # two destination runs
-
-
-def _caches(par: ParallelConfig, own: list) -> dict[int, dict[int, torch.Tensor]]:
-    """Per source rank, its layers' caches; block of logical j in layer l holds the value 1000·l + j."""
-    caches = {}
-    for h in own:
-        layers = {i: torch.full((16, BS, DIM), -1.0) for i in h.layers}
-        for j, b in zip(h.logical, h.physical):
-            for i in h.layers:
-                layers[i][b] = 1000 * i + j
-        caches[h.rank] = layers
-    return caches
 
 
 def _execute(plan: TransferPlan, caches: dict[int, dict[int, torch.Tensor]], dest: dict[int, torch.Tensor]) -> None:
@@ -40,7 +29,7 @@ def _execute(plan: TransferPlan, caches: dict[int, dict[int, torch.Tensor]], des
 
 def _run(par: ParallelConfig, ids: list[int]) -> tuple[TransferPlan, dict[int, torch.Tensor], list]:
     own = kv_ownership(ids, par, dp=0, num_layers=LAYERS)
-    caches = _caches(par, own)
+    caches = marked_caches(own, 16)
     dest = {i: torch.zeros(20, BS, DIM) for i in range(LAYERS)}
     plan = plan_transfer(
         RequestKV(own, len(ids)),
@@ -85,7 +74,7 @@ def test_arranged_destination_makes_one_copy_per_source_and_layer() -> None:
     request = RequestKV(own, 9)
     dest_blocks = arrange_destination(request, list(range(11, 20)))
     assert sorted(dest_blocks) == list(range(11, 20))
-    caches = _caches(par, own)
+    caches = marked_caches(own, 16)
     dest = {i: torch.zeros(20, BS, DIM) for i in range(LAYERS)}
     layouts = {rank: describe_cache(f"p{rank}", layers) for rank, layers in caches.items()}
     plan = plan_transfer(request, layouts, describe_cache("d", dest), dest_blocks)
@@ -114,7 +103,7 @@ def test_plan_refuses_what_cannot_be_moved() -> None:
     par = ParallelConfig(pcp=2)
     ids = ShardedBlockAllocator(16, 2, BS, BS).allocate(4)
     own = kv_ownership(ids, par, dp=0, num_layers=2)
-    caches = _caches(par, own)
+    caches = marked_caches(own, 16)
     layouts = {r: describe_cache(f"p{r}", layers) for r, layers in caches.items()}
     dest = describe_cache("d", {i: torch.zeros(8, BS, DIM) for i in range(2)})
     with pytest.raises(ValueError, match="4 blocks to move but 3"):
