@@ -1,0 +1,72 @@
+"""What the registry knows about a node: its identity and shape, its load, its flags.
+
+Shared vocabulary of the nodes (which publish it), the registry (which stores it) and the proxy
+(which routes by it). Plain frozen dataclasses; ``to_dict``/``from_dict`` give the JSON form the
+registry stores and the admin API shows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    """A node's identity and shape; fixed for the node's life."""
+
+    node_id: str
+    role: str  # "prefill" | "decode"
+    address: str  # gRPC "host:port"
+    model: str  # the served model name
+    max_model_len: int
+    dp: int
+    pcp: int
+    pp: int
+    kv_layout: str  # "sharded" | "replicated" (decode: "replicated")
+    block_size: int
+    num_blocks: int  # KV blocks of one replica
+    started_at: float  # unix time
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @staticmethod
+    def from_dict(d: dict[str, Any]) -> NodeInfo:
+        return NodeInfo(**{k: d[k] for k in NodeInfo.__dataclass_fields__})
+
+
+@dataclass(frozen=True)
+class ReplicaLoad:
+    """One DP replica's load, as last published."""
+
+    dp_rank: int
+    queued_prefill_tokens: int = 0  # prompt tokens admitted but not yet prefilled
+    waiting: int = 0
+    running: int = 0
+    used_blocks: int = 0
+    free_blocks: int = 0
+
+    @staticmethod
+    def from_dict(d: dict[str, Any]) -> ReplicaLoad:
+        return ReplicaLoad(**{k: d[k] for k in ReplicaLoad.__dataclass_fields__ if k in d})
+
+
+@dataclass(frozen=True)
+class NodeState:
+    """A node as the registry sees it now."""
+
+    info: NodeInfo
+    replicas: tuple[ReplicaLoad, ...] = field(default_factory=tuple)
+    draining: bool = False
+    heartbeat_at: float = 0.0  # unix time of the last heartbeat
+    healthy: bool = True  # heartbeat within the registry's TTL
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            **self.info.to_dict(),
+            "replicas": [asdict(r) for r in self.replicas],
+            "draining": self.draining,
+            "heartbeat_at": self.heartbeat_at,
+            "healthy": self.healthy,
+        }
