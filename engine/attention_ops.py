@@ -93,20 +93,27 @@ def _attention_lse_reference(
 
 
 def merge_attention(
-    o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2: torch.Tensor
+    o1: torch.Tensor,
+    lse1: torch.Tensor,
+    o2: torch.Tensor,
+    lse2: torch.Tensor,
+    out: tuple[torch.Tensor, torch.Tensor | None] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Combine two attention results over disjoint key sets. An empty part has lse = -inf (never NaN).
 
     The weights are computed in fp32 on [S, H]; the outputs are mixed in their own dtype by one
     ``lerp`` (in bf16 that reads and writes each output once instead of round-tripping it through
     fp32, about a tenth of the memory traffic; the weight is rounded to bf16, within the rounding
-    the output gets anyway).
+    the output gets anyway). With ``out`` (output, and lse or None) the results are written there.
     """
     m = torch.maximum(lse1, lse2)
     m = torch.where(torch.isinf(m), torch.zeros_like(m), m)  # both parts empty: keep weights finite (0)
     w1, w2 = torch.exp(lse1 - m), torch.exp(lse2 - m)  # [S, H]
     denom = w1 + w2
     safe = torch.where(denom == 0, torch.ones_like(denom), denom)
-    out = torch.lerp(o2, o1, (w1 / safe).unsqueeze(-1).to(o1.dtype))
+    w = (w1 / safe).unsqueeze(-1).to(o1.dtype)
+    o = torch.lerp(o2, o1, w) if out is None else torch.lerp(o2, o1, w, out=out[0])
     lse = torch.where(denom == 0, torch.full_like(m, float("-inf")), m + torch.log(safe))
-    return out, lse
+    if out is not None and out[1] is not None:
+        out[1].copy_(lse)
+    return o, lse

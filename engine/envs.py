@@ -2,6 +2,8 @@
 
 - ``PDCLUSTER_STEP_TIMING=1``: each rank prints how long each phase of a step took (synchronising).
 - ``PDCLUSTER_PROFILE_STEP=N``: rank 0 prints a torch.profiler table of its N-th step.
+- ``PDCLUSTER_PROFILE_TRACE=DIR``: with ``PDCLUSTER_PROFILE_STEP``, rank 0 also writes a Chrome trace
+  of that step to ``DIR/rank0-step<N>.json``.
 """
 
 from __future__ import annotations
@@ -21,3 +23,7 @@ def profile_step() -> int | None:
         return int(value)
     except ValueError:
         raise ValueError(f"PDCLUSTER_PROFILE_STEP must be a step number, got {value!r}") from None
+
+
+def profile_trace_dir() -> str | None:
+    return os.environ.get("PDCLUSTER_PROFILE_TRACE") or None

@@ -28,50 +28,59 @@ def contiguous_runs(indices: list[int]) -> list[tuple[int, int]]:
 
 def causal_squares(
     q: torch.Tensor, runs: list[tuple[int, int]], k: torch.Tensor, v: torch.Tensor, scale: float
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Each run's rows attending causally to the run's own keys ``k[a:b]`` (k/v indexed by new-token
     position; only the runs' own positions are read, so the rest may be unfilled yet): the part that
-    needs nothing from other ranks. -> (out [S_local, H, Dv], lse [S_local, H])."""
-    if not runs:
-        lse_dtype = torch.promote_types(q.dtype, torch.float32)
-        return q.new_empty(0, q.shape[1], v.shape[-1]), q.new_empty(0, q.shape[1], dtype=lse_dtype)
-    outs, lses = [], []
+    needs nothing from other ranks. -> per run (out [b - a, H, Dv], lse [b - a, H])."""
+    parts = []
     row = 0
     for a, b in runs:
-        out, lse = attention_lse(q[row : row + b - a], k[a:b], v[a:b], scale, causal=True)
-        outs.append(out)
-        lses.append(lse)
+        parts.append(attention_lse(q[row : row + b - a], k[a:b], v[a:b], scale, causal=True))
         row += b - a
-    return torch.cat(outs), torch.cat(lses)
+    return parts
 
 
-def add_prefixes(
+def finish_runs(
     q: torch.Tensor,
     runs: list[tuple[int, int]],
-    out: torch.Tensor,
-    lse: torch.Tensor,
+    squares: list[tuple[torch.Tensor, torch.Tensor]],
     k_prefix: torch.Tensor,
     v_prefix: torch.Tensor,
     scale: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    out: torch.Tensor,
+    lse_out: torch.Tensor | None = None,
+    context: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> None:
     """Merge into each run ``[a, b)`` its fully visible keys ``[0, a)`` (k/v_prefix cover at least
-    ``[0, max a)``). A run with a = 0 has none (its LSE part is −inf, so it is left as it is)."""
+    ``[0, max a)``) and, if given, its rows' part of an attention over other keys (``context``: out
+    and lse for all of q's rows), writing the result into ``out`` (and ``lse_out``) [S_local, ...].
+
+    The last merge of each run writes straight into ``out``, so no per-run result is copied again.
+    A run with a = 0 has no prefix (LSE = −inf): its causal square is its result.
+    """
     row = 0
-    for a, b in runs:
+    for (a, b), (o, lse) in zip(runs, squares):
         sl = slice(row, row + b - a)
         row += b - a
-        if a == 0:
-            continue
-        o_p, l_p = attention_lse(q[sl], k_prefix[:a], v_prefix[:a], scale, causal=False)
-        out[sl], lse[sl] = merge_attention(o_p, l_p, out[sl], lse[sl])
-    return out, lse
+        dst = (out[sl], None if lse_out is None else lse_out[sl])
+        if a:
+            pre = attention_lse(q[sl], k_prefix[:a], v_prefix[:a], scale, causal=False)
+            o, lse = merge_attention(*pre, o, lse, out=None if context is not None else dst)
+        if context is not None:
+            merge_attention(context[0][sl], context[1][sl], o, lse, out=dst)
+        elif not a:
+            dst[0].copy_(o)
+            if dst[1] is not None:
+                dst[1].copy_(lse)
 
 
 def pcp_local_attention(
     q: torch.Tensor, runs: list[tuple[int, int]], k: torch.Tensor, v: torch.Tensor, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q [S_local, H, Dq] for the new-token index ``runs`` (ascending, half-open, see
-    ``contiguous_runs``); k/v [N, H, ·] all new tokens -> causal attention within the new tokens.
-    """
-    out, lse = causal_squares(q, runs, k, v, scale)
-    return add_prefixes(q, runs, out, lse, k, v, scale)
+    ``contiguous_runs``); k/v [N, H, ·] all new tokens -> causal attention within the new tokens,
+    (out [S_local, H, Dv], lse [S_local, H])."""
+    out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
+    lse = q.new_empty(q.shape[0], q.shape[1], dtype=torch.promote_types(q.dtype, torch.float32))
+    finish_runs(q, runs, causal_squares(q, runs, k, v, scale), k, v, scale, out, lse)
+    return out, lse

@@ -25,7 +25,7 @@ import torch
 from engine.attention_ops import attention_lse, merge_attention
 from engine.forward_batch import ForwardBatch, gather_latents
 from engine.parallel.collectives import PendingGather, gather_padded, start_gather
-from engine.parallel.pcp_attention import add_prefixes, causal_squares
+from engine.parallel.pcp_attention import causal_squares, finish_runs
 
 if TYPE_CHECKING:
     from engine.mla import MLAttention
@@ -69,7 +69,7 @@ def pcp_attention(
             own = latent[row : row + b - a]
             attn.expand_kv(own[:, :L], own[:, L:], out=(k_all[a:b], v_all[a:b]))
             row += b - a
-        parts.append((q, k_all, v_all, *causal_squares(q, seg.runs, k_all, v_all, attn.scale)))
+        parts.append((q, k_all, v_all, causal_squares(q, seg.runs, k_all, v_all, attn.scale)))
     if nd:
         out[:nd] = _decode(attn, q_nope[:nd], q_pe[:nd], batch, flat_cache, block_size, latent[:nd])
 
@@ -84,24 +84,22 @@ def pcp_attention(
         ctx = mine if st.ctx_index is None else gather_padded(mine, st.ctx_counts, st.group)[st.ctx_index]
         ctx = ctx.to(latent.dtype)
 
-    for seg, (q, k_all, v_all, o, lse) in zip(st.segments, parts):
+    for seg, (q, k_all, v_all, squares) in zip(st.segments, parts):
         rows = seg.local_rows
         if rows.stop == rows.start:
             continue
         assert new is not None
         reach = max(a for a, _ in seg.runs)  # keys [0, reach) are some run's fully visible prefix
-        if reach:
-            for c, d in _gaps(seg.runs, reach):  # the prefix tokens other ranks computed
-                seg_new = new[seg.new.start + c : seg.new.start + d]
-                attn.expand_kv(seg_new[:, :L], seg_new[:, L:], out=(k_all[c:d], v_all[c:d]))
-            o, lse = add_prefixes(q, seg.runs, o, lse, k_all, v_all, attn.scale)
+        for c, d in _gaps(seg.runs, reach):  # the prefix tokens other ranks computed
+            seg_new = new[seg.new.start + c : seg.new.start + d]
+            attn.expand_kv(seg_new[:, :L], seg_new[:, L:], out=(k_all[c:d], v_all[c:d]))
+        context = None
         if seg.ctx.stop > seg.ctx.start:
             assert ctx is not None
             seg_ctx = ctx[seg.ctx]
             kc, vc = attn.expand_kv(seg_ctx[:, :L], seg_ctx[:, L:])
-            oc, lc = attention_lse(q, kc, vc, attn.scale, causal=False)
-            o, lse = merge_attention(oc, lc, o, lse)
-        out[rows] = o
+            context = attention_lse(q, kc, vc, attn.scale, causal=False)
+        finish_runs(q, seg.runs, squares, k_all, v_all, attn.scale, out[rows], context=context)
     return out
 
 

@@ -12,6 +12,7 @@ Protocol with the driver (over the rank's pipe, after the launcher's ``ready``):
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -123,6 +124,9 @@ class RankWorker:
             out = self._execute(plan)
         key = "cuda_time_total" if self.device.type == "cuda" else "cpu_time_total"
         print(prof.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=60), file=sys.stderr)
+        trace_dir = envs.profile_trace_dir()
+        if trace_dir:
+            prof.export_chrome_trace(os.path.join(trace_dir, f"rank0-step{self.steps}.json"))
         return out
 
     @torch.inference_mode()
