@@ -62,13 +62,21 @@ class LLM:
     """
 
     def __init__(self, model: str, **kwargs: Any) -> None:
-        config = EngineConfig(model=model, **kwargs)
+        self._start(EngineConfig(model=model, **kwargs))
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> LLM:
+        llm = cls.__new__(cls)
+        llm._start(config)
+        return llm
+
+    def _start(self, config: EngineConfig) -> None:
         par = config.parallel()
         self.node: ParallelNode | None = None
         if par.world_size == 1:
             self.engines = [LLMEngine(config)]
         else:
-            mc = ModelConfig.from_pretrained(model)
+            mc = ModelConfig.from_pretrained(config.model)
             # The driver only schedules and samples on the host: small tensors, for which torch's
             # OpenMP pool costs more in wake-ups than it saves (measured: plan building 5x slower).
             torch.set_num_threads(config.cpu_threads)

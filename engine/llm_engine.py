@@ -118,36 +118,66 @@ class LLMEngine:
         request_id: str | None = None,
         first_logprob: float = float("nan"),
     ) -> Sequence:
-        """Admit a request whose prompt KV was computed elsewhere (disaggregated decode).
+        """Admit a request whose prompt KV was computed elsewhere (disaggregated decode), in one call.
 
         Blocks for the prompt are allocated here and handed to ``fill(block_ids)``: the KV transfer,
         which may place the prompt's blocks among them as it likes (``kv_transfer.planner.
         arrange_destination``) and returns the block table, the block of each logical block in
-        order. Only when it returns does the
-        request join the running batch, with ``first_token`` as its first output; if it raises, the
-        blocks are freed and the error propagates.
+        order. Only when it returns does the request join the running batch, with ``first_token``
+        as its first output; if it raises, the blocks are freed and the error propagates.
+        (``begin_prefilled`` / ``admit_prefilled`` are the same in two halves, for a fill that runs
+        while the engine keeps stepping.)
+        """
+        seq = self.begin_prefilled(prompt, params, request_id)
+        try:
+            table = fill(list(seq.block_ids))
+            self.admit_prefilled(seq, table, first_token, first_logprob)
+        except BaseException:
+            self.abort(seq.request_id)
+            raise
+        return seq
+
+    def begin_prefilled(self, prompt: list[int], params: SamplingParams, request_id: str | None = None) -> Sequence:
+        """First half of ``add_prefilled``: validate and allocate the prompt's blocks (``seq.block_ids``).
+
+        The request is not scheduled until ``admit_prefilled``; ``abort`` frees its blocks.
+        Raises ``MemoryError`` when the blocks are not free now.
         """
         seq = self.add_request(prompt, params, request_id)
         self.scheduler.waiting.remove(seq)
         n = -(-len(prompt) // self.config.block_size)
-        try:
-            if not self.scheduler.allocator.can_allocate(n):
-                raise MemoryError(f"no room for {n} KV blocks (free: {self.scheduler.allocator.num_free})")
-            seq.block_ids = self.scheduler.allocator.allocate(n)
-            table = fill(list(seq.block_ids))
-            if sorted(table) != sorted(seq.block_ids):
-                raise ValueError("fill() must return a block table made of exactly the blocks it was given")
-            seq.block_ids = list(table)
-        except BaseException:
+        if not self.scheduler.allocator.can_allocate(n):
             self._requests.pop(seq.request_id, None)
             self.scheduler.finish(seq, "abort")
-            raise
-        seq.num_computed = len(prompt)
+            raise MemoryError(f"no room for {n} KV blocks (free: {self.scheduler.allocator.num_free})")
+        seq.block_ids = self.scheduler.allocator.allocate(n)
+        return seq
+
+    def admit_prefilled(
+        self,
+        seq: Sequence,
+        table: list[int],
+        first_token: int,
+        first_logprob: float = float("nan"),
+        first_top: dict[int, float] | None = None,
+    ) -> bool:
+        """Second half: the blocks hold the prompt's KV in the order ``table``; join the running batch
+        with ``first_token`` as the first output. Returns True if that token already finished it."""
+        if self._requests.get(seq.request_id) is not seq:
+            raise KeyError(f"request {seq.request_id!r} is not waiting for admission (aborted?)")
+        if sorted(table) != sorted(seq.block_ids):
+            raise ValueError("the block table must be made of exactly the blocks allocated for the request")
+        if not 0 <= first_token < self.model_config.vocab_size:
+            raise ValueError(f"first token {first_token} outside the vocabulary")
+        seq.block_ids = list(table)
+        seq.num_computed = len(seq.prompt_token_ids)
         seq.status = SeqStatus.RUNNING
         self.scheduler.running.append(seq)
-        if self._append(seq, first_token, first_logprob, None):  # max_tokens=1, or a stop token
+        top = first_top if seq.params.logprobs is not None else None
+        if self._append(seq, first_token, first_logprob, top):  # max_tokens=1, or a stop token
             self._requests.pop(seq.request_id, None)
-        return seq
+            return True
+        return False
 
     def _tokenize(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):

@@ -1,0 +1,158 @@
+"""What both node roles share at run time: the gRPC server's life, the registry heartbeat, signals.
+
+A node is a ``NodeWorker`` (the engine side, on its own threads) plus a gRPC servicer. ``serve``
+starts the server on the configured address (port 0: a free one), joins the registry with a
+heartbeat thread that publishes the worker's load every ``heartbeat_s``, and runs until SIGTERM /
+SIGINT or until the worker fails. Stopping: leave the registry (no new routing), let in-flight
+requests finish for up to ``grace_s``, abort the rest, stop the server and the worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import socket
+import threading
+import time
+from collections.abc import Callable
+from typing import Protocol
+
+import grpc
+
+from cluster.config import NodeConfig
+from cluster.nodes import NodeInfo, ReplicaLoad
+from cluster.proto_gen import pdcluster_v1_pb2 as pb
+
+log = logging.getLogger("pdcluster.node")
+
+# KV handles of long prompts on many ranks exceed gRPC's 4 MiB default.
+GRPC_OPTIONS = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]
+
+
+class NodeWorker(Protocol):
+    failed: threading.Event  # set when the engine can no longer serve (a rank died)
+    failure: str | None
+
+    def load(self) -> list[ReplicaLoad]: ...
+
+    def in_flight(self) -> int: ...
+
+    def abort_all(self, why: str) -> None: ...
+
+    def shutdown(self) -> None: ...
+
+
+def transfer_host(config: NodeConfig) -> str:
+    """The address peers reach this node's KV transport at: the advertised host, as an IP."""
+    host = config.dial_host
+    if host in ("0.0.0.0", "::", ""):
+        raise ValueError("listening on all interfaces: set --advertise-host to the address peers dial")
+    return socket.gethostbyname(host)
+
+
+class Heartbeat(threading.Thread):
+    """Publishes the node's info and load to the registry; tracks the draining flag it returns."""
+
+    def __init__(self, config: NodeConfig, info: NodeInfo, load: Callable[[], list[ReplicaLoad]]) -> None:
+        super().__init__(name="heartbeat", daemon=True)
+        from cluster.registry import Registry
+
+        self.registry = Registry(config.registry)
+        self.info = info
+        self.load = load
+        self.every_s = config.registry.heartbeat_s
+        self.draining = False
+        self.stopped = threading.Event()
+        self.last_error: str | None = None
+
+    def beat(self) -> None:
+        try:
+            self.draining = self.registry.heartbeat(self.info, self.load())
+            if self.last_error:
+                log.info("registry reachable again")
+            self.last_error = None
+        except Exception as e:  # Redis away: keep serving, keep trying (the TTL marks us unhealthy)
+            if self.last_error is None:
+                log.warning("heartbeat failed: %s", e)
+            self.last_error = str(e)
+
+    def run(self) -> None:
+        while not self.stopped.wait(self.every_s):
+            self.beat()
+
+    def stop(self) -> None:
+        self.stopped.set()
+        try:
+            self.registry.deregister(self.info.node_id)
+        except Exception as e:
+            log.warning("could not deregister: %s", e)
+        self.registry.close()
+
+
+class NodeState:
+    """Status for the Health RPC."""
+
+    def __init__(self) -> None:
+        self.stopping = False
+        self.heartbeat: Heartbeat | None = None
+
+    def health(self, node_id: str, role: str) -> pb.HealthResponse:
+        status = pb.HealthResponse.SERVING
+        if self.stopping:
+            status = pb.HealthResponse.STOPPING
+        elif self.heartbeat is not None and self.heartbeat.draining:
+            status = pb.HealthResponse.DRAINING
+        return pb.HealthResponse(status=status, node_id=node_id, role=role)
+
+
+async def serve(
+    config: NodeConfig,
+    worker: NodeWorker,
+    info_for: Callable[[str], NodeInfo],
+    add_servicer: Callable[[grpc.aio.Server], None],
+    state: NodeState,
+) -> int:
+    """Run the node until a signal or a worker failure; returns the process exit code."""
+    server = grpc.aio.server(options=GRPC_OPTIONS)
+    add_servicer(server)
+    port = server.add_insecure_port(f"{config.host}:{config.port}")
+    if port == 0:
+        raise RuntimeError(f"cannot listen on {config.host}:{config.port}")
+    await server.start()
+    info = info_for(f"{config.dial_host}:{port}")
+    heartbeat = Heartbeat(config, info, worker.load)
+    state.heartbeat = heartbeat
+    heartbeat.beat()  # registered before we say we are up
+    heartbeat.start()
+    log.info("%s %s serving on %s:%d", config.role, config.node_id, config.host, port)
+    print(f"{config.role} node {config.node_id} ready on {info.address}", flush=True)
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    while not stop.is_set() and not worker.failed.is_set():
+        try:
+            await asyncio.wait_for(stop.wait(), timeout=0.2)
+        except TimeoutError:
+            pass
+    code = 0
+    if worker.failed.is_set():
+        log.error("node failed: %s", worker.failure)
+        code = 1
+    state.stopping = True
+    heartbeat.stop()  # leave the registry first: no new requests are routed here
+    deadline = time.monotonic() + (config.grace_s if code == 0 else 0.0)
+    while worker.in_flight() and time.monotonic() < deadline:
+        await asyncio.sleep(0.1)
+    worker.abort_all("the node is shutting down")
+    await server.stop(grace=1.0)
+    worker.shutdown()
+    return code
+
+
+def run(main: Callable[[], asyncio.Future | object]) -> None:
+    """Process entry: logging, then the node's async main; exits with its code."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    raise SystemExit(asyncio.run(main()))  # type: ignore[arg-type]

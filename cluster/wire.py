@@ -1,0 +1,46 @@
+"""Conversions between the wire messages (``pdcluster.v1``) and the engine's types."""
+
+from __future__ import annotations
+
+import math
+
+from cluster.proto_gen import pdcluster_v1_pb2 as pb
+from engine.sampling_params import SamplingParams
+
+
+def sampling_from_pb(m: pb.SamplingParams, max_tokens: int | None = None) -> SamplingParams:
+    """The engine's SamplingParams; raises ValueError for values it refuses (-> INVALID_ARGUMENT)."""
+    return SamplingParams(
+        temperature=float(m.temperature),
+        top_p=float(m.top_p) if m.top_p else 1.0,
+        top_k=int(m.top_k),
+        seed=int(m.seed) if m.HasField("seed") else None,
+        max_tokens=int(m.max_tokens) if max_tokens is None else max_tokens,
+        min_tokens=int(m.min_tokens),
+        stop=list(m.stop) or None,
+        stop_token_ids=list(m.stop_token_ids) or None,
+        ignore_eos=bool(m.ignore_eos),
+        logprobs=int(m.logprobs) if m.HasField("logprobs") else None,
+    )
+
+
+def sampling_to_pb(p: SamplingParams) -> pb.SamplingParams:
+    m = pb.SamplingParams(
+        temperature=p.temperature, top_p=p.top_p, top_k=max(p.top_k, 0), max_tokens=p.max_tokens or 0,
+        min_tokens=p.min_tokens, stop=p.stop_strings, stop_token_ids=p.stop_token_ids or [], ignore_eos=p.ignore_eos,
+    )
+    if p.seed is not None:
+        m.seed = p.seed
+    if p.logprobs is not None:
+        m.logprobs = p.logprobs
+    return m
+
+
+def token_pb(token_id: int, logprob: float | None = None, top: dict[int, float] | None = None) -> pb.Token:
+    lp = math.nan if logprob is None else float(logprob)
+    return pb.Token(token_id=token_id, logprob=lp,
+                    top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in (top or {}).items()])
+
+
+def top_from_pb(t: pb.Token) -> dict[int, float] | None:
+    return {x.token_id: x.logprob for x in t.top} or None

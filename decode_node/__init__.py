@@ -1,0 +1,1 @@
+"""Decode node: DP replicas with continuous batching behind the gRPC DecodeService."""

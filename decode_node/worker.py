@@ -1,0 +1,295 @@
+"""The decode node's engine side: DP replicas with continuous batching, KV pulled from prefill ranks.
+
+Request lifecycle (SGLang-style queues, one replica):
+
+1. **Transfer**: ``submit`` hands over a request prefilled elsewhere. On the replica's engine
+   thread its prompt blocks are allocated (``begin_prefilled``); the pull from the prefill ranks
+   runs on a transfer thread, so the running batch keeps stepping meanwhile.
+2. **Admit**: when the pull is done the request joins the running batch between two steps
+   (``admit_prefilled``) and the client hears ``Admitted``; the service then confirms to the
+   prefill node, which frees its copy.
+3. **Run**: every step's new tokens go to the request's stream; the last event has the finish
+   reason. Aborts (client gone, node stopping) free the blocks between steps.
+
+A pull that fails frees its blocks at once, except after a timeout: Mooncake cannot cancel a
+batch, so late bytes may still land; those blocks stay allocated for another timeout period
+(quarantine) before they are reused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import queue
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from cluster.config import NodeConfig
+from cluster.nodes import ReplicaLoad
+from cluster.proto_gen import pdcluster_v1_pb2 as pb
+from cluster.wire import token_pb
+from engine.engine_config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.sampling_params import SamplingParams
+from engine.sequence import Sequence
+from kv_transfer.handle import KVSource
+from kv_transfer.layout import describe_cache
+from kv_transfer.receiver import Receiver, TransferStats
+from kv_transfer.transport import TransferError, Transport
+
+log = logging.getLogger("pdcluster.decode")
+
+
+@dataclass
+class DecodeJob:
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+    first: pb.Token
+    source: KVSource
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue  # of pb.DecodeEvent, then None (end) or an Exception
+    seq: Sequence | None = None
+    sent: int = 1  # output tokens already known to the client (the first came from prefill)
+    admitted: bool = False  # the pull is done and the request is in the running batch
+    cancelled: bool = False
+    replica: int = -1
+    t_submit: float = field(default_factory=time.monotonic)
+
+    def emit(self, item: Any) -> None:
+        self.loop.call_soon_threadsafe(self.events.put_nowait, item)
+
+
+class Replica:
+    """One DP replica: an engine on its own thread (and device), and its pulls."""
+
+    def __init__(self, index: int, config: EngineConfig, transport: Transport, stats: TransferStats,
+                 timeout_s: float, pool: ThreadPoolExecutor, worker: DecodeWorker) -> None:
+        self.index = index
+        self.engine = LLMEngine(config)
+        dest = describe_cache(transport.endpoint, self.engine.executor.cache.layers)
+        transport.register(dest)
+        self.receiver = Receiver(transport, dest, timeout_s=timeout_s, stats=stats)
+        self.timeout_s = timeout_s
+        self.pool = pool
+        self.worker = worker
+        self.jobs: dict[str, DecodeJob] = {}  # transferring or running
+        self.quarantine: list[tuple[float, str]] = []  # (free after, request id)
+        self.inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self.wake = threading.Event()
+        self.stop = False
+        self.load = ReplicaLoad(dp_rank=index, free_blocks=self.engine.scheduler.allocator.num_free)
+        self.thread = threading.Thread(target=self._run, name=f"decode-engine-{index}", daemon=True)
+        self.thread.start()
+
+    def send(self, kind: str, arg: Any) -> None:
+        self.inbox.put((kind, arg))
+        self.wake.set()
+
+    # -- the engine thread ---------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while not self.stop:
+                self._handle_inbox()
+                self._free_quarantined()
+                busy = self.engine.has_unfinished()
+                if busy:
+                    self.engine.step()
+                    self._emit_tokens()
+                self._publish_load()
+                if not busy:
+                    self.wake.wait(0.05)
+                    self.wake.clear()
+        except BaseException as e:
+            log.exception("decode replica %d failed", self.index)
+            self.worker.fail(f"replica {self.index}: {type(e).__name__}: {e}")
+            for job in self.jobs.values():
+                job.emit(RuntimeError("the decode engine failed"))
+            self.jobs.clear()
+
+    def _handle_inbox(self) -> None:
+        while True:
+            try:
+                kind, arg = self.inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "start":
+                self._start(arg)
+            elif kind == "pulled":
+                self._admit(*arg)
+            elif kind == "abort":
+                self._abort(arg)
+            elif kind == "abort_all":
+                for rid in list(self.jobs):
+                    self._abort(rid)
+
+    def _start(self, job: DecodeJob) -> None:
+        try:
+            job.seq = self.engine.begin_prefilled(job.prompt, job.params, request_id=job.request_id)
+        except (ValueError, TypeError, MemoryError) as e:
+            job.emit(e)
+            return
+        job.replica = self.index
+        self.jobs[job.request_id] = job
+        fill = self.receiver.fill(job.request_id, job.source.request, job.source.layouts)
+        blocks = list(job.seq.block_ids)
+
+        def pull() -> None:
+            try:
+                self.send("pulled", (job, fill(blocks), None))
+            except BaseException as e:
+                self.send("pulled", (job, None, e))
+
+        self.pool.submit(pull)
+
+    def _admit(self, job: DecodeJob, table: list[int] | None, error: BaseException | None) -> None:
+        rid = job.request_id
+        if error is not None or job.cancelled:
+            self.jobs.pop(rid, None)
+            if isinstance(error, TransferError) and error.cause == "timeout":
+                self.quarantine.append((time.monotonic() + self.timeout_s, rid))  # late bytes may land
+            else:
+                self.engine.abort(rid)
+            if error is not None:
+                job.emit(error)
+            return
+        assert table is not None and job.seq is not None
+        rec = self.receiver.stats.recent[-1] if self.receiver.stats.recent else None
+        nbytes, secs = (rec.bytes, rec.seconds) if rec is not None and rec.request_id == rid else (0, 0.0)
+        first = job.first
+        top = {t.token_id: t.logprob for t in first.top} or None
+        job.emit(pb.DecodeEvent(admitted=pb.Admitted(dp_rank=self.index, transfer_bytes=nbytes, transfer_s=secs)))
+        try:
+            done = self.engine.admit_prefilled(job.seq, table, first.token_id, first.logprob, top)
+            job.admitted = True
+        except (ValueError, KeyError) as e:
+            self.jobs.pop(rid, None)
+            self.engine.abort(rid)
+            job.emit(e)
+            return
+        if done:
+            self._finish(job)
+
+    def _emit_tokens(self) -> None:
+        for job in list(self.jobs.values()):
+            seq = job.seq
+            if seq is None or not job.admitted:
+                continue
+            n = len(seq.output_token_ids)
+            if n > job.sent:
+                toks = [token_pb(seq.output_token_ids[i], seq.logprobs[i] if i < len(seq.logprobs) else None,
+                                 seq.top_logprobs[i] if i < len(seq.top_logprobs) else None)
+                        for i in range(job.sent, n)]
+                job.sent = n
+                if seq.is_finished:
+                    self._finish(job, toks)
+                else:
+                    job.emit(pb.DecodeEvent(tokens=pb.Tokens(tokens=toks)))
+            elif seq.is_finished:
+                self._finish(job)
+
+    def _finish(self, job: DecodeJob, toks: list[pb.Token] | None = None) -> None:
+        assert job.seq is not None
+        self.jobs.pop(job.request_id, None)
+        job.emit(pb.DecodeEvent(tokens=pb.Tokens(tokens=toks or [], finish_reason=job.seq.finish_reason or "stop")))
+        job.emit(None)
+
+    def _abort(self, rid: str) -> None:
+        job = self.jobs.get(rid)
+        if job is None:
+            return
+        if not job.admitted:
+            job.cancelled = True  # still pulling: freed when the pull returns (its bytes may still land)
+            return
+        self.jobs.pop(rid, None)
+        self.engine.abort(rid)
+        job.emit(RuntimeError(f"request {rid} aborted"))
+
+    def _free_quarantined(self) -> None:
+        now = time.monotonic()
+        keep = []
+        for until, rid in self.quarantine:
+            if until <= now:
+                self.engine.abort(rid)
+            else:
+                keep.append((until, rid))
+        self.quarantine = keep
+
+    def _publish_load(self) -> None:
+        s = self.engine.scheduler
+        self.load = ReplicaLoad(dp_rank=self.index, waiting=len(s.waiting), running=len(s.running),
+                                used_blocks=self.engine.num_used_blocks, free_blocks=s.allocator.num_free)
+
+
+class DecodeWorker:
+    def __init__(self, config: NodeConfig, transfer_host: str) -> None:
+        from kv_transfer.transports.mooncake import MooncakeTransport
+
+        self.config = config
+        ec = config.engine
+        self.transport = MooncakeTransport(host=transfer_host)
+        self.stats = TransferStats()
+        self.failed = threading.Event()
+        self.failure: str | None = None
+        self.pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kv-pull")
+        on_gpu = ec.torch_device().type == "cuda"
+        if on_gpu and torch.cuda.device_count() < ec.dp:
+            raise ValueError(f"dp={ec.dp} needs {ec.dp} GPUs, found {torch.cuda.device_count()}")
+        self.replicas: list[Replica] = []
+        try:
+            for d in range(ec.dp):
+                rc = dataclasses.replace(ec, dp=1, device=f"cuda:{d}" if on_gpu else ec.device, seed=ec.seed + d)
+                self.replicas.append(Replica(d, rc, self.transport, self.stats, config.transfer_timeout_s,
+                                             self.pool, self))
+        except BaseException:
+            self.shutdown()
+            raise
+        self.max_model_len = self.replicas[0].engine.max_model_len
+        self.num_blocks = self.replicas[0].load.free_blocks
+
+    def submit(self, job: DecodeJob, dp_rank: int) -> None:
+        d = dp_rank if dp_rank >= 0 else min(range(len(self.replicas)), key=self._cost)
+        self.replicas[d].send("start", job)
+
+    def _cost(self, d: int) -> tuple[int, int, int]:
+        r = self.replicas[d].load
+        return (r.running + r.waiting + len(self.replicas[d].jobs), -r.free_blocks, d)
+
+    def abort(self, request_id: str) -> None:
+        for r in self.replicas:
+            r.send("abort", request_id)
+
+    def fail(self, why: str) -> None:
+        self.failure = why
+        self.failed.set()
+
+    def load(self) -> list[ReplicaLoad]:
+        return [r.load for r in self.replicas]
+
+    def in_flight(self) -> int:
+        return sum(len(r.jobs) for r in self.replicas)
+
+    def abort_all(self, why: str) -> None:
+        for r in self.replicas:
+            r.send("abort_all", why)
+
+    def stats_pb(self) -> tuple[list[pb.ReplicaStats], pb.TransferTotals]:
+        reps = [pb.ReplicaStats(dp_rank=r.load.dp_rank, waiting=r.load.waiting, running=r.load.running,
+                                used_blocks=r.load.used_blocks, free_blocks=r.load.free_blocks) for r in self.replicas]
+        s = self.stats
+        return reps, pb.TransferTotals(done=s.done, bytes=s.bytes, seconds=s.seconds, failures=dict(s.failures))
+
+    def shutdown(self) -> None:
+        for r in self.replicas:
+            r.stop = True
+            r.wake.set()
+        for r in self.replicas:
+            r.thread.join(timeout=30)
+        self.pool.shutdown(wait=True, cancel_futures=True)
+        self.transport.close()

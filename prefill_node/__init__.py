@@ -1,0 +1,1 @@
+"""Prefill node: DP x PCP x PP ranks behind the gRPC PrefillService."""

@@ -1,0 +1,71 @@
+"""gRPC ``PrefillService`` over the prefill worker (``pdcluster.v1``)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpc
+
+from cluster.node_runtime import NodeState
+from cluster.proto_gen import pdcluster_v1_pb2 as pb
+from cluster.proto_gen import pdcluster_v1_pb2_grpc as pb_grpc
+from cluster.wire import sampling_from_pb
+from prefill_node.worker import Aborted, NodeFailed, PrefillJob, PrefillWorker
+
+log = logging.getLogger("pdcluster.prefill")
+
+
+class PrefillService(pb_grpc.PrefillServiceServicer):
+    def __init__(self, worker: PrefillWorker, node_id: str, state: NodeState) -> None:
+        self.worker = worker
+        self.node_id = node_id
+        self.state = state
+
+    async def Prefill(self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext) -> pb.PrefillResponse:
+        if not request.request_id:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is required")
+        if not request.token_ids:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "token_ids is empty")
+        if not -1 <= request.dp_rank < len(self.worker.engines):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"dp_rank {request.dp_rank} outside [-1, {len(self.worker.engines)})")
+        if self.state.stopping:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the node is stopping")
+        try:
+            params = sampling_from_pb(request.sampling)
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        loop = asyncio.get_running_loop()
+        job = PrefillJob(request.request_id, list(request.token_ids), params, request.dp_rank, loop,
+                         loop.create_future())
+        self.worker.submit(job)
+        try:
+            return await job.future
+        except asyncio.CancelledError:  # the proxy went away: nothing may stay held for it
+            self.worker.abort(request.request_id)
+            raise
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except Aborted:
+            await context.abort(grpc.StatusCode.ABORTED, f"request {request.request_id} was aborted")
+        except NodeFailed as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        raise AssertionError("unreachable")
+
+    async def Release(self, request: pb.ReleaseRequest, context: grpc.aio.ServicerContext) -> pb.ReleaseResponse:
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future = loop.create_future()
+        self.worker.release(request.request_id, lambda found: loop.call_soon_threadsafe(fut.set_result, found))
+        return pb.ReleaseResponse(found=await asyncio.wait_for(fut, timeout=10))
+
+    async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
+        self.worker.abort(request.request_id)
+        return pb.AbortResponse(found=True)
+
+    async def Health(self, request: pb.HealthRequest, context: grpc.aio.ServicerContext) -> pb.HealthResponse:
+        return self.state.health(self.node_id, "prefill")
+
+    async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsResponse:
+        reps, totals = self.worker.stats()
+        return pb.StatsResponse(node_id=self.node_id, role="prefill", replicas=reps, transfers=totals)
