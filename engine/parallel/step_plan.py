@@ -19,7 +19,6 @@ import torch.distributed as dist
 from engine.forward_batch import ForwardBatch
 from engine.parallel.collectives import padded_index
 from engine.parallel.grid import ParallelConfig
-from engine.parallel.kv_layout import local_block_ids
 from engine.parallel.pcp_split import zigzag_runs
 
 
@@ -105,6 +104,26 @@ def _slots(table: torch.Tensor, pos: torch.Tensor, bs: int) -> torch.Tensor:
     return table[pos // bs] * bs + pos % bs
 
 
+def _local_ids(global_ids: torch.Tensor, par: ParallelConfig, pcp_rank: int) -> torch.Tensor:
+    """``kv_layout.local_block_ids`` on a tensor: this rank's physical id per logical block, or -1."""
+    if par.kv_layout == "replicated" or par.pcp == 1:
+        return global_ids
+    return torch.where(global_ids % par.pcp == pcp_rank, global_ids // par.pcp, -1)
+
+
+def _to_device(tensors: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """Int64 tensors to the device in one host-to-device copy (each copy from pageable memory is a
+    synchronous round trip of tens of microseconds; a step has a dozen of them)."""
+    if device.type == "cpu":
+        return tensors
+    flat = torch.cat([t.reshape(-1) for t in tensors]).pin_memory().to(device, non_blocking=True)
+    out, off = [], 0
+    for t in tensors:
+        out.append(flat[off : off + t.numel()].view(t.shape))
+        off += t.numel()
+    return out
+
+
 def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
 
@@ -128,7 +147,7 @@ def build_rank_batch(
     decodes = [row for row in plan.rows if row.num_new == 1]
     prefills = [row for row in plan.rows if row.num_new > 1]
     nd = len(decodes)
-    local = [int_tensor(local_block_ids(row.block_ids, par, r)) for row in plan.rows]
+    local = [_local_ids(int_tensor(row.block_ids), par, r) for row in plan.rows]
     ids: list[torch.Tensor] = [row.token_ids for row in decodes]
     positions: list[torch.Tensor] = [torch.tensor([row.start]) for row in decodes]
 
@@ -219,29 +238,34 @@ def build_rank_batch(
     logits_counts = [sum(int(t.numel()) for t in parts) for parts in per_rank_out]
     logits_index = padded_index([_cat(p) for p in per_rank_out], logits_counts, out_off)
 
-    def dev(t: torch.Tensor) -> torch.Tensor:
-        return t.to(device, non_blocking=True)
-
+    host = {
+        "dec_write_rows": dec_write_rows, "dec_write_slots": dec_write_slots, "new_index": new_index,
+        "new_write_src": _cat(write_src), "new_write_slots": _cat(write_slots), "ctx_read_slots": _cat(read_slots),
+        "ctx_index": ctx_index if ctx_index is not None else torch.zeros(0, dtype=torch.long),
+        "logits_index": logits_index, "input_ids": _cat(ids), "positions": _cat(positions),
+        "dec_tables": dec_tables, "dec_lens": dec_lens, "logits_rows": _cat(my_rows),
+    }
+    d = dict(zip(host, _to_device([t.long() for t in host.values()], device)))
     step = PCPStep(
         size=P, rank=r, group=group, sharded=sharded, num_decode=nd,
-        dec_write_rows=dev(dec_write_rows), dec_write_slots=dev(dec_write_slots), dec_mask=dev(dec_mask),
-        segments=segments, num_new=n_new, new_counts=new_counts, new_index=dev(new_index),
-        new_write_src=dev(_cat(write_src)), new_write_slots=dev(_cat(write_slots)),
-        num_ctx=n_ctx, ctx_counts=ctx_counts, ctx_read_slots=dev(_cat(read_slots)),
-        ctx_index=dev(ctx_index) if ctx_index is not None else None,
-        logits_counts=logits_counts, logits_index=dev(logits_index),
+        dec_write_rows=d["dec_write_rows"], dec_write_slots=d["dec_write_slots"], dec_mask=dec_mask.to(device),
+        segments=segments, num_new=n_new, new_counts=new_counts, new_index=d["new_index"],
+        new_write_src=d["new_write_src"], new_write_slots=d["new_write_slots"],
+        num_ctx=n_ctx, ctx_counts=ctx_counts, ctx_read_slots=d["ctx_read_slots"],
+        ctx_index=d["ctx_index"] if ctx_index is not None else None,
+        logits_counts=logits_counts, logits_index=d["logits_index"],
     )
     empty = torch.zeros(0, dtype=torch.long, device=device)
     return ForwardBatch(
-        input_ids=dev(_cat(ids)),
-        positions=dev(_cat(positions)),
+        input_ids=d["input_ids"],
+        positions=d["positions"],
         slot_mapping=empty,
         num_decode=nd,
-        decode_block_tables=dev(dec_tables),
-        decode_seq_lens=dev(dec_lens),
+        decode_block_tables=d["dec_tables"],
+        decode_seq_lens=d["dec_lens"],
         decode_max_len=max_len,
         prefills=[],
-        logits_rows=dev(_cat(my_rows)),
+        logits_rows=d["logits_rows"],
         pcp=step,
     )
 
