@@ -1,14 +1,38 @@
-"""``pdctl``: the admin CLI. This stage has ``make-model``; the cluster commands join it later."""
+"""``pdctl``: the admin CLI.
+
+- ``make-model``: write a tiny random model.
+- ``up`` / ``down``: start / stop a whole local cluster (``cluster.launcher``) from a topology
+  file or flags; ``up`` leaves a state file in the run directory that the other commands read.
+- ``status``, ``nodes``, ``drain``, ``undrain``, ``route``: the proxy's admin API
+  (``cluster.admin_client``); the proxy is ``--proxy URL`` or the one ``up`` started.
+"""
 
 from __future__ import annotations
 
+import json
+from collections.abc import Callable
 from pathlib import Path
+from typing import NoReturn, TypeVar
 
 import typer
 from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from cluster.admin_client import AdminClient, AdminError, AdminNode
+from cluster.topology import DecodeSpec, PrefillSpec, ProxySpec, RegistrySpec, Topology, load_topology
 
 app = typer.Typer(help="pdcluster admin CLI", no_args_is_help=True, add_completion=False)
 console = Console()
+err_console = Console(stderr=True)
+T = TypeVar("T")
+
+# Options shared by the commands that act on a running cluster.
+RUN_DIR = typer.Option(None, "--run-dir", help="the run directory of `pdctl up` (default: ~/.pdcluster/CLUSTER)")
+CLUSTER = typer.Option(RegistrySpec.cluster, "--cluster", help="cluster name (picks the default run directory)")
+PROXY = typer.Option(None, "--proxy", help="the proxy's URL (default: the one `pdctl up` started)")
+ADMIN_KEY = typer.Option(None, "--admin-key", envvar="PDCLUSTER_ADMIN_KEY", show_envvar=True,
+                         help="the proxy's admin key, if it has one")
 
 
 @app.callback()
@@ -32,6 +56,233 @@ def make_model(
     path = make_tiny_model(out_dir, arch=arch, moe=moe, seed=seed, num_layers=layers)
     kind = "MoE" if moe else "dense"
     console.print(f"wrote a tiny {arch} {kind} model ({layers} layers, seed {seed}) to [bold]{path}[/bold]")
+
+
+# --- up / down ---
+
+@app.command()
+def up(
+    topology_file: Path | None = typer.Option(None, "--topology", help="a YAML topology (then no topology flags)"),
+    model: Path | None = typer.Option(None, "--model", help="model directory (required without --topology)"),
+    served_model_name: str | None = typer.Option(None, help="the model name clients use (default: directory name)"),
+    proxy_host: str | None = typer.Option(None, help=f"proxy listen host (default: {ProxySpec.host})"),
+    proxy_port: int | None = typer.Option(None, help=f"proxy port, 0 = free (default: {ProxySpec.port})"),
+    prefill_nodes: int | None = typer.Option(None, min=1, help="number of prefill nodes (default: 1)"),
+    prefill_dp: int | None = typer.Option(None, min=1, help=f"DP replicas per node (default: {PrefillSpec.dp})"),
+    prefill_pcp: int | None = typer.Option(None, min=1, help=f"PCP ranks per replica (default: {PrefillSpec.pcp})"),
+    prefill_pp: int | None = typer.Option(None, min=1, help=f"PP stages per replica (default: {PrefillSpec.pp})"),
+    kv_layout: str | None = typer.Option(None, help=f"sharded or replicated (default: {PrefillSpec.kv_layout})"),
+    kv_interleave: int | None = typer.Option(None, min=1, help="sharded: tokens per run on one PCP rank"),
+    decode_nodes: int | None = typer.Option(None, min=1, help="number of decode nodes (default: 1)"),
+    decode_dp: int | None = typer.Option(None, min=1, help=f"DP ranks per decode node (default: {DecodeSpec.dp})"),
+    dtype: str | None = typer.Option(None, help=f"engine dtype of every node (default: {PrefillSpec.dtype})"),
+    device: str | None = typer.Option(None, help=f"device of every node (default: {PrefillSpec.device})"),
+    max_model_len: int | None = typer.Option(None, min=1, help=f"context (default: {PrefillSpec.max_model_len})"),
+    registry_url: str | None = typer.Option(None, help="an external Redis (default: start a local redis-server)"),
+    redis_port: int | None = typer.Option(None, help="the local redis-server's port (default: a free one)"),
+    cluster: str | None = typer.Option(None, help=f"Redis key prefix (default: {RegistrySpec.cluster})"),
+    api_key: str | None = typer.Option(None, help="the key /v1/* requires (default: none)"),
+    admin_key: str | None = typer.Option(None, help="the key /admin/* requires (default: none)"),
+    run_dir: Path | None = RUN_DIR,
+    timeout_s: float = typer.Option(300.0, "--timeout", help="seconds to wait for the proxy's /health"),
+) -> None:
+    """Start a local cluster (Redis, prefill and decode nodes, proxy); returns once it is healthy."""
+    from cluster import launcher
+
+    flags = {
+        "--model": model, "--served-model-name": served_model_name, "--proxy-host": proxy_host,
+        "--proxy-port": proxy_port, "--prefill-nodes": prefill_nodes, "--prefill-dp": prefill_dp,
+        "--prefill-pcp": prefill_pcp, "--prefill-pp": prefill_pp, "--kv-layout": kv_layout,
+        "--kv-interleave": kv_interleave, "--decode-nodes": decode_nodes, "--decode-dp": decode_dp,
+        "--dtype": dtype, "--device": device, "--max-model-len": max_model_len, "--registry-url": registry_url,
+        "--redis-port": redis_port, "--cluster": cluster, "--api-key": api_key, "--admin-key": admin_key,
+    }
+    given = [name for name, value in flags.items() if value is not None]
+    try:
+        if topology_file is not None:
+            if given:
+                _fail(f"--topology describes the whole cluster: drop {', '.join(given)} (or put them in the file)")
+            topology = load_topology(topology_file)
+        elif model is None:
+            _fail("give --model DIR (and optionally topology flags), or --topology FILE", code=2)
+        else:
+            engine = _given(dtype=dtype, device=device, max_model_len=max_model_len)
+            prefill = PrefillSpec(**_given(dp=prefill_dp, pcp=prefill_pcp, pp=prefill_pp, kv_layout=kv_layout,
+                                           kv_interleave=kv_interleave), **engine)
+            decode = DecodeSpec(**_given(dp=decode_dp), **engine)
+            topology = Topology(
+                model=str(model), prefill=(prefill,) * (prefill_nodes or 1), decode=(decode,) * (decode_nodes or 1),
+                served_model_name=served_model_name,
+                proxy=ProxySpec(**_given(host=proxy_host, port=proxy_port, api_key=api_key, admin_key=admin_key)),
+                registry=RegistrySpec(**_given(url=registry_url, port=redis_port, cluster=cluster)),
+            )
+    except ValueError as e:
+        _fail(str(e), code=2)
+    run_dir = run_dir or launcher.default_run_dir(topology.cluster)
+    with console.status("starting the cluster") as status:
+        def progress(message: str) -> None:
+            if not message.startswith("waiting"):
+                console.print(f"  {message}", markup=False, highlight=False)
+            status.update(message)
+
+        try:
+            state = launcher.up(topology, run_dir, timeout_s=timeout_s, progress=progress)
+        except launcher.LaunchError as e:
+            _fail(str(e))
+    default_dir = Path(state.run_dir) == launcher.default_run_dir(state.cluster).resolve()
+    console.print(f"[green]cluster {escape(state.cluster)} is up[/green]: proxy [bold]{state.proxy_url}[/bold]")
+    console.print(f"  registry {state.registry_url}; logs in {Path(state.run_dir) / 'logs'}", highlight=False,
+                  soft_wrap=True)
+    console.print("  stop it with: pdctl down" + ("" if default_dir else f" --run-dir {state.run_dir}"),
+                  highlight=False, soft_wrap=True)
+
+
+@app.command()
+def down(
+    run_dir: Path | None = RUN_DIR,
+    cluster: str = CLUSTER,
+    grace_s: float = typer.Option(30.0, "--grace", help="seconds each process may take to stop before SIGKILL"),
+) -> None:
+    """Stop the cluster that `pdctl up` started (idempotent)."""
+    from cluster import launcher
+
+    run_dir = run_dir or launcher.default_run_dir(cluster)
+    with console.status("stopping the cluster") as status:
+        try:
+            state = launcher.down(run_dir, grace_s=grace_s, progress=status.update)
+        except launcher.LaunchError as e:
+            _fail(str(e))
+    if state is None:
+        console.print(f"nothing to stop in {run_dir}", highlight=False)
+    else:
+        names = ", ".join(p.name for p in state.processes)
+        console.print(f"[green]stopped cluster {state.cluster}[/green] ({names})", highlight=False)
+
+
+# --- the proxy's admin API ---
+
+@app.command()
+def status(proxy: str | None = PROXY, admin_key: str | None = ADMIN_KEY, run_dir: Path | None = RUN_DIR,
+           cluster: str = CLUSTER) -> None:
+    """The cluster's nodes, their health, flags and load, as the proxy sees them."""
+    url, nodes = _admin(proxy, admin_key, run_dir, cluster, lambda c: (c.base_url, c.nodes()))
+    table = Table(title=f"proxy {url}")
+    for column in ("node", "role", "address", "DP/PCP/PP", "KV layout", "health", "draining", "in flight",
+                   "queued tok / running", "KV used / free"):
+        table.add_column(column)
+    for n in nodes:
+        s, r = n.state, n.state.replicas
+        table.add_row(
+            # Text from the proxy is escaped: it is not rich markup.
+            escape(s.info.node_id), escape(s.info.role), escape(s.info.address),
+            f"{s.info.dp}/{s.info.pcp}/{s.info.pp}", escape(s.info.kv_layout),
+            "[green]healthy[/green]" if s.healthy else "[red]unhealthy[/red]",
+            "[yellow]draining[/yellow]" if s.draining else "-", str(n.inflight),
+            f"{sum(x.queued_prefill_tokens for x in r)} / {sum(x.running for x in r)}",
+            f"{sum(x.used_blocks for x in r)} / {sum(x.free_blocks for x in r)}",
+        )
+    console.print(table)
+    if not nodes:
+        console.print("no nodes registered")
+
+
+@app.command()
+def nodes(proxy: str | None = PROXY, admin_key: str | None = ADMIN_KEY, run_dir: Path | None = RUN_DIR,
+          cluster: str = CLUSTER, as_json: bool = typer.Option(False, "--json", help="the raw JSON")) -> None:
+    """One line per node (or --json)."""
+    found = _admin(proxy, admin_key, run_dir, cluster, lambda c: c.nodes())
+    if as_json:
+        typer.echo(json.dumps({"nodes": [n.raw for n in found]}, indent=2))
+        return
+    for n in found:
+        typer.echo(_node_line(n))
+
+
+@app.command()
+def drain(node_id: str = typer.Argument(..., help="the node to drain"), proxy: str | None = PROXY,
+          admin_key: str | None = ADMIN_KEY, run_dir: Path | None = RUN_DIR, cluster: str = CLUSTER) -> None:
+    """Stop routing new requests to a node; requests in flight finish."""
+    draining = _admin(proxy, admin_key, run_dir, cluster, lambda c: c.set_draining(node_id, True))
+    console.print(f"{node_id}: {'draining' if draining else 'not draining'}", highlight=False)
+
+
+@app.command()
+def undrain(node_id: str = typer.Argument(..., help="the node to route to again"), proxy: str | None = PROXY,
+            admin_key: str | None = ADMIN_KEY, run_dir: Path | None = RUN_DIR, cluster: str = CLUSTER) -> None:
+    """Route new requests to a drained node again."""
+    draining = _admin(proxy, admin_key, run_dir, cluster, lambda c: c.set_draining(node_id, False))
+    console.print(f"{node_id}: {'draining' if draining else 'not draining'}", highlight=False)
+
+
+@app.command()
+def route(prompt_tokens: int = typer.Option(..., "--prompt-tokens", min=1, help="the prompt's length in tokens"),
+          max_tokens: int | None = typer.Option(None, "--max-tokens", min=1, help="output tokens it may generate"),
+          proxy: str | None = PROXY, admin_key: str | None = ADMIN_KEY, run_dir: Path | None = RUN_DIR,
+          cluster: str = CLUSTER) -> None:
+    """Where the proxy would send a prompt of this length now, and why."""
+    chosen = _admin(proxy, admin_key, run_dir, cluster, lambda c: c.route(prompt_tokens, max_tokens))
+    p, d = chosen.prefill, chosen.decode
+    console.print(f"prefill: {p.node_id} replica {p.dp_rank} (PCP {p.pcp}), cost {p.cost:g}: {p.reason}",
+                  markup=False, highlight=False, soft_wrap=True)
+    console.print(f"decode:  {d.node_id} rank {d.dp_rank}: {d.reason}", markup=False, highlight=False,
+                  soft_wrap=True)
+    if chosen.candidates:
+        table = Table(title="prefill candidates")
+        for column in ("node", "replica", "PCP", "cost", "eligible", "reason"):
+            table.add_column(column)
+        for c in chosen.candidates:
+            table.add_row(escape(c.node_id), str(c.dp_rank), str(c.pcp), f"{c.cost:g}", "yes" if c.eligible else "no",
+                          escape(c.reason))
+        console.print(table)
+    if chosen.decode_candidates:
+        table = Table(title="decode candidates")
+        for column in ("node", "rank", "running", "free KV blocks", "eligible", "reason"):
+            table.add_column(column)
+        for c in chosen.decode_candidates:
+            table.add_row(escape(c.node_id), str(c.dp_rank), str(c.running), str(c.free_blocks),
+                          "yes" if c.eligible else "no", escape(c.reason))
+        console.print(table)
+
+
+def _admin(proxy: str | None, admin_key: str | None, run_dir: Path | None, cluster: str,
+           call: Callable[[AdminClient], T]) -> T:
+    """Run ``call`` against the proxy (``--proxy``, else the state file of `pdctl up`); errors end the command."""
+    from cluster import launcher
+
+    if proxy is None:
+        run_dir = run_dir or launcher.default_run_dir(cluster)
+        try:
+            state = launcher.read_state(run_dir)
+        except launcher.LaunchError as e:
+            _fail(str(e))
+        if state is None:
+            _fail(f"no cluster state in {run_dir}: pass --proxy URL, or start a cluster with pdctl up")
+        proxy = state.proxy_url
+    client = AdminClient(proxy, admin_key)
+    try:
+        return call(client)
+    except AdminError as e:
+        _fail(str(e))
+    finally:
+        client.close()
+
+
+def _node_line(n: AdminNode) -> str:
+    s = n.state
+    flags = ["healthy" if s.healthy else "UNHEALTHY"] + (["draining"] if s.draining else [])
+    return (f"{s.info.node_id}  {s.info.role}  {s.info.address}  dp={s.info.dp} pcp={s.info.pcp} pp={s.info.pp}  "
+            f"{s.info.kv_layout}  {' '.join(flags)}  inflight={n.inflight}")
+
+
+def _given(**values: object) -> dict[str, object]:
+    """The flags that were given: the rest keep their dataclass defaults."""
+    return {k: v for k, v in values.items() if v is not None}
+
+
+def _fail(message: str, code: int = 1) -> NoReturn:
+    err_console.print("[red]error:[/red] ", end="")
+    err_console.print(message, markup=False, highlight=False, soft_wrap=True)  # paths stay whole
+    raise typer.Exit(code)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,367 @@
+"""A whole local cluster as subprocesses: ``pdctl up`` starts it, ``pdctl down`` stops it.
+
+``up``: a local redis-server (unless the topology names an external registry), the prefill
+nodes, the decode nodes and the proxy, each in its own process group with its output in
+``<run_dir>/logs/<name>.log``; it returns once the proxy's ``/health`` answers 200 and every node
+has registered. The state file ``<run_dir>/state.json`` (pids, ports, the proxy URL, log paths;
+never the keys) is rewritten after every start, so ``down``, a separate process, can stop whatever
+``up`` got to start, even if ``up`` itself died half-way. ``down`` stops the proxy, then the
+nodes (which deregister), then Redis.
+
+The command lines are built by pure functions (``cluster_commands``) so they can be checked
+without starting anything.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+import cluster
+from cluster.net import dial_host, free_port
+from cluster.process_group import ProcessRecord, is_running, record_of, spawn, stop_groups
+from cluster.redis_server import RedisServerError, start_redis
+from cluster.topology import DecodeSpec, PrefillSpec, Topology
+
+STATE_FILE = "state.json"
+REDIS = "redis"
+PROXY = "proxy"
+_LOG_TAIL_LINES = 30
+_POLL_S = 0.2  # how often `up` checks the processes and the proxy's /health
+
+Progress = Callable[[str], None]
+
+
+class LaunchError(RuntimeError):
+    """The cluster could not be started or stopped; the message says why (with log tails)."""
+
+
+class ClusterRunning(LaunchError):
+    """A cluster started from this run directory still runs."""
+
+
+@dataclass(frozen=True)
+class ProcessSpec:
+    """One process to start: its name (node id, ``proxy``), command line and known port."""
+
+    name: str
+    argv: tuple[str, ...]
+    port: int | None = None  # None: the process picks one and publishes it in the registry
+
+
+@dataclass(frozen=True)
+class RunState:
+    """What ``up`` started, as written to the state file."""
+
+    cluster: str
+    run_dir: str
+    proxy_url: str
+    registry_url: str
+    admin_key: bool  # whether the proxy's /admin/* needs a key (the key itself is not stored)
+    api_key: bool
+    started_at: float
+    processes: tuple[ProcessRecord, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "version": 1,
+            "cluster": self.cluster,
+            "run_dir": self.run_dir,
+            "proxy_url": self.proxy_url,
+            "registry_url": self.registry_url,
+            "admin_key": self.admin_key,
+            "api_key": self.api_key,
+            "started_at": self.started_at,
+            "processes": [p.to_dict() for p in self.processes],
+        }
+
+    @staticmethod
+    def from_dict(d: Mapping[str, Any]) -> RunState:
+        return RunState(
+            cluster=str(d["cluster"]), run_dir=str(d["run_dir"]), proxy_url=str(d["proxy_url"]),
+            registry_url=str(d["registry_url"]), admin_key=bool(d["admin_key"]), api_key=bool(d["api_key"]),
+            started_at=float(d["started_at"]), processes=tuple(ProcessRecord.from_dict(p) for p in d["processes"]),
+        )
+
+
+def default_run_dir(cluster_name: str) -> Path:
+    return Path.home() / ".pdcluster" / cluster_name
+
+
+# --- command lines (pure) ---
+
+def prefill_command(topology: Topology, index: int, registry_url: str, python: str = sys.executable) -> ProcessSpec:
+    spec: PrefillSpec = topology.prefill[index]
+    node_id = f"prefill-{index}"
+    argv = [python, "-m", "prefill_node", *_node_args(topology, node_id, spec.port, registry_url),
+            "--dp", str(spec.dp), "--pcp", str(spec.pcp), "--pp", str(spec.pp), "--kv-layout", spec.kv_layout]
+    if spec.kv_interleave is not None:
+        argv += ["--kv-interleave", str(spec.kv_interleave)]
+    argv += ["--dtype", spec.dtype, "--device", spec.device, "--max-model-len", str(spec.max_model_len),
+             "--max-num-batched-tokens", str(spec.max_num_batched_tokens)]
+    if spec.num_kv_blocks is not None:
+        argv += ["--num-kv-blocks", str(spec.num_kv_blocks)]
+    argv += ["--lease-s", f"{spec.lease_s:g}"]
+    return ProcessSpec(node_id, tuple(argv), spec.port or None)
+
+
+def decode_command(topology: Topology, index: int, registry_url: str, python: str = sys.executable) -> ProcessSpec:
+    spec: DecodeSpec = topology.decode[index]
+    node_id = f"decode-{index}"
+    argv = [python, "-m", "decode_node", *_node_args(topology, node_id, spec.port, registry_url),
+            "--dp", str(spec.dp), "--dtype", spec.dtype, "--device", spec.device,
+            "--max-model-len", str(spec.max_model_len), "--max-num-seqs", str(spec.max_num_seqs)]
+    if spec.num_kv_blocks is not None:
+        argv += ["--num-kv-blocks", str(spec.num_kv_blocks)]
+    argv += ["--transfer-timeout-s", f"{spec.transfer_timeout_s:g}"]
+    return ProcessSpec(node_id, tuple(argv), spec.port or None)
+
+
+def proxy_command(topology: Topology, registry_url: str, port: int, python: str = sys.executable) -> ProcessSpec:
+    proxy = topology.proxy
+    argv = [python, "-m", "proxy", "--model", topology.model]
+    if topology.served_model_name is not None:
+        argv += ["--served-model-name", topology.served_model_name]
+    argv += ["--host", proxy.host, "--port", str(port), "--registry-url", registry_url, "--cluster", topology.cluster]
+    if proxy.api_key is not None:
+        argv += ["--api-key", proxy.api_key]
+    if proxy.admin_key is not None:
+        argv += ["--admin-key", proxy.admin_key]
+    return ProcessSpec(PROXY, tuple(argv), port)
+
+
+def cluster_commands(topology: Topology, registry_url: str, proxy_port: int,
+                     python: str = sys.executable) -> list[ProcessSpec]:
+    """Every process of the cluster but Redis, in start order: prefill nodes, decode nodes, proxy."""
+    return [
+        *(prefill_command(topology, i, registry_url, python) for i in range(len(topology.prefill))),
+        *(decode_command(topology, i, registry_url, python) for i in range(len(topology.decode))),
+        proxy_command(topology, registry_url, proxy_port, python),
+    ]
+
+
+def _node_args(topology: Topology, node_id: str, port: int, registry_url: str) -> list[str]:
+    args = ["--model", topology.model]
+    if topology.served_model_name is not None:
+        # Nodes publish the served name and the proxy routes only to nodes of its own name.
+        args += ["--served-model-name", topology.served_model_name]
+    return args + ["--node-id", node_id, "--host", topology.node_host, "--port", str(port),
+                   "--registry-url", registry_url, "--cluster", topology.cluster]
+
+
+# --- state file ---
+
+def read_state(run_dir: Path) -> RunState | None:
+    path = run_dir / STATE_FILE
+    try:
+        return RunState.from_dict(json.loads(path.read_text()))
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise LaunchError(f"state file {path} is unreadable ({e}); remove it if nothing runs") from None
+
+
+def write_state(run_dir: Path, state: RunState) -> None:
+    path = run_dir / STATE_FILE
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(state.to_dict(), indent=2))
+    os.replace(tmp, path)  # a reader never sees half a file
+
+
+def remove_state(run_dir: Path) -> None:
+    (run_dir / STATE_FILE).unlink(missing_ok=True)
+
+
+# --- up / down ---
+
+def up(topology: Topology, run_dir: Path, timeout_s: float = 300.0, progress: Progress | None = None,
+       python: str = sys.executable) -> RunState:
+    """Start the cluster and wait until the proxy is healthy; on failure stop what was started."""
+    say = progress or (lambda _msg: None)
+    deadline = time.monotonic() + timeout_s
+    run_dir = run_dir.expanduser().resolve()
+    model = Path(topology.model).expanduser().resolve()
+    if not (model / "config.json").is_file():
+        raise LaunchError(f"model directory {model} has no config.json (write a tiny one with: pdctl make-model DIR)")
+    topology = replace(topology, model=str(model))  # the children must not depend on our cwd
+    _refuse_if_running(run_dir)
+    logs = run_dir / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    for old in logs.glob("*.log"):
+        old.unlink()  # a tail shown on failure must come from this run
+    proxy_port = topology.proxy.port or free_port(dial_host(topology.proxy.host))
+    state = RunState(cluster=topology.cluster, run_dir=str(run_dir),
+                     proxy_url=f"http://{dial_host(topology.proxy.host)}:{proxy_port}",
+                     registry_url=topology.registry.url or "", admin_key=topology.proxy.admin_key is not None,
+                     api_key=topology.proxy.api_key is not None, started_at=time.time())
+    started: list[ProcessRecord] = []
+    try:
+        if topology.registry.url is None:
+            say("starting redis-server")
+            try:
+                server = start_redis(topology.registry.port, data_dir=run_dir / "redis", log_path=logs / "redis.log")
+            except RedisServerError as e:
+                raise LaunchError(str(e)) from None
+            started.append(record_of(REDIS, server.pid, server.log_path, server.port))
+            state = replace(state, registry_url=server.url, processes=tuple(started))
+            write_state(run_dir, state)
+        children: dict[str, subprocess.Popen[bytes]] = {}
+        for spec in cluster_commands(topology, state.registry_url, proxy_port, python):
+            say(f"starting {spec.name}")
+            proc, record = spawn(spec.name, spec.argv, logs / f"{spec.name}.log", _child_env(), spec.port)
+            children[spec.name] = proc
+            started.append(record)
+            state = replace(state, processes=tuple(started))
+            write_state(run_dir, state)
+        _wait_until_healthy(topology, state, children, deadline, say)
+        return state
+    except BaseException:  # a failure, Ctrl-C included: leave nothing running behind
+        if not _stop(started, grace_s=10.0, say=say):
+            remove_state(run_dir)  # else kept, so that `pdctl down` can try again
+        raise
+
+
+def down(run_dir: Path, grace_s: float = 30.0, progress: Progress | None = None) -> RunState | None:
+    """Stop what ``up`` started from ``run_dir``; None when there is nothing (idempotent)."""
+    say = progress or (lambda _msg: None)
+    run_dir = run_dir.expanduser().resolve()
+    state = read_state(run_dir)
+    if state is None:
+        return None
+    survivors = _stop(list(state.processes), grace_s, say)
+    if survivors:
+        raise LaunchError(f"could not stop {', '.join(survivors)}; state kept in {run_dir / STATE_FILE}")
+    remove_state(run_dir)
+    return state
+
+
+def _stop(records: Sequence[ProcessRecord], grace_s: float, say: Progress | None = None) -> list[str]:
+    # The proxy first (it finishes client requests, which need the nodes), then the nodes (they
+    # deregister, which needs Redis), then Redis.
+    phases = [[r for r in records if r.name == PROXY],
+              [r for r in records if r.name not in (PROXY, REDIS)],
+              [r for r in records if r.name == REDIS]]
+    survivors = []
+    for phase in phases:
+        if phase:
+            if say is not None:
+                say(f"stopping {', '.join(r.name for r in phase)}")
+            survivors += stop_groups(phase, grace_s)
+    return survivors
+
+
+def _refuse_if_running(run_dir: Path) -> None:
+    state = read_state(run_dir)
+    if state is None:
+        return
+    running = [p.name for p in state.processes if is_running(p)]
+    if running:
+        raise ClusterRunning(f"a cluster started from {run_dir} is running ({', '.join(running)}; proxy "
+                             f"{state.proxy_url}); stop it first: pdctl down --run-dir {run_dir}")
+    remove_state(run_dir)  # left behind by processes that are all gone
+
+
+def _child_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONUNBUFFERED"] = "1"  # logs show progress as it happens, and survive a crash
+    # `python -m prefill_node` must import this source tree from any working directory.
+    root = str(Path(cluster.__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    return env
+
+
+def _wait_until_healthy(topology: Topology, state: RunState, children: Mapping[str, subprocess.Popen[bytes]],
+                        deadline: float, say: Progress) -> None:
+    registered = _RegisteredCounter(topology, state.registry_url)
+    t0 = time.monotonic()
+    try:
+        with httpx.Client(timeout=2.0) as http:
+            while True:
+                proxy = _proxy_health(http, state.proxy_url)
+                for name, proc in children.items():  # after /health: healthy then must mean all alive
+                    if proc.poll() is not None:
+                        raise LaunchError(f"{name} exited with code {proc.returncode} before the cluster was "
+                                          f"ready:\n{_log_section(state, [name])}")
+                # The proxy is healthy with one node of each role; a user who asked for more wants
+                # them all, so wait for every node to register too (unless the registry is unreadable
+                # from here, where the proxy's word has to do).
+                if proxy == "200" and (not registered.missing() or not registered.reachable):
+                    return
+                elapsed = time.monotonic() - t0
+                if time.monotonic() > deadline:
+                    missing = [PROXY, *registered.missing()]
+                    raise LaunchError(f"the cluster was not ready in time ({registered.summary()}; proxy "
+                                      f"/health: {proxy}):\n{_log_section(state, missing)}")
+                say(f"waiting for the cluster ({elapsed:.0f} s): {registered.summary()}; proxy /health: {proxy}")
+                time.sleep(_POLL_S)
+    finally:
+        registered.close()
+
+
+def _proxy_health(http: httpx.Client, proxy_url: str) -> str:
+    try:
+        return str(http.get(f"{proxy_url}/health").status_code)
+    except httpx.HTTPError:
+        return "not answering"
+
+
+class _RegisteredCounter:
+    """Which nodes have registered so far: for readiness, progress lines and which logs to show."""
+
+    def __init__(self, topology: Topology, registry_url: str) -> None:
+        # Imported here: the registry pulls in the engine's config (torch), which only `up` needs.
+        from cluster.config import RegistryConfig
+        from cluster.registry import Registry, RegistryError
+
+        self._error = RegistryError
+        self._registry = Registry(RegistryConfig(url=registry_url, cluster=topology.cluster))
+        self._expected = [f"prefill-{i}" for i in range(len(topology.prefill))] + \
+                         [f"decode-{i}" for i in range(len(topology.decode))]
+        self._healthy: set[str] = set()
+        self.reachable = True
+
+    def refresh(self) -> None:
+        try:
+            self._healthy = {n.info.node_id for n in self._registry.nodes() if n.healthy}
+            self.reachable = True
+        except self._error:
+            self.reachable = False
+
+    def missing(self) -> list[str]:
+        self.refresh()
+        return [n for n in self._expected if n not in self._healthy]
+
+    def summary(self) -> str:
+        self.refresh()
+        counts = []
+        for role in ("prefill", "decode"):
+            expected = [n for n in self._expected if n.startswith(role)]
+            counts.append(f"{role} {sum(n in self._healthy for n in expected)}/{len(expected)}")
+        return ", ".join(counts) + " registered"
+
+    def close(self) -> None:
+        self._registry.close()
+
+
+def _log_section(state: RunState, names: Sequence[str]) -> str:
+    parts = []
+    for record in state.processes:
+        if record.name in names:
+            parts.append(f"--- {record.name}: last lines of {record.log} ---\n{_tail(Path(record.log))}")
+    return "\n".join(parts) if parts else "no logs"
+
+
+def _tail(path: Path, lines: int = _LOG_TAIL_LINES) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) or "(empty)"
+    except OSError:
+        return "(no log)"

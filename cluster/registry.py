@@ -1,0 +1,328 @@
+"""The Redis registry: nodes publish who they are and their load; the proxy keeps a cached view.
+
+Lifecycle of a node: ``heartbeat()`` every ``heartbeat_s`` (the first one registers it, so a
+node re-registers by itself after a Redis restart) ... ``deregister()`` on a clean shutdown. A
+node that dies without deregistering disappears when its record's TTL runs out. The admin sets and
+clears draining flags with ``set_draining()``; nodes read theirs back from ``heartbeat()``.
+
+Key layout, all under ``<cluster>:`` so that clusters can share one Redis:
+
+- ``<cluster>:node:<node_id>``: the node's JSON record (info, replica loads, heartbeat time),
+  rewritten by every heartbeat with a TTL of ``ttl_s``.
+- ``<cluster>:nodes``: the set of node ids, so reads need no SCAN over a shared Redis; ids whose
+  record has expired are pruned by readers.
+- ``<cluster>:draining``: the set of draining node ids. Kept apart from the record so heartbeats
+  do not overwrite it; ``deregister()`` clears it. A node that crashes keeps its flag, so a drained
+  node restarted by a supervisor comes back still draining.
+- ``<cluster>:events``: pub/sub channel; a message whenever a node joins or leaves or a draining
+  flag changes, so watchers refresh at once instead of at their next poll.
+
+Health is judged on Redis' clock (the record's remaining TTL), never by comparing the clocks of
+two machines; ``NodeState.heartbeat_at`` is translated to the reader's clock.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import asdict, replace
+from urllib.parse import urlsplit, urlunsplit
+
+import redis
+
+from cluster.config import RegistryConfig
+from cluster.nodes import NodeInfo, NodeState, ReplicaLoad
+
+log = logging.getLogger(__name__)
+
+SOCKET_TIMEOUT_S = 2.0  # the longest any one Redis round trip may take (capped at the TTL)
+_STOP_POLL_S = 0.2  # how often the view's thread checks for stop() while waiting for notifications
+
+# Set or clear a draining flag only if the node is registered, atomically: a check-then-set from
+# Python could leave a flag behind for a node that deregistered in between.
+_SET_DRAINING = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+if ARGV[2] == '1' then redis.call('SADD', KEYS[2], ARGV[1]) else redis.call('SREM', KEYS[2], ARGV[1]) end
+return 1
+"""
+# Drop an id from the index only if its record is still gone: it may have re-registered meanwhile.
+_PRUNE = """
+local n = 0
+for i, id in ipairs(ARGV) do
+  if redis.call('EXISTS', KEYS[i + 1]) == 0 then n = n + redis.call('SREM', KEYS[1], id) end
+end
+return n
+"""
+
+
+class RegistryError(RuntimeError):
+    """Redis could not be reached or answered with an error."""
+
+
+class Registry:
+    """Nodes' records in Redis: written by the nodes' heartbeats, read by the proxy and ``pdctl``."""
+
+    def __init__(self, config: RegistryConfig, client: redis.Redis | None = None) -> None:
+        self.config = config
+        timeout_s = min(SOCKET_TIMEOUT_S, config.ttl_s)
+        self._owns_client = client is None
+        self._client = client or redis.Redis.from_url(
+            config.url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, decode_responses=True
+        )
+        self._prefix = f"{config.cluster}:"
+        self._index_key = f"{self._prefix}nodes"
+        self._draining_key = f"{self._prefix}draining"
+        self.channel = f"{self._prefix}events"
+        self._set_draining_script = self._client.register_script(_SET_DRAINING)
+        self._prune_script = self._client.register_script(_PRUNE)
+
+    def heartbeat(self, info: NodeInfo, replicas: Sequence[ReplicaLoad]) -> bool:
+        """Write the node's record with a fresh TTL; returns whether the node is draining."""
+        record = json.dumps({
+            "info": info.to_dict(),
+            "replicas": [asdict(r) for r in replicas],
+            "heartbeat_at": time.time(),
+            "ttl_s": self.config.ttl_s,  # readers derive the age from the TTL left on this one
+        })
+        key = self._node_key(info.node_id)
+        with self._errors("heartbeat"):
+            pipe = self._client.pipeline(transaction=True)
+            pipe.exists(key)
+            pipe.set(key, record, px=_ms(self.config.ttl_s))
+            pipe.sadd(self._index_key, info.node_id)
+            pipe.sismember(self._draining_key, info.node_id)
+            existed, _, _, draining = pipe.execute()
+            if not existed:  # first heartbeat, or back after its record expired or Redis restarted
+                self._notify("join", info.node_id)
+        return bool(draining)
+
+    def deregister(self, node_id: str) -> None:
+        """Remove the node and its draining flag (a clean shutdown)."""
+        with self._errors("deregister"):
+            pipe = self._client.pipeline(transaction=True)
+            pipe.delete(self._node_key(node_id))
+            pipe.srem(self._index_key, node_id)
+            pipe.srem(self._draining_key, node_id)
+            pipe.execute()
+            self._notify("leave", node_id)
+
+    def set_draining(self, node_id: str, draining: bool) -> bool:
+        """Set or clear the node's draining flag; False if no such node is registered."""
+        with self._errors("set draining"):
+            found = self._set_draining_script(
+                keys=[self._node_key(node_id), self._draining_key], args=[node_id, "1" if draining else "0"]
+            )
+            if found:
+                self._notify("drain" if draining else "undrain", node_id)
+        return bool(found)
+
+    def nodes(self) -> list[NodeState]:
+        """Every live node, sorted by (role, node_id)."""
+        with self._errors("read nodes"):
+            pipe = self._client.pipeline(transaction=False)
+            pipe.smembers(self._index_key)
+            pipe.smembers(self._draining_key)
+            ids, draining = pipe.execute()
+            ids = sorted(_text(i) for i in ids)
+            draining = {_text(i) for i in draining}
+            pipe = self._client.pipeline(transaction=True)  # records and TTLs of one moment
+            for node_id in ids:
+                pipe.get(self._node_key(node_id))
+                pipe.pttl(self._node_key(node_id))
+            values = pipe.execute()
+            now = time.time()
+            states, gone = [], []
+            for node_id, record, pttl_ms in zip(ids, values[0::2], values[1::2]):
+                if record is None:
+                    gone.append(node_id)
+                    continue
+                state = self._parse(node_id, record, pttl_ms, node_id in draining, now)
+                if state is not None:
+                    states.append(state)
+            if gone:
+                self._prune_script(keys=[self._index_key, *map(self._node_key, gone)], args=gone)
+        return sorted(states, key=lambda s: (s.info.role, s.info.node_id))
+
+    def watch(self) -> Watch:
+        """A subscription to this cluster's change notifications."""
+        with self._errors("subscribe"):
+            return Watch(self._client.pubsub(ignore_subscribe_messages=True), self.channel)
+
+    def close(self) -> None:
+        if self._owns_client:
+            self._client.close()
+
+    def _parse(self, node_id: str, record: str | bytes, pttl_ms: int, draining: bool, now: float) -> NodeState | None:
+        try:
+            d = json.loads(record)
+            info = NodeInfo.from_dict(d["info"])
+            replicas = tuple(ReplicaLoad.from_dict(r) for r in d["replicas"])
+            written_ttl_s = float(d.get("ttl_s", self.config.ttl_s))
+        except (ValueError, KeyError, TypeError) as e:
+            # One bad record (another version, a hand edit) must not hide every other node.
+            log.warning("registry: skipping malformed record of %s: %s", node_id, e)
+            return None
+        age_s = max(0.0, written_ttl_s - pttl_ms / 1000) if pttl_ms >= 0 else 0.0
+        return NodeState(info=info, replicas=replicas, draining=draining, heartbeat_at=now - age_s,
+                         healthy=age_s <= self.config.ttl_s)
+
+    def _node_key(self, node_id: str) -> str:
+        return f"{self._prefix}node:{node_id}"
+
+    def _notify(self, event: str, node_id: str) -> None:
+        self._client.publish(self.channel, json.dumps({"event": event, "node_id": node_id}))
+
+    @contextmanager
+    def _errors(self, action: str) -> Iterator[None]:
+        try:
+            yield
+        except redis.RedisError as e:
+            raise RegistryError(f"registry {_redact(self.config.url)}: {action} failed: {e}") from e
+
+
+class Watch:
+    """A subscription to a cluster's change notifications (one Redis connection)."""
+
+    def __init__(self, pubsub: redis.client.PubSub, channel: str) -> None:
+        self._pubsub = pubsub
+        self._pubsub.subscribe(channel)
+
+    def wait(self, timeout_s: float) -> bool:
+        """True when a notification arrived within ``timeout_s`` (pending ones are consumed too)."""
+        try:
+            if self._pubsub.get_message(timeout=max(0.0, timeout_s)) is None:
+                return False
+            while self._pubsub.get_message(timeout=0) is not None:
+                pass  # a burst of changes needs one refresh, not one each
+            return True
+        except redis.RedisError as e:
+            raise RegistryError(f"registry notifications: {e}") from e
+
+    def close(self) -> None:
+        try:
+            self._pubsub.close()
+        except redis.RedisError:
+            pass  # the connection is already gone
+
+
+class RegistryView:
+    """The proxy's cached view: no Redis round trip per request.
+
+    A daemon thread refreshes the list every ``refresh_s`` and at once on a change notification.
+    While Redis is unreachable the last list is kept (``last_error`` says why) and its nodes turn
+    unhealthy as their last heartbeat grows older than the TTL.
+    """
+
+    def __init__(self, registry: Registry, refresh_s: float = 0.5) -> None:
+        if refresh_s <= 0:
+            raise ValueError(f"refresh_s must be > 0, got {refresh_s}")
+        self._registry = registry
+        self._refresh_s = refresh_s
+        self._nodes: list[NodeState] = []
+        self._last_error: str | None = None
+        self._changed = threading.Condition()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        """Take a first snapshot (so a just-started proxy can route) and start the refresh thread."""
+        if self._thread is not None:
+            raise RuntimeError("RegistryView already started")
+        self._try_refresh()
+        self._thread = threading.Thread(target=self._run, name=f"registry-view-{self._registry.config.cluster}",
+                                        daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            # At worst one Redis round trip (a refresh) and one wait slice are in progress.
+            self._thread.join(timeout=2 * SOCKET_TIMEOUT_S + _STOP_POLL_S + 1.0)
+
+    def snapshot(self) -> list[NodeState]:
+        """The last refreshed list; nodes whose last heartbeat is older than the TTL are unhealthy."""
+        nodes = self._nodes
+        now, ttl_s = time.time(), self._registry.config.ttl_s
+        return [replace(n, healthy=False) if n.healthy and now - n.heartbeat_at > ttl_s else n for n in nodes]
+
+    def wait_for(self, predicate: Callable[[list[NodeState]], bool], timeout_s: float) -> bool:
+        """Wait until ``predicate(snapshot())`` holds; False after ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        with self._changed:
+            while not predicate(self.snapshot()):
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return False
+                # Wake at least every refresh_s: health also changes with time, without a refresh.
+                self._changed.wait(min(remaining, self._refresh_s))
+        return True
+
+    @property
+    def last_error(self) -> str | None:
+        return self._last_error
+
+    def _run(self) -> None:
+        watch: Watch | None = None
+        while not self._stop.is_set():
+            try:
+                if watch is None:
+                    watch = self._registry.watch()
+                    self._refresh()  # changes made while we were not subscribed
+                deadline = time.monotonic() + self._refresh_s
+                while not self._stop.is_set() and time.monotonic() < deadline:
+                    # Wait in short slices so that stop() returns promptly whatever refresh_s is.
+                    if watch.wait(min(deadline - time.monotonic(), _STOP_POLL_S)):
+                        break
+                if not self._stop.is_set():
+                    self._refresh()
+            except Exception as e:  # this thread must outlive any error; it records it instead
+                self._record_error(e)
+                if watch is not None:
+                    watch.close()
+                    watch = None
+                self._stop.wait(self._refresh_s)  # retry, without spinning while Redis is away
+        if watch is not None:
+            watch.close()
+
+    def _try_refresh(self) -> None:
+        try:
+            self._refresh()
+        except RegistryError as e:
+            self._record_error(e)
+
+    def _refresh(self) -> None:
+        nodes = self._registry.nodes()
+        with self._changed:
+            self._nodes = nodes
+            self._last_error = None
+            self._changed.notify_all()
+
+    def _record_error(self, e: Exception) -> None:
+        if not isinstance(e, RegistryError):
+            log.exception("registry view: unexpected error")
+        with self._changed:
+            self._last_error = str(e)
+            self._changed.notify_all()
+
+
+def _ms(seconds: float) -> int:
+    return max(1, round(seconds * 1000))
+
+
+def _text(value: str | bytes) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def _redact(url: str) -> str:
+    """The URL without its password, for error messages."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.rsplit("@", 1)[1]
+    user = f"{parts.username}:***@" if parts.username else ":***@"
+    return urlunsplit(parts._replace(netloc=user + netloc))
+

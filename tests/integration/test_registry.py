@@ -1,0 +1,201 @@
+"""The Redis registry and the proxy's cached view against a real redis-server."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Iterator
+
+import pytest
+import redis
+
+from cluster.config import RegistryConfig
+from cluster.net import free_port
+from cluster.nodes import NodeInfo, NodeState, ReplicaLoad
+from cluster.redis_server import RedisServer, start_redis
+from cluster.registry import Registry, RegistryError, RegistryView
+
+_clusters = itertools.count()
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[RedisServer]:
+    with start_redis() as s:
+        yield s
+
+
+@pytest.fixture
+def config(server: RedisServer) -> RegistryConfig:
+    # A cluster name per test: the tests share one server the way clusters would.
+    return RegistryConfig(url=server.url, cluster=f"t{next(_clusters)}", ttl_s=1.0, heartbeat_s=0.25)
+
+
+@pytest.fixture
+def registry(config: RegistryConfig) -> Iterator[Registry]:
+    r = Registry(config)
+    yield r
+    r.close()
+
+
+def info(node_id: str, role: str = "prefill") -> NodeInfo:
+    return NodeInfo(node_id=node_id, role=role, address="127.0.0.1:1", model="tiny", max_model_len=2048, dp=2,
+                    pcp=2, pp=1, kv_layout="sharded", block_size=16, num_blocks=64, started_at=time.time())
+
+
+LOADS = (ReplicaLoad(0, queued_prefill_tokens=10, running=1, used_blocks=3, free_blocks=61), ReplicaLoad(1))
+
+
+def test_first_heartbeat_registers_and_later_ones_refresh(registry: Registry) -> None:
+    assert registry.heartbeat(info("prefill-0"), LOADS) is False
+    registry.heartbeat(info("prefill-0"), (ReplicaLoad(0, running=2), ReplicaLoad(1)))
+    (state,) = registry.nodes()
+    assert state.info.node_id == "prefill-0" and state.healthy and not state.draining
+    assert state.replicas[0].running == 2
+    assert abs(state.heartbeat_at - time.time()) < 0.5
+
+
+def test_nodes_sorted_by_role_then_id(registry: Registry) -> None:
+    for node_id, role in [("prefill-1", "prefill"), ("decode-0", "decode"), ("prefill-0", "prefill")]:
+        registry.heartbeat(info(node_id, role), ())
+    assert [s.info.node_id for s in registry.nodes()] == ["decode-0", "prefill-0", "prefill-1"]
+
+
+def test_a_silent_node_expires_and_leaves_the_index(registry: Registry, config: RegistryConfig) -> None:
+    registry.heartbeat(info("prefill-0"), LOADS)
+    registry.heartbeat(info("decode-0", "decode"), ())
+    deadline = time.monotonic() + config.ttl_s + 0.5
+    while time.monotonic() < deadline:  # decode-0 keeps beating, prefill-0 went silent
+        registry.heartbeat(info("decode-0", "decode"), ())
+        time.sleep(config.heartbeat_s)
+    assert [s.info.node_id for s in registry.nodes()] == ["decode-0"]
+    raw = redis.Redis.from_url(config.url, decode_responses=True)
+    assert raw.smembers(f"{config.cluster}:nodes") == {"decode-0"}
+    raw.close()
+
+
+def test_draining_survives_heartbeats_and_clears_on_deregister(registry: Registry) -> None:
+    assert registry.set_draining("prefill-0", True) is False  # unknown node
+    registry.heartbeat(info("prefill-0"), LOADS)
+    assert registry.set_draining("prefill-0", True) is True
+    assert registry.heartbeat(info("prefill-0"), LOADS) is True
+    assert registry.heartbeat(info("prefill-0"), LOADS) is True
+    assert registry.nodes()[0].draining
+    assert registry.set_draining("prefill-0", False) is True
+    assert registry.heartbeat(info("prefill-0"), LOADS) is False
+    registry.set_draining("prefill-0", True)
+    registry.deregister("prefill-0")
+    assert registry.nodes() == []
+    assert registry.heartbeat(info("prefill-0"), LOADS) is False  # a new life starts undrained
+
+
+def test_two_clusters_on_one_redis_do_not_see_each_other(server: RedisServer) -> None:
+    a = Registry(RegistryConfig(url=server.url, cluster="alpha", ttl_s=1.0, heartbeat_s=0.25))
+    b = Registry(RegistryConfig(url=server.url, cluster="beta", ttl_s=1.0, heartbeat_s=0.25))
+    try:
+        a.heartbeat(info("prefill-0"), ())
+        b.heartbeat(info("prefill-0"), ())
+        b.heartbeat(info("decode-0", "decode"), ())
+        a.set_draining("prefill-0", True)
+        assert [s.info.node_id for s in a.nodes()] == ["prefill-0"]
+        assert [(s.info.node_id, s.draining) for s in b.nodes()] == [("decode-0", False), ("prefill-0", False)]
+        assert b.set_draining("decode-0", True) and not a.set_draining("decode-0", True)
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_node_re_registers_after_redis_loses_everything(registry: Registry, config: RegistryConfig) -> None:
+    registry.heartbeat(info("prefill-0"), ())
+    raw = redis.Redis.from_url(config.url)
+    raw.delete(f"{config.cluster}:node:prefill-0", f"{config.cluster}:nodes")  # as after a restart
+    raw.close()
+    assert registry.nodes() == []
+    registry.heartbeat(info("prefill-0"), ())
+    assert [s.info.node_id for s in registry.nodes()] == ["prefill-0"]
+
+
+def test_unreachable_redis_raises_registry_error() -> None:
+    registry = Registry(RegistryConfig(url=f"redis://127.0.0.1:{free_port()}/0", ttl_s=1.0, heartbeat_s=0.25))
+    with pytest.raises(RegistryError, match="read nodes failed"):
+        registry.nodes()
+    with pytest.raises(RegistryError, match="heartbeat failed"):
+        registry.heartbeat(info("prefill-0"), ())
+    registry.close()
+
+
+def ids(nodes: list[NodeState]) -> list[str]:
+    return [n.info.node_id for n in nodes]
+
+
+def test_view_refreshes_at_once_on_notifications(registry: Registry) -> None:
+    view = RegistryView(registry, refresh_s=30.0)  # so only a notification can explain a prompt refresh
+    view.start()
+    try:
+        assert view.snapshot() == []
+        t0 = time.monotonic()
+        registry.heartbeat(info("prefill-0"), LOADS)
+        assert view.wait_for(lambda nodes: ids(nodes) == ["prefill-0"], timeout_s=2.0)
+        registry.set_draining("prefill-0", True)
+        assert view.wait_for(lambda nodes: nodes[0].draining, timeout_s=2.0)
+        registry.deregister("prefill-0")
+        assert view.wait_for(lambda nodes: nodes == [], timeout_s=2.0)
+        assert time.monotonic() - t0 < 2.0
+        assert view.last_error is None
+    finally:
+        view.stop()
+
+
+def test_view_polls_for_load_changes(registry: Registry) -> None:
+    registry.heartbeat(info("prefill-0"), (ReplicaLoad(0),))
+    view = RegistryView(registry, refresh_s=0.1)
+    view.start()
+    try:
+        assert ids(view.snapshot()) == ["prefill-0"]  # start() takes a first snapshot
+        registry.heartbeat(info("prefill-0"), (ReplicaLoad(0, running=5),))  # no notification for load
+        assert view.wait_for(lambda nodes: nodes[0].replicas[0].running == 5, timeout_s=2.0)
+        assert not view.wait_for(lambda nodes: nodes == [], timeout_s=0.2)
+    finally:
+        view.stop()
+
+
+def test_view_survives_redis_going_away(tmp_path) -> None:
+    server = start_redis()
+    config = RegistryConfig(url=server.url, cluster="gone", ttl_s=1.0, heartbeat_s=0.25)
+    registry = Registry(config)
+    view = RegistryView(registry, refresh_s=0.1)
+    try:
+        registry.heartbeat(info("prefill-0"), LOADS)
+        view.start()
+        assert view.wait_for(lambda nodes: ids(nodes) == ["prefill-0"] and nodes[0].healthy, timeout_s=2.0)
+        server.stop()
+        deadline = time.monotonic() + 3.0
+        while view.last_error is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert view.last_error is not None and "registry" in view.last_error
+        assert ids(view.snapshot()) == ["prefill-0"]  # the last list is kept ...
+        # ... and its nodes turn unhealthy once their last heartbeat is older than the TTL.
+        assert view.wait_for(lambda nodes: not nodes[0].healthy, timeout_s=config.ttl_s + 1.0)
+    finally:
+        view.stop()
+        registry.close()
+        server.stop()
+
+
+def test_view_starts_without_redis_and_recovers(tmp_path) -> None:
+    port = free_port()
+    config = RegistryConfig(url=f"redis://127.0.0.1:{port}/0", cluster="late", ttl_s=1.0, heartbeat_s=0.25)
+    registry = Registry(config)
+    view = RegistryView(registry, refresh_s=0.1)
+    view.start()
+    server = None
+    try:
+        assert view.last_error is not None and view.snapshot() == []
+        server = start_redis(port=port)
+        registry.heartbeat(info("decode-0", "decode"), ())
+        assert view.wait_for(lambda nodes: ids(nodes) == ["decode-0"], timeout_s=3.0)
+        assert view.last_error is None
+    finally:
+        view.stop()
+        registry.close()
+        if server is not None:
+            server.stop()

@@ -1,0 +1,158 @@
+"""The `pdctl up` topology: YAML parsing, validation, and the command lines the launcher builds."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from cluster.launcher import cluster_commands, decode_command, prefill_command, proxy_command
+from cluster.topology import DecodeSpec, PrefillSpec, ProxySpec, RegistrySpec, Topology, load_topology
+
+EXAMPLE = """
+model: ./tiny
+served_model_name: tiny-chat
+node_host: 127.0.0.1
+registry:
+  url: null
+  cluster: demo
+proxy: {host: 0.0.0.0, port: 8100, admin_key: sesame}
+prefill:
+  - {dp: 2, pcp: 2, pp: 1, kv_layout: sharded, kv_interleave: 32, num_kv_blocks: 128}
+  - {pcp: 1, kv_layout: replicated, lease_s: 5}
+decode:
+  - {dp: 2, max_num_seqs: 64, transfer_timeout_s: 7.5}
+"""
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "topology.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_example_yaml(tmp_path) -> None:
+    t = load_topology(write(tmp_path, EXAMPLE))
+    assert t.model == str(tmp_path / "tiny")  # relative to the file, not the cwd
+    assert t.cluster == "demo" and t.registry.url is None
+    assert t.proxy == ProxySpec(host="0.0.0.0", port=8100, admin_key="sesame")
+    assert t.prefill == (PrefillSpec(dp=2, pcp=2, kv_interleave=32, num_kv_blocks=128),
+                         PrefillSpec(kv_layout="replicated", lease_s=5))
+    assert t.decode == (DecodeSpec(dp=2, max_num_seqs=64, transfer_timeout_s=7.5),)
+
+
+def test_defaults_suit_the_tiny_cpu_model() -> None:
+    t = Topology(model="/m")
+    assert len(t.prefill) == len(t.decode) == 1
+    for spec in (t.prefill[0], t.decode[0]):
+        assert (spec.dtype, spec.device, spec.max_model_len, spec.port) == ("float32", "cpu", 2048, 0)
+    assert t.registry == RegistrySpec() and t.cluster == "pdcluster"
+
+
+def test_minimal_yaml_and_absolute_model(tmp_path) -> None:
+    t = load_topology(write(tmp_path, "model: /models/tiny\n"))
+    assert t == Topology(model="/models/tiny")
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("prefill: [{}]\n", "'model'"),
+    ("model: m\nprefil: []\n", r"unknown keys \['prefil'\]"),
+    ("model: m\nprefill: []\n", "at least one prefill node and one decode node"),
+    ("model: m\nprefill: [{dp: 0}]\n", r"prefill\[0\]: dp must be an integer > 0"),
+    ("model: m\nprefill: [{pcp: 1.5}]\n", r"prefill\[0\]: pcp must be an integer > 0"),
+    ("model: m\nprefill: [{pp: true}]\n", r"prefill\[0\]: pp must be an integer > 0"),
+    ("model: m\nprefill: [{}, {kv_layout: mirrored}]\n", r"prefill\[1\]: kv_layout must be one of"),
+    ("model: m\nprefill: [{kv_interleave: 0}]\n", "kv_interleave must be an integer > 0 or null"),
+    ("model: m\nprefill: [{dtype: fp8}]\n", "dtype must be one of"),
+    ("model: m\ndecode: [{device: tpu}]\n", r"decode\[0\]: device must be"),
+    ("model: m\ndecode: [{lease_s: 3}]\n", r"decode\[0\]: unknown keys \['lease_s'\]"),
+    ("model: m\ndecode: [{transfer_timeout_s: 0}]\n", "transfer_timeout_s must be a number > 0"),
+    ("model: m\ndecode: {dp: 2}\n", "decode: expected a list"),
+    ("model: m\nproxy: {port: 70000}\n", r"proxy: port must be a port"),
+    ("model: m\nproxy: {admin_key: ''}\n", "admin_key must be non-empty"),
+    ("model: m\nregistry: {url: 'http://x'}\n", "registry.url must be redis://"),
+    ("model: m\nregistry: {url: 'redis://x:1', port: 7000}\n", "either url or port"),
+    ("model: m\nregistry: {cluster: 'a:b'}\n", "registry.cluster must be"),
+    ("- model: m\n", "mapping at the top level"),
+    ("model: [unclosed\n", "not valid YAML"),
+])
+def test_bad_topologies_say_what_is_wrong(tmp_path, text, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        load_topology(write(tmp_path, text))
+
+
+def test_missing_file(tmp_path) -> None:
+    with pytest.raises(ValueError, match="cannot read topology"):
+        load_topology(tmp_path / "nope.yaml")
+
+
+# --- command lines ---
+
+URL = "redis://127.0.0.1:7001/0"
+
+
+def test_prefill_command_line(tmp_path) -> None:
+    t = load_topology(write(tmp_path, EXAMPLE))
+    spec = prefill_command(t, 0, URL, python="py")
+    assert spec.name == "prefill-0" and spec.port is None
+    assert list(spec.argv) == [
+        "py", "-m", "prefill_node", "--model", str(tmp_path / "tiny"), "--served-model-name", "tiny-chat",
+        "--node-id", "prefill-0",
+        "--host", "127.0.0.1", "--port", "0", "--registry-url", URL, "--cluster", "demo",
+        "--dp", "2", "--pcp", "2", "--pp", "1", "--kv-layout", "sharded", "--kv-interleave", "32",
+        "--dtype", "float32", "--device", "cpu", "--max-model-len", "2048", "--max-num-batched-tokens", "2048",
+        "--num-kv-blocks", "128", "--lease-s", "30",
+    ]
+    second = prefill_command(t, 1, URL, python="py").argv
+    assert "--kv-interleave" not in second and "--num-kv-blocks" not in second  # optional flags left out
+    assert second[second.index("--lease-s") + 1] == "5"
+
+
+def test_decode_command_line() -> None:
+    t = Topology(model="/m", decode=(DecodeSpec(dp=2, num_kv_blocks=64, port=9100, transfer_timeout_s=7.5),))
+    spec = decode_command(t, 0, URL, python="py")
+    assert spec.name == "decode-0" and spec.port == 9100
+    assert list(spec.argv) == [
+        "py", "-m", "decode_node", "--model", "/m", "--node-id", "decode-0", "--host", "127.0.0.1",
+        "--port", "9100", "--registry-url", URL, "--cluster", "pdcluster", "--dp", "2", "--dtype", "float32",
+        "--device", "cpu", "--max-model-len", "2048", "--max-num-seqs", "256", "--num-kv-blocks", "64",
+        "--transfer-timeout-s", "7.5",
+    ]
+
+
+def test_proxy_command_line(tmp_path) -> None:
+    t = load_topology(write(tmp_path, EXAMPLE))
+    spec = proxy_command(t, URL, port=8100, python="py")
+    assert list(spec.argv) == [
+        "py", "-m", "proxy", "--model", str(tmp_path / "tiny"), "--served-model-name", "tiny-chat",
+        "--host", "0.0.0.0", "--port", "8100", "--registry-url", URL, "--cluster", "demo", "--admin-key", "sesame",
+    ]
+    bare = proxy_command(Topology(model="/m"), URL, port=8000, python="py").argv
+    assert "--served-model-name" not in bare and "--api-key" not in bare and "--admin-key" not in bare
+
+
+def test_cluster_commands_order_and_ids() -> None:
+    t = Topology(model="/m", prefill=(PrefillSpec(),) * 2, decode=(DecodeSpec(),) * 3)
+    specs = cluster_commands(t, URL, proxy_port=8000)
+    assert [s.name for s in specs] == ["prefill-0", "prefill-1", "decode-0", "decode-1", "decode-2", "proxy"]
+    assert all(s.argv[0] == sys.executable for s in specs)
+
+
+def test_command_lines_parse_with_the_real_parsers(tmp_path) -> None:
+    """The contract with the node and proxy entry points: what we start, they accept."""
+    node_cli = pytest.importorskip("cluster.node_cli")
+    proxy_main = pytest.importorskip("proxy.__main__")
+    (tmp_path / "tiny").mkdir()
+    (tmp_path / "tiny" / "config.json").write_text("{}")
+    t = load_topology(write(tmp_path, EXAMPLE))
+    for spec in cluster_commands(t, URL, proxy_port=8100):
+        args = list(spec.argv[3:])
+        if spec.name == "proxy":
+            config, _ = proxy_main.parse_args(args)
+            assert (config.port, config.admin_key, config.registry.cluster) == (8100, "sesame", "demo")
+        else:
+            node, served = node_cli.parse(spec.name.split("-")[0], args)
+            assert node.node_id == spec.name and served == "tiny-chat" and node.registry.url == URL
+    node, _ = node_cli.parse("prefill", list(prefill_command(t, 0, URL).argv[3:]))
+    assert (node.engine.dp, node.engine.pcp, node.engine.kv_interleave, node.engine.num_kv_blocks) == (2, 2, 32, 128)
