@@ -1,0 +1,73 @@
+"""The admin API: list nodes, drain and undrain them, explain a routing decision.
+
+``GET /admin/nodes``, ``POST /admin/nodes/{node_id}/drain`` and ``/undrain``,
+``GET /admin/route?prompt_tokens=N[&max_tokens=M]``. Guarded by the admin key when one is set.
+A drain takes effect on this proxy's very next request; requests in flight finish.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from fastapi import APIRouter, Depends, Query
+from fastapi.responses import JSONResponse
+
+from proxy.discovery import NodeView
+from proxy.errors import APIError
+from proxy.router import Router
+
+log = logging.getLogger(__name__)
+
+
+def admin_router(view: NodeView, router: Router, guard: Callable[..., Awaitable[None]]) -> APIRouter:
+    api = APIRouter(prefix="/admin", dependencies=[Depends(guard)])
+
+    @api.get("/nodes")
+    async def nodes() -> dict[str, Any]:
+        return {"nodes": [{**n.to_dict(), "inflight": router.load.requests(n.info.node_id)} for n in view.snapshot()]}
+
+    async def set_draining(node_id: str, draining: bool) -> dict[str, Any]:
+        try:
+            found = await view.set_draining(node_id, draining)
+        except Exception as e:  # the registry is down: say so rather than 500
+            log.warning("setting draining=%s on %s failed: %s", draining, node_id, e)
+            raise APIError(503, f"the registry is unavailable: {e}", code="registry_unavailable") from None
+        if not found:
+            raise APIError(404, f"no node {node_id!r} is registered", param="node_id", code="node_not_found")
+        log.info("node %s %s", node_id, "draining" if draining else "undrained")
+        return {"node_id": node_id, "draining": draining}
+
+    @api.post("/nodes/{node_id}/drain")
+    async def drain(node_id: str) -> dict[str, Any]:
+        return await set_draining(node_id, True)
+
+    @api.post("/nodes/{node_id}/undrain")
+    async def undrain(node_id: str) -> dict[str, Any]:
+        return await set_draining(node_id, False)
+
+    @api.get("/route", response_model=None)
+    async def route(prompt_tokens: int = Query(ge=1), max_tokens: int = Query(1, ge=1)) -> JSONResponse:
+        plan = router.plan(view.snapshot(), prompt_tokens, max_tokens)
+        body: dict[str, Any] = {
+            "prefill": None if plan.prefill is None else _pick(plan.prefill.to_dict(), "pcp", "cost"),
+            "decode": None if plan.decode is None else _pick(plan.decode.to_dict(), "free_blocks", "running"),
+            "candidates": [_pick(c.to_dict(), "pcp", "cost", "eligible") for c in plan.prefill_candidates],
+            "decode_candidates": [_pick(c.to_dict(), "running", "free_blocks", "eligible")
+                                  for c in plan.decode_candidates],
+        }
+        if plan.prefill is None or plan.decode is None:
+            role = "prefill" if plan.prefill is None else "decode"
+            err = APIError(503, f"no eligible {role} node for {prompt_tokens} prompt tokens", code=f"no_{role}_node")
+            return JSONResponse({**err.body(), **body}, status_code=503)
+        return JSONResponse(body)
+
+    return api
+
+
+def _pick(d: dict[str, Any], *keys: str) -> dict[str, Any]:
+    # Unknown values (the cost of an ineligible replica, free blocks not yet published) are left
+    # out rather than sent as null, so clients can default them.
+    picked = {k: d[k] for k in keys if d[k] is not None}
+    return {"node_id": d["node_id"], "dp_rank": d["dp_rank"], **picked, "reason": d["reason"]}

@@ -1,0 +1,133 @@
+"""The proxy's FastAPI application, assembled from its parts.
+
+``create_app(config, tokenizer, nodes, max_model_len=...)`` takes the node source as a
+dependency: ``python -m proxy`` passes the Redis registry, tests a ``StaticNodeSource``.
+
+Routes: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models`` (API key when set),
+``/health``, ``/metrics``, ``/admin/*`` (admin key when set).
+"""
+
+from __future__ import annotations
+
+import hmac
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from cluster.config import ProxyConfig
+from engine.tokenizer import Tokenizer
+from proxy.admin import admin_router
+from proxy.clients import NodeClients
+from proxy.discovery import NodeSource, NodeView, available, context_limit
+from proxy.errors import APIError, install_error_handlers
+from proxy.metrics import ProxyMetrics, RequestCounter
+from proxy.pipeline import Pipeline
+from proxy.router import Router
+from proxy.serving import Serving
+
+_ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics", "/admin/nodes",
+              "/admin/route")
+
+
+def served_model_name(config: ProxyConfig) -> str:
+    """The name clients pass as "model": as configured, else the model directory's name."""
+    return config.served_model_name or Path(config.model).name
+
+
+@dataclass
+class ProxyState:
+    """Everything one app instance owns (reachable as ``app.state.proxy``, e.g. from tests)."""
+
+    config: ProxyConfig
+    model_name: str
+    view: NodeView
+    router: Router
+    clients: NodeClients
+    pipeline: Pipeline
+    metrics: ProxyMetrics
+    serving: Serving
+
+
+def bearer_guard(key: str | None) -> Callable[[Request], Awaitable[None]]:
+    """A dependency that requires ``Authorization: Bearer <key>`` (no check when ``key`` is None)."""
+
+    async def check(request: Request) -> None:
+        if key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        # compare_digest: the time taken must not tell how much of a guessed key was right.
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+            raise APIError(401, "Incorrect API key provided.", code="invalid_api_key", cause="auth")
+
+    return check
+
+
+def create_app(config: ProxyConfig, tokenizer: Tokenizer, nodes: NodeSource, *, max_model_len: int) -> FastAPI:
+    """The proxy app. ``max_model_len`` is the model's context limit, used until nodes publish theirs."""
+    name = served_model_name(config)
+    metrics = ProxyMetrics()
+    view = NodeView(nodes, hold_s=max(5.0, 10 * config.refresh_s), unreachable_s=config.registry.ttl_s)
+    router = Router(name)
+    clients = NodeClients()
+    pipeline = Pipeline(clients, router, metrics, config.prefill_timeout_s, config.token_timeout_s, view)
+    handlers = Serving(model_name=name, tokenizer=tokenizer, view=view, pipeline=pipeline, metrics=metrics,
+                       max_model_len=max_model_len)
+    state = ProxyState(config, name, view, router, clients, pipeline, metrics, handlers)
+    created = int(time.time())
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        try:
+            yield
+        finally:
+            await pipeline.drain_background()  # aborts sent on the way out still reach the nodes
+            await clients.close()
+
+    app = FastAPI(title="pdcluster proxy", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.proxy = state
+    install_error_handlers(app, lambda cause: metrics.errors.labels(cause).inc())
+    app.add_middleware(RequestCounter, metrics=metrics, endpoint_of=_endpoint_label)
+
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(bearer_guard(config.api_key))])
+    v1.add_api_route("/completions", handlers.completions, methods=["POST"], response_model=None)
+    v1.add_api_route("/chat/completions", handlers.chat, methods=["POST"], response_model=None)
+
+    @v1.get("/models")
+    async def models() -> dict[str, Any]:
+        limit = context_limit(view.snapshot(), name, max_model_len)
+        return {"object": "list", "data": [
+            {"id": name, "object": "model", "created": created, "owned_by": "pdcluster", "max_model_len": limit},
+        ]}
+
+    @app.get("/health", response_model=None)
+    async def health() -> JSONResponse:
+        snapshot = view.snapshot()
+        counts = {role: len(available(snapshot, name, role)) for role in ("prefill", "decode")}
+        if all(counts.values()):
+            return JSONResponse({"status": "ok", "model": name, **counts})
+        missing = [role for role, n in counts.items() if n == 0]
+        err = APIError(503, f"no healthy, non-draining {' or '.join(missing)} node for model {name!r}",
+                       code=f"no_{missing[0]}_node")
+        return JSONResponse({**err.body(), **counts}, status_code=503)
+
+    @app.get("/metrics")
+    async def metrics_page() -> Response:
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    app.include_router(v1)
+    app.include_router(admin_router(view, router, bearer_guard(config.admin_key)))
+    return app
+
+
+def _endpoint_label(path: str) -> str:
+    if path in _ENDPOINTS:
+        return path
+    if path.startswith("/admin/nodes/"):
+        return "/admin/nodes/{node_id}"
+    return "other"

@@ -1,0 +1,62 @@
+"""gRPC clients of the nodes: one ``grpc.aio`` channel per node address, created on first use.
+
+Channels are bound to the event loop that creates them, so they are made lazily from within the
+app's loop and closed on shutdown.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import grpc
+
+from cluster.proto_gen import pdcluster_v1_pb2 as pb
+from cluster.proto_gen import pdcluster_v1_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+ABORT_TIMEOUT_S = 5.0
+
+_CHANNEL_OPTIONS = [
+    # A KV handle of a long prompt lists thousands of blocks per rank: leave room above gRPC's 4 MB.
+    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+    ("grpc.max_send_message_length", 64 * 1024 * 1024),
+    # Notice a silently dead peer (no RST, e.g. a lost host) on long idle decode streams.
+    ("grpc.keepalive_time_ms", 30_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.keepalive_permit_without_calls", 0),
+]
+
+
+class NodeClients:
+    """Stubs of the prefill and decode services, over cached channels."""
+
+    def __init__(self) -> None:
+        self._channels: dict[str, grpc.aio.Channel] = {}
+
+    def _channel(self, address: str) -> grpc.aio.Channel:
+        ch = self._channels.get(address)
+        if ch is None:
+            ch = self._channels[address] = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
+        return ch
+
+    def prefill(self, address: str) -> pb_grpc.PrefillServiceStub:
+        return pb_grpc.PrefillServiceStub(self._channel(address))
+
+    def decode(self, address: str) -> pb_grpc.DecodeServiceStub:
+        return pb_grpc.DecodeServiceStub(self._channel(address))
+
+    async def abort_prefill(self, address: str, request_id: str) -> bool:
+        """Free whatever the prefill node holds for the request; never raises (the caller is cleaning up)."""
+        try:
+            reply = await self.prefill(address).Abort(pb.AbortRequest(request_id=request_id), timeout=ABORT_TIMEOUT_S)
+            return reply.found
+        except grpc.aio.AioRpcError as e:
+            # The lease on the prefill node frees the blocks anyway; nothing more to do.
+            log.warning("abort of %s on prefill %s failed: %s", request_id, address, e.code().name)
+            return False
+
+    async def close(self) -> None:
+        channels, self._channels = list(self._channels.values()), {}
+        for ch in channels:
+            await ch.close()

@@ -1,0 +1,84 @@
+"""Prometheus metrics of one proxy, in a registry of its own (two apps in one process don't clash).
+
+Also the ASGI middleware that counts requests by endpoint and status code: a pure ASGI wrapper,
+not Starlette's ``BaseHTTPMiddleware``, which would sit between streaming responses and the
+client's disconnect.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+PREFIX = "pdcluster_proxy"
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1, 2.5, 5)
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+
+class ProxyMetrics:
+    """The proxy's series; ``render()`` gives the exposition text of ``/metrics``."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(f"{PREFIX}_requests", "HTTP requests by endpoint and status code",
+                                ["endpoint", "status"], registry=r)
+        self.errors = Counter(f"{PREFIX}_errors", "Failed requests by cause", ["cause"], registry=r)
+        self.inflight = Gauge(f"{PREFIX}_inflight_requests", "Generation requests in flight", registry=r)
+        self.ttft = Histogram(f"{PREFIX}_time_to_first_token_seconds", "Request arrival to first token",
+                              ["endpoint"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram(f"{PREFIX}_inter_token_latency_seconds", "Time between output tokens",
+                             buckets=_ITL_BUCKETS, registry=r)
+        self.e2e = Histogram(f"{PREFIX}_request_latency_seconds", "Request arrival to last token",
+                             ["endpoint"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.kv_transfer_s = Histogram(f"{PREFIX}_kv_transfer_seconds", "KV transfer time (decode node's report)",
+                                       buckets=_LATENCY_BUCKETS, registry=r)
+        self.kv_transfer_bytes = Counter(f"{PREFIX}_kv_transfer_bytes", "KV bytes moved from prefill to decode",
+                                         registry=r)
+        self.prompt_tokens = Counter(f"{PREFIX}_prompt_tokens", "Prompt tokens of routed requests", registry=r)
+        self.generation_tokens = Counter(f"{PREFIX}_generation_tokens", "Output tokens received", registry=r)
+        self.routing = Counter(f"{PREFIX}_routing_decisions", "Routing decisions by role and node",
+                               ["role", "node_id"], registry=r)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class RequestCounter:
+    """ASGI middleware: count every HTTP request by endpoint (known paths only) and status."""
+
+    def __init__(self, app: ASGIApp, metrics: ProxyMetrics, endpoint_of: Callable[[str], str]) -> None:
+        self.app = app
+        self.metrics = metrics
+        self.endpoint_of = endpoint_of
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = 0
+
+        async def send_and_record(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_and_record)
+        except BaseException:
+            status = status or 500
+            raise
+        finally:
+            # 499 (nginx's "client closed request"): the client left before any answer.
+            self.metrics.requests.labels(self.endpoint_of(scope.get("path", "")), str(status or 499)).inc()
+

@@ -1,0 +1,303 @@
+"""One request's trip through the cluster: route, prefill, then the decode stream.
+
+Lifecycle (every exit path goes through ``Generation.close``, which is idempotent):
+
+1. ``Pipeline.start``: route, count the request on the chosen replicas (``LocalLoad``), call
+   ``Prefill`` with a deadline. On failure or cancellation: ``Abort`` on the prefill node (it may
+   have finished and hold the KV), uncount, raise ``APIError`` -- except that an UNAVAILABLE
+   prefill node (dead, or stopping before the registry says so) gets the request retried once
+   on another replica.
+2. If the first token already finished the request, there is no decode leg and nothing is held
+   on the prefill node. Otherwise the ``Decode`` stream is opened at once, so the KV transfer
+   overlaps with sending the first token to the client.
+3. ``Generation.next_tokens`` returns the first token, then each ``tokens`` event; the
+   ``admitted`` event (the decode side has the KV and released it on the prefill node) is
+   recorded in metrics. Each wait is bounded by ``token_timeout_s``.
+4. ``Generation.close``: if the decode node did not finish the request itself (failure, client
+   gone, stop string found by the proxy), cancel the Decode stream (which aborts the request on
+   the decode node) and ``Abort`` on the prefill node, in the background.
+
+A node that refuses a connection (UNAVAILABLE) is marked unreachable in the proxy's view at once,
+so new requests avoid it before its registry heartbeat expires; a decode node that fails that way
+before sending anything gets the decode leg moved to another decode rank once (the prefill node
+still holds the KV under its lease, so nothing is lost).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Coroutine
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from cluster.nodes import NodeState
+from cluster.proto_gen import pdcluster_v1_pb2 as pb
+from proxy.clients import NodeClients
+from proxy.discovery import NodeView
+from proxy.errors import APIError, rpc_error
+from proxy.metrics import ProxyMetrics
+from proxy.router import LocalLoad, NoRoute, Route, Router
+
+log = logging.getLogger(__name__)
+
+PREFILL_ATTEMPTS = 2  # one retry on another replica when a prefill node is UNAVAILABLE
+DECODE_ATTEMPTS = 2  # one retry on another decode rank when a decode node is UNAVAILABLE before any event
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """A validated, tokenized request, ready to route."""
+
+    request_id: str
+    endpoint: str  # "completions" | "chat": metrics label
+    prompt_token_ids: list[int]
+    sampling: pb.SamplingParams
+    arrival: float  # time.perf_counter() when the HTTP request arrived
+
+
+class _Counted:
+    """This request's share of ``LocalLoad``, given back part by part as the request moves on."""
+
+    def __init__(self, load: LocalLoad, route: Route, prompt_tokens: int, blocks: int) -> None:
+        self._load, self._route = load, route
+        self._tokens, self._blocks = prompt_tokens, blocks
+        p, d = route.prefill, route.decode
+        load.add(p.node_id, p.dp_rank, tokens=prompt_tokens, requests=1)
+        load.add(d.node_id, d.dp_rank, seqs=1, blocks=blocks, requests=1)
+        self._prefill_tokens = self._prefill_request = self._decode = True
+
+    def prefill_answered(self) -> None:
+        if self._prefill_tokens:
+            self._prefill_tokens = False
+            self._load.remove(self._route.prefill.node_id, self._route.prefill.dp_rank, tokens=self._tokens)
+
+    def prefill_released(self) -> None:
+        """The prefill node holds nothing for the request any more."""
+        self.prefill_answered()
+        if self._prefill_request:
+            self._prefill_request = False
+            self._load.remove(self._route.prefill.node_id, self._route.prefill.dp_rank, requests=1)
+
+    def move_decode(self, route: Route) -> None:
+        """The decode leg moved to ``route.decode``."""
+        if self._decode:
+            d = self._route.decode
+            self._load.remove(d.node_id, d.dp_rank, seqs=1, blocks=self._blocks, requests=1)
+            self._load.add(route.decode.node_id, route.decode.dp_rank, seqs=1, blocks=self._blocks, requests=1)
+        self._route = route
+
+    def release(self) -> None:
+        self.prefill_released()
+        if self._decode:
+            self._decode = False
+            self._load.remove(self._route.decode.node_id, self._route.decode.dp_rank, seqs=1, blocks=self._blocks,
+                              requests=1)
+
+
+class Pipeline:
+    """Starts generations; owns the background cleanup calls so none is lost or left running."""
+
+    def __init__(self, clients: NodeClients, router: Router, metrics: ProxyMetrics, prefill_timeout_s: float,
+                 token_timeout_s: float, view: NodeView | None = None) -> None:
+        self.view = view
+        self.clients = clients
+        self.router = router
+        self.metrics = metrics
+        self.prefill_timeout_s = prefill_timeout_s
+        self.token_timeout_s = token_timeout_s
+        self._background: set[asyncio.Task[Any]] = set()
+
+    async def start(self, req: GenerationRequest, nodes: list[NodeState]) -> Generation:
+        """Route and prefill; raises ``APIError`` (nothing is left held when it does).
+
+        A prefill node that answers UNAVAILABLE (dead, or draining/stopping before the registry
+        says so) costs the client nothing: the request is tried once more on another replica.
+        """
+        failed: list[str] = []
+        last_error: grpc.aio.AioRpcError | None = None
+        while True:
+            try:
+                route = self.router.route(nodes, len(req.prompt_token_ids), req.sampling.max_tokens, failed)
+            except NoRoute as e:
+                if last_error is not None:  # no other replica to retry on: the node's error it is
+                    raise rpc_error("prefill", last_error) from None
+                raise APIError(503, e.message, code=e.code, cause="no_route") from None
+            try:
+                reply, counted = await self._prefill(req, route)
+            except grpc.aio.AioRpcError as e:
+                if e.code() != grpc.StatusCode.UNAVAILABLE or len(failed) + 1 >= PREFILL_ATTEMPTS:
+                    raise rpc_error("prefill", e) from None
+                log.warning("prefill of %s on %s unavailable (%s); trying another replica", req.request_id,
+                            route.prefill.node_id, e.details())
+                self.unreachable(route.prefill.node_id)
+                failed.append(route.prefill.node_id)
+                last_error = e
+                continue
+            self.metrics.ttft.labels(req.endpoint).observe(time.perf_counter() - req.arrival)
+            return Generation(self, req, route, reply, counted)
+
+    async def _prefill(self, req: GenerationRequest, route: Route) -> tuple[pb.PrefillResponse, _Counted]:
+        n = len(req.prompt_token_ids)
+        self.metrics.routing.labels("prefill", route.prefill.node_id).inc()
+        self.metrics.routing.labels("decode", route.decode.node_id).inc()
+        self.metrics.prompt_tokens.inc(n)
+        counted = _Counted(self.router.load, route, n, route.decode.needed_blocks)
+        prefill = pb.PrefillRequest(request_id=req.request_id, token_ids=req.prompt_token_ids, sampling=req.sampling,
+                                    dp_rank=route.prefill.dp_rank)
+        try:
+            reply = await self.clients.prefill(route.prefill.address).Prefill(prefill, timeout=self.prefill_timeout_s)
+        except BaseException:  # an RPC error, or cancelled because the client left
+            # The node may have finished the prefill and hold the KV: free it there.
+            self.spawn(self.clients.abort_prefill(route.prefill.address, req.request_id))
+            counted.release()
+            raise
+        counted.prefill_answered()
+        return reply, counted
+
+    def unreachable(self, node_id: str) -> None:
+        if self.view is not None:
+            self.view.mark_unreachable(node_id)
+
+    def other_decode(self, req: GenerationRequest, route: Route) -> Route | None:
+        """Another decode rank for a request whose decode node is unreachable (None if there is none)."""
+        if self.view is None:
+            return None
+        plan = self.router.plan(self.view.snapshot(), len(req.prompt_token_ids), req.sampling.max_tokens)
+        if plan.decode is None or plan.decode.node_id == route.decode.node_id:
+            return None
+        self.metrics.routing.labels("decode", plan.decode.node_id).inc()
+        return Route(route.prefill, plan.decode)
+
+    def spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
+        """Run a cleanup call in the background (it must not wait on, or die with, the request)."""
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def drain_background(self, timeout_s: float = 5.0) -> None:
+        """Let pending cleanup calls finish (at shutdown)."""
+        if self._background:
+            await asyncio.wait(list(self._background), timeout=timeout_s)
+
+
+class GenerationError(Exception):
+    """The decode leg failed after the response may have started; carries the client's error."""
+
+    def __init__(self, error: APIError) -> None:
+        super().__init__(error.message)
+        self.error = error
+
+
+class Generation:
+    """A prefilled request: its first token, then the decode node's tokens."""
+
+    def __init__(self, pipeline: Pipeline, req: GenerationRequest, route: Route, reply: pb.PrefillResponse,
+                 counted: _Counted) -> None:
+        self._p = pipeline
+        self.request = req
+        self.route = route
+        self._reply = reply
+        self._counted = counted
+        self._first_taken = False
+        self._finished = bool(reply.finish_reason)  # the nodes ended it themselves: nothing to abort
+        self._closed = False
+        self._last_token_at = time.perf_counter()
+        self._call: Any = None
+        self._events = 0  # decode events received
+        self._decode_attempts = 1
+        if self._finished:
+            counted.prefill_released()
+        else:
+            self._open_decode()
+
+    def _open_decode(self) -> None:
+        req, reply = self.request, self._reply
+        decode = pb.DecodeRequest(request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
+                                  sampling=req.sampling, first_token=reply.first_token, kv=reply.kv,
+                                  dp_rank=self.route.decode.dp_rank)
+        self._call = self._p.clients.decode(self.route.decode.address).Decode(decode)
+
+    @property
+    def finished(self) -> bool:
+        return self._finished
+
+    async def next_tokens(self) -> tuple[list[pb.Token], str]:
+        """The next output tokens and the finish reason ("" until the last batch).
+
+        Raises ``GenerationError`` when the decode node fails, stalls past ``token_timeout_s`` or
+        ends its stream without a finish reason.
+        """
+        if not self._first_taken:
+            self._first_taken = True
+            self._p.metrics.generation_tokens.inc()
+            return [self._reply.first_token], self._reply.finish_reason
+        if self._finished or self._call is None:
+            raise RuntimeError("the generation is already finished")
+        while True:
+            event = await self._read()
+            kind = event.WhichOneof("event")
+            if kind == "admitted":
+                self._p.metrics.kv_transfer_s.observe(event.admitted.transfer_s)
+                self._p.metrics.kv_transfer_bytes.inc(event.admitted.transfer_bytes)
+                self._counted.prefill_released()
+            elif kind == "tokens" and (event.tokens.tokens or event.tokens.finish_reason):
+                tokens = list(event.tokens.tokens)
+                self._observe_tokens(len(tokens))
+                if event.tokens.finish_reason:
+                    self._finished = True
+                    self._counted.prefill_released()
+                return tokens, event.tokens.finish_reason
+
+    async def _read(self) -> pb.DecodeEvent:
+        while True:
+            try:
+                event = await asyncio.wait_for(self._call.read(), self._p.token_timeout_s)
+                break
+            except asyncio.TimeoutError:
+                raise GenerationError(APIError(
+                    503, f"decode timed out: no token for {self._p.token_timeout_s:g}s", code="token_timeout",
+                    cause="token_timeout")) from None
+            except grpc.aio.AioRpcError as e:
+                if e.code() != grpc.StatusCode.UNAVAILABLE:
+                    raise GenerationError(rpc_error("decode", e)) from None
+                self._p.unreachable(self.route.decode.node_id)
+                other = self._p.other_decode(self.request, self.route) if self._events == 0 else None
+                if other is None or self._decode_attempts >= DECODE_ATTEMPTS:
+                    raise GenerationError(rpc_error("decode", e)) from None
+                log.warning("decode of %s on %s unavailable (%s); moving it to %s", self.request.request_id,
+                            self.route.decode.node_id, e.details(), other.decode.node_id)
+                self._decode_attempts += 1
+                self._counted.move_decode(other)
+                self.route = other
+                self._open_decode()
+        self._events += 1
+        if event is grpc.aio.EOF:
+            raise GenerationError(APIError(502, "decode stream ended without a finish reason", code="node_error",
+                                           cause="decode_node_error"))
+        return event
+
+    def _observe_tokens(self, k: int) -> None:
+        if k == 0:
+            return
+        now = time.perf_counter()
+        gap = (now - self._last_token_at) / k  # tokens arrive in batches: spread the gap over them
+        self._last_token_at = now
+        for _ in range(k):
+            self._p.metrics.itl.observe(gap)
+        self._p.metrics.generation_tokens.inc(k)
+
+    def close(self) -> None:
+        """End the request; idempotent. Unless the nodes finished it, cancel decode and abort prefill."""
+        if self._closed:
+            return
+        self._closed = True
+        if not self._finished:
+            if self._call is not None:
+                self._call.cancel()
+            self._p.spawn(self._p.clients.abort_prefill(self.route.prefill.address, self.request.request_id))
+        self._counted.release()
+

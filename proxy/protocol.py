@@ -1,0 +1,207 @@
+"""OpenAI request bodies as pydantic models, validated as OpenAI and the engine validate them.
+
+Unknown fields are ignored (as vLLM does: clients send many optional knobs); known fields we
+cannot honour (``n`` > 1, ``echo``, penalties, tools...) are refused with a 400 rather than
+silently ignored. The engine's limits (``engine.sampling_params``) are checked here too, so a bad
+request never costs a round trip to a node.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from cluster.proto_gen import pdcluster_v1_pb2 as pb
+from engine.sampling_params import MAX_LOGPROBS
+
+MAX_STOP_STRINGS = 4  # OpenAI's limit
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(_Request):
+    include_usage: bool = False
+
+
+class _Sampling(_Request):
+    """Fields both endpoints share. ``None`` means "the default", as clients often send nulls."""
+
+    model: str | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1)
+    seed: int | None = Field(None, ge=0, lt=2**63)
+    max_tokens: int | None = Field(None, ge=1)
+    min_tokens: int | None = Field(None, ge=0)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    n: int | None = None
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _check_stop(cls, v: str | list[str] | None) -> str | list[str] | None:
+        stops = [v] if isinstance(v, str) else list(v or [])
+        if len(stops) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop sequences are allowed, got {len(stops)}")
+        if any(not s for s in stops):
+            raise ValueError("stop sequences must be non-empty")
+        return v
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _check_stop_ids(cls, v: list[int] | None) -> list[int] | None:
+        if v is not None and any(t < 0 or t >= 2**32 for t in v):
+            raise ValueError("stop_token_ids must be token ids (>= 0)")
+        return v
+
+    @model_validator(mode="after")
+    def _check_unsupported(self) -> _Sampling:
+        if self.n not in (None, 1):
+            raise ValueError("n must be 1 (parallel sampling is not supported)")
+        if self.presence_penalty or self.frequency_penalty:
+            raise ValueError("presence_penalty and frequency_penalty are not supported (must be 0)")
+        if self.logit_bias:
+            raise ValueError("logit_bias is not supported")
+        if self.min_tokens and self.max_output_tokens is not None and self.min_tokens > self.max_output_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_output_tokens})")
+        return self
+
+    @property
+    def max_output_tokens(self) -> int | None:
+        """The requested output length; None: up to the context limit."""
+        return self.max_tokens
+
+    @property
+    def stop_list(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def top_logprobs_n(self) -> int | None:
+        """How many top logprobs per token to return; None: no logprobs at all."""
+        raise NotImplementedError
+
+    def sampling(self, max_tokens: int) -> pb.SamplingParams:
+        """The node-side sampling parameters, with ``max_tokens`` resolved by the caller."""
+        params = pb.SamplingParams(
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=self.top_k or 0,
+            max_tokens=max_tokens,
+            min_tokens=self.min_tokens or 0,
+            stop=self.stop_list,
+            stop_token_ids=self.stop_token_ids or [],
+            ignore_eos=self.ignore_eos,
+        )
+        if self.seed is not None:
+            params.seed = self.seed
+        if self.top_logprobs_n is not None:
+            params.logprobs = self.top_logprobs_n
+        return params
+
+
+class CompletionRequest(_Sampling):
+    """``POST /v1/completions``: one prompt, as text or token ids."""
+
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, v: Any) -> str | list[int]:
+        # A list of strings or of token lists is a batch of prompts; one element is still one prompt.
+        if isinstance(v, list) and v and isinstance(v[0], (str, list)):
+            if len(v) != 1:
+                raise ValueError("only one prompt per request is supported")
+            v = v[0]
+        if isinstance(v, list):
+            if not v:
+                raise ValueError("prompt must not be empty")
+            if any(t < 0 or t >= 2**32 for t in v):
+                raise ValueError("prompt token ids must be >= 0")
+        return v
+
+    @model_validator(mode="after")
+    def _check_completion_unsupported(self) -> CompletionRequest:
+        if self.echo:
+            raise ValueError("echo is not supported")
+        if self.best_of not in (None, 1):
+            raise ValueError("best_of must be 1")
+        if self.suffix:
+            raise ValueError("suffix is not supported")
+        return self
+
+    @property
+    def top_logprobs_n(self) -> int | None:
+        return self.logprobs
+
+
+class TextPart(_Request):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Request):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    @model_validator(mode="after")
+    def _content_required(self) -> ChatMessage:
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"a {self.role} message needs content")
+        return self
+
+    def as_template_input(self) -> dict[str, str]:
+        """The message as the chat template reads it: text parts joined, "developer" as "system"."""
+        if isinstance(self.content, list):
+            text = "".join(p.text for p in self.content)
+        else:
+            text = self.content or ""
+        return {"role": "system" if self.role == "developer" else self.role, "content": text}
+
+
+class ChatCompletionRequest(_Sampling):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    tools: list[Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _check_chat(self) -> ChatCompletionRequest:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs to be true")
+        if self.tools:
+            raise ValueError("tools are not supported")
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise ValueError("only the text response_format is supported")
+        return self
+
+    @property
+    def max_output_tokens(self) -> int | None:
+        # max_completion_tokens is OpenAI's newer name; it wins when both are given.
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def top_logprobs_n(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None

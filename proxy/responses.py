@@ -1,0 +1,175 @@
+"""OpenAI's response shapes: whole responses, SSE chunks and logprobs, for both endpoints.
+
+``CompletionFormat`` ("text_completion") and ``ChatFormat`` ("chat.completion" /
+"chat.completion.chunk") share one interface, so the serving code streams either the same way.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+from cluster.proto_gen import pdcluster_v1_pb2 as pb
+from proxy.detok import Decoder
+
+# JSON has no -inf: a token the sampler could not have picked gets this instead (as vLLM does).
+MIN_LOGPROB = -9999.0
+
+
+def sse(data: dict[str, Any] | str) -> str:
+    """One server-sent event."""
+    payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+    return f"data: {payload}\n\n"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def _logprob(x: float) -> float:
+    return MIN_LOGPROB if math.isnan(x) or x < MIN_LOGPROB else float(x)
+
+
+class TokenTexts:
+    """Token id -> its text as logprobs show it (special tokens spelled out), cached per id."""
+
+    def __init__(self, tokenizer: Decoder) -> None:
+        self._tok = tokenizer
+        self._shown: dict[int, str] = {}
+        self._visible: dict[int, int] = {}
+
+    def shown(self, token_id: int) -> str:
+        s = self._shown.get(token_id)
+        if s is None:
+            s = self._shown[token_id] = self._tok.decode([token_id], skip_special_tokens=False)
+        return s
+
+    def visible_len(self, token_id: int) -> int:
+        """How many characters the token adds to the output text (special tokens: none)."""
+        n = self._visible.get(token_id)
+        if n is None:
+            n = self._visible[token_id] = len(self._tok.decode([token_id], skip_special_tokens=True))
+        return n
+
+
+class Format(Protocol):
+    """The JSON shapes of one endpoint for one request."""
+
+    def response(self, text: str, finish_reason: str, tokens: Sequence[pb.Token],
+                 usage: dict[str, int]) -> dict[str, Any]:
+        ...
+
+    def first_chunks(self) -> list[dict[str, Any]]: ...
+
+    def delta_chunk(self, text: str, tokens: Sequence[pb.Token]) -> dict[str, Any]: ...
+
+    def final_chunks(self, text: str, tokens: Sequence[pb.Token], finish_reason: str) -> list[dict[str, Any]]: ...
+
+    def usage_chunk(self, usage: dict[str, int]) -> dict[str, Any]: ...
+
+
+class _Base:
+    object: str = ""
+    chunk_object: str = ""
+
+    def __init__(self, request_id: str, created: int, model: str, *, logprobs: bool, include_usage: bool,
+                 texts: TokenTexts) -> None:
+        self.request_id = request_id
+        self.created = created
+        self.model = model
+        self.logprobs = logprobs
+        self.include_usage = include_usage
+        self.texts = texts
+
+    def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"id": self.request_id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
+
+    def _chunk(self, choice: dict[str, Any]) -> dict[str, Any]:
+        out = self._envelope(self.chunk_object, [choice])
+        if self.include_usage:
+            out["usage"] = None  # OpenAI: null on every chunk but the usage chunk
+        return out
+
+    def usage_chunk(self, usage: dict[str, int]) -> dict[str, Any]:
+        return {**self._envelope(self.chunk_object, []), "usage": usage}
+
+
+class CompletionFormat(_Base):
+    """``/v1/completions``; logprobs as tokens / token_logprobs / top_logprobs / text_offset."""
+
+    object = chunk_object = "text_completion"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._offset = 0  # text_offset of the next token, across chunks
+
+    def _logprobs(self, tokens: Sequence[pb.Token]) -> dict[str, Any] | None:
+        if not self.logprobs:
+            return None
+        out: dict[str, Any] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for t in tokens:
+            out["tokens"].append(self.texts.shown(t.token_id))
+            out["token_logprobs"].append(_logprob(t.logprob))
+            out["top_logprobs"].append({self.texts.shown(x.token_id): _logprob(x.logprob) for x in t.top})
+            out["text_offset"].append(self._offset)
+            self._offset += self.texts.visible_len(t.token_id)
+        return out
+
+    def _choice(self, text: str, tokens: Sequence[pb.Token], finish_reason: str | None) -> dict[str, Any]:
+        return {"index": 0, "text": text, "logprobs": self._logprobs(tokens), "finish_reason": finish_reason}
+
+    def response(self, text: str, finish_reason: str, tokens: Sequence[pb.Token],
+                 usage: dict[str, int]) -> dict[str, Any]:
+        return {**self._envelope(self.object, [self._choice(text, tokens, finish_reason)]), "usage": usage}
+
+    def first_chunks(self) -> list[dict[str, Any]]:
+        return []
+
+    def delta_chunk(self, text: str, tokens: Sequence[pb.Token]) -> dict[str, Any]:
+        return self._chunk(self._choice(text, tokens, None))
+
+    def final_chunks(self, text: str, tokens: Sequence[pb.Token], finish_reason: str) -> list[dict[str, Any]]:
+        return [self._chunk(self._choice(text, tokens, finish_reason))]
+
+
+class ChatFormat(_Base):
+    """``/v1/chat/completions``; logprobs as content: [{token, logprob, bytes, top_logprobs}]."""
+
+    object = "chat.completion"
+    chunk_object = "chat.completion.chunk"
+
+    def _entry(self, token_id: int, logprob: float) -> dict[str, Any]:
+        s = self.texts.shown(token_id)
+        return {"token": s, "logprob": _logprob(logprob), "bytes": list(s.encode("utf-8"))}
+
+    def _logprobs(self, tokens: Sequence[pb.Token]) -> dict[str, Any] | None:
+        if not self.logprobs:
+            return None
+        return {"content": [
+            {**self._entry(t.token_id, t.logprob), "top_logprobs": [self._entry(x.token_id, x.logprob) for x in t.top]}
+            for t in tokens
+        ]}
+
+    def response(self, text: str, finish_reason: str, tokens: Sequence[pb.Token],
+                 usage: dict[str, int]) -> dict[str, Any]:
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": self._logprobs(tokens),
+                  "finish_reason": finish_reason}
+        return {**self._envelope(self.object, [choice]), "usage": usage}
+
+    def _delta(self, delta: dict[str, Any], tokens: Sequence[pb.Token], finish_reason: str | None) -> dict[str, Any]:
+        logprobs = self._logprobs(tokens) if tokens else None
+        return self._chunk({"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason})
+
+    def first_chunks(self) -> list[dict[str, Any]]:
+        return [self._delta({"role": "assistant", "content": ""}, (), None)]
+
+    def delta_chunk(self, text: str, tokens: Sequence[pb.Token]) -> dict[str, Any]:
+        return self._delta({"content": text}, tokens, None)
+
+    def final_chunks(self, text: str, tokens: Sequence[pb.Token], finish_reason: str) -> list[dict[str, Any]]:
+        # OpenAI sends the finish reason in a chunk of its own, with an empty delta.
+        out = [self.delta_chunk(text, tokens)] if text or (tokens and self.logprobs) else []
+        return out + [self._delta({}, (), finish_reason)]

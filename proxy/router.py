@@ -1,0 +1,291 @@
+"""Routing: which prefill replica and which decode rank take a request, and why.
+
+Prefill candidates are the (node, dp_rank) replicas of healthy, non-draining prefill nodes of the
+model; each replica is one PCP group. The estimated cost of a prompt of ``n`` tokens on a replica,
+in units of "token-times of one rank", is
+
+    cost = (queued + n) / effective_pcp(pcp, n) + PCP_OVERHEAD_TOKENS * (pcp - 1)
+
+``queued`` is the replica's queued prefill tokens from the registry plus what this proxy sent
+there and has not seen answered (heartbeats lag a second behind). PCP splits a prompt's tokens
+over ``pcp`` ranks, but a short prompt leaves each rank too little work to gain much, so the
+speedup ramps from 1 to ``pcp`` as the prompt grows to ``long_prompt_tokens``. The overhead term
+stands for the per-layer all-gathers of a PCP group: with equal load a short prompt goes to the
+smaller group and leaves the big one free for long prompts. Long prompts go to the largest PCP
+groups, short ones to the least loaded; the lowest cost wins.
+
+Decode candidates are the (node, dp_rank) ranks of healthy, non-draining decode nodes of the
+model that have enough free KV blocks for prompt + output (when their load is known); the one
+with the fewest running sequences (registry + this proxy's in flight) wins, then the one with the
+most free blocks.
+
+Exact ties are broken deterministically: candidates sorted by (node_id, dp_rank), then turn by
+turn among the tied ones, so an idle cluster still spreads requests. Every decision carries a
+human-readable reason; ``Router.plan`` explains without deciding (the admin route endpoint).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Callable, Collection, Iterable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any, TypeVar
+
+from cluster.nodes import NodeState, ReplicaLoad
+
+LONG_PROMPT_TOKENS = 2048  # prompt length from which a PCP group reaches its full speedup
+PCP_OVERHEAD_TOKENS = 16.0  # fixed cost of each extra PCP rank, in token-times
+
+
+def effective_pcp(pcp: int, prompt_tokens: int, long_prompt_tokens: int = LONG_PROMPT_TOKENS) -> float:
+    """The speedup a PCP group of ``pcp`` ranks gives a prompt of ``prompt_tokens``: 1 for tiny
+    prompts, ``pcp`` from ``long_prompt_tokens`` on, linear in between."""
+    return min(float(pcp), 1.0 + (pcp - 1) * min(1.0, prompt_tokens / long_prompt_tokens))
+
+
+def prefill_cost(queued_tokens: int, prompt_tokens: int, pcp: int,
+                 long_prompt_tokens: int = LONG_PROMPT_TOKENS) -> float:
+    """Estimated time, in token-times of one rank, until a prompt sent now is prefilled."""
+    speedup = effective_pcp(pcp, prompt_tokens, long_prompt_tokens)
+    return (queued_tokens + prompt_tokens) / speedup + PCP_OVERHEAD_TOKENS * (pcp - 1)
+
+
+def blocks_for(tokens: int, block_size: int) -> int:
+    return -(-tokens // max(1, block_size))
+
+
+class LocalLoad:
+    """What this proxy has sent to each replica and not yet seen finish (heartbeats lag).
+
+    ``tokens``: prompt tokens in a Prefill call not yet answered; ``seqs``: requests decoding (or
+    about to) on a decode rank; ``blocks``: KV blocks those requests will need there;
+    ``requests``: requests in flight per node (prefill: until the decode side has the KV).
+    """
+
+    def __init__(self) -> None:
+        self._tokens: dict[tuple[str, int], int] = defaultdict(int)
+        self._seqs: dict[tuple[str, int], int] = defaultdict(int)
+        self._blocks: dict[tuple[str, int], int] = defaultdict(int)
+        self._requests: dict[str, int] = defaultdict(int)
+
+    def add(self, node_id: str, dp_rank: int, *, tokens: int = 0, seqs: int = 0, blocks: int = 0,
+            requests: int = 0) -> None:
+        key = (node_id, dp_rank)
+        self._tokens[key] += tokens
+        self._seqs[key] += seqs
+        self._blocks[key] += blocks
+        self._requests[node_id] += requests
+
+    def remove(self, node_id: str, dp_rank: int, *, tokens: int = 0, seqs: int = 0, blocks: int = 0,
+               requests: int = 0) -> None:
+        self.add(node_id, dp_rank, tokens=-tokens, seqs=-seqs, blocks=-blocks, requests=-requests)
+
+    def tokens(self, node_id: str, dp_rank: int) -> int:
+        return self._tokens.get((node_id, dp_rank), 0)
+
+    def seqs(self, node_id: str, dp_rank: int) -> int:
+        return self._seqs.get((node_id, dp_rank), 0)
+
+    def blocks(self, node_id: str, dp_rank: int) -> int:
+        return self._blocks.get((node_id, dp_rank), 0)
+
+    def requests(self, node_id: str) -> int:
+        return self._requests.get(node_id, 0)
+
+
+@dataclass(frozen=True)
+class PrefillCandidate:
+    node_id: str
+    address: str
+    dp_rank: int
+    pcp: int
+    queued_tokens: int  # registry + local
+    cost: float  # inf when not eligible
+    eligible: bool
+    reason: str
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["cost"] = round(self.cost, 1) if math.isfinite(self.cost) else None
+        return d
+
+
+@dataclass(frozen=True)
+class DecodeCandidate:
+    node_id: str
+    address: str
+    dp_rank: int
+    running: int  # registry + local
+    free_blocks: int | None  # None: the rank has not published its load yet
+    needed_blocks: int
+    eligible: bool
+    reason: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class RoutePlan:
+    """Every candidate with its verdict, and the choice (None where there is none)."""
+
+    prefill: PrefillCandidate | None
+    decode: DecodeCandidate | None
+    prefill_candidates: list[PrefillCandidate]
+    decode_candidates: list[DecodeCandidate]
+
+
+@dataclass(frozen=True)
+class Route:
+    prefill: PrefillCandidate
+    decode: DecodeCandidate
+
+
+class NoRoute(Exception):
+    """No eligible prefill replica or decode rank; ``code`` is "no_prefill_node" or "no_decode_node"."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+def _ineligible_reason(node: NodeState, model: str, total_tokens: int) -> str | None:
+    if not node.healthy:
+        return "unhealthy (no recent heartbeat)"
+    if node.draining:
+        return "draining"
+    if node.info.model != model:
+        return f"serves model {node.info.model!r}, not {model!r}"
+    if total_tokens > node.info.max_model_len:
+        return f"{total_tokens} tokens exceed its max_model_len {node.info.max_model_len}"
+    return None
+
+
+def _load(node: NodeState, dp_rank: int) -> ReplicaLoad | None:
+    return next((r for r in node.replicas if r.dp_rank == dp_rank), None)
+
+
+def _replicas(nodes: Iterable[NodeState], role: str) -> list[tuple[NodeState, int]]:
+    picked = sorted((n for n in nodes if n.info.role == role), key=lambda n: n.info.node_id)
+    return [(n, dp) for n in picked for dp in range(n.info.dp)]
+
+
+def prefill_candidates(nodes: Iterable[NodeState], model: str, prompt_tokens: int, total_tokens: int,
+                       local: LocalLoad, long_prompt_tokens: int = LONG_PROMPT_TOKENS,
+                       exclude: Collection[str] = ()) -> list[PrefillCandidate]:
+    """Every prefill replica with its estimated cost for a prompt of ``prompt_tokens``; nodes in
+    ``exclude`` (they just failed this request) are not eligible."""
+    out = []
+    for node, dp in _replicas(nodes, "prefill"):
+        info = node.info
+        load = _load(node, dp)
+        queued = (load.queued_prefill_tokens if load else 0) + local.tokens(info.node_id, dp)
+        bad = _ineligible_reason(node, model, total_tokens)
+        if bad is None and info.node_id in exclude:
+            bad = "failed this request already"
+        if bad is not None:
+            out.append(PrefillCandidate(info.node_id, info.address, dp, info.pcp, queued, math.inf, False, bad))
+            continue
+        speedup = effective_pcp(info.pcp, prompt_tokens, long_prompt_tokens)
+        cost = prefill_cost(queued, prompt_tokens, info.pcp, long_prompt_tokens)
+        why = f"estimated cost {cost:.0f} (queued {queued} + {prompt_tokens} tokens over effective PCP {speedup:.2f}"
+        why += f" + PCP overhead {PCP_OVERHEAD_TOKENS * (info.pcp - 1):.0f})" if info.pcp > 1 else ")"
+        out.append(PrefillCandidate(info.node_id, info.address, dp, info.pcp, queued, cost, True, why))
+    return out
+
+
+def decode_candidates(nodes: Iterable[NodeState], model: str, total_tokens: int,
+                      local: LocalLoad) -> list[DecodeCandidate]:
+    """Every decode rank with its load, for a request of ``total_tokens`` (prompt + output)."""
+    out = []
+    for node, dp in _replicas(nodes, "decode"):
+        info = node.info
+        load = _load(node, dp)
+        running = (load.running + load.waiting if load else 0) + local.seqs(info.node_id, dp)
+        published = None if load is None else load.free_blocks
+        needed = blocks_for(total_tokens, info.block_size)
+        bad = _ineligible_reason(node, model, total_tokens)
+        if bad is None and needed > info.num_blocks:
+            bad = f"needs {needed} KV blocks, has {info.num_blocks} in all"
+        # Eligibility trusts the node's own count; the blocks this proxy sent since only lower the
+        # rank (subtracting them too would count a request twice once the heartbeat catches up,
+        # and refuse requests a node can take).
+        if bad is None and published is not None and published < needed:
+            bad = f"needs {needed} KV blocks, {published} free"
+        free = None if published is None else published - local.blocks(info.node_id, dp)
+        free_text = "free blocks unknown" if free is None else f"{free} free blocks"
+        why = bad or f"{running} running, {free_text}, needs {needed}"
+        out.append(DecodeCandidate(info.node_id, info.address, dp, running, free, needed, bad is None, why))
+    return out
+
+
+C = TypeVar("C", PrefillCandidate, DecodeCandidate)
+
+
+def pick(candidates: Sequence[C], key: Callable[[C], tuple[float, ...]], turn: int = 0) -> C | None:
+    """The eligible candidate with the lowest ``key``; exact ties go round by ``turn``."""
+    eligible = [c for c in candidates if c.eligible]
+    if not eligible:
+        return None
+    best = min(key(c) for c in eligible)
+    tied = [c for c in eligible if key(c) == best]  # already in (node_id, dp_rank) order
+    return tied[turn % len(tied)]
+
+
+def _prefill_key(c: PrefillCandidate) -> tuple[float, ...]:
+    return (round(c.cost, 6),)  # rounded: equal replicas must tie despite float noise
+
+
+def _decode_key(c: DecodeCandidate) -> tuple[float, ...]:
+    return (c.running, -(c.free_blocks if c.free_blocks is not None else 0))
+
+
+class Router:
+    """Picks routes for one served model and keeps the proxy's local load."""
+
+    def __init__(self, model: str, long_prompt_tokens: int = LONG_PROMPT_TOKENS) -> None:
+        if long_prompt_tokens <= 0:
+            raise ValueError(f"long_prompt_tokens must be > 0, got {long_prompt_tokens}")
+        self.model = model
+        self.long_prompt_tokens = long_prompt_tokens
+        self.load = LocalLoad()
+        self._turn = 0
+
+    def plan(self, nodes: Sequence[NodeState], prompt_tokens: int, max_tokens: int,
+             exclude_prefill: Collection[str] = ()) -> RoutePlan:
+        """Judge every candidate and choose, without changing any state."""
+        total = prompt_tokens + max_tokens
+        pre = prefill_candidates(nodes, self.model, prompt_tokens, total, self.load, self.long_prompt_tokens,
+                                 exclude_prefill)
+        dec = decode_candidates(nodes, self.model, total, self.load)
+        p = pick(pre, _prefill_key, self._turn)
+        d = pick(dec, _decode_key, self._turn)
+        if p is not None:
+            p = _with_reason(p, "lowest " + p.reason)
+        if d is not None:
+            d = _with_reason(d, "least loaded: " + d.reason)
+        return RoutePlan(p, d, pre, dec)
+
+    def route(self, nodes: Sequence[NodeState], prompt_tokens: int, max_tokens: int,
+              exclude_prefill: Collection[str] = ()) -> Route:
+        """Choose a prefill replica and a decode rank; raises ``NoRoute``."""
+        plan = self.plan(nodes, prompt_tokens, max_tokens, exclude_prefill)
+        if plan.prefill is None:
+            raise NoRoute("no_prefill_node", _no_route_message("prefill", plan.prefill_candidates))
+        if plan.decode is None:
+            raise NoRoute("no_decode_node", _no_route_message("decode", plan.decode_candidates))
+        self._turn += 1
+        return Route(plan.prefill, plan.decode)
+
+
+def _with_reason(c: C, reason: str) -> C:
+    return type(c)(**{**asdict(c), "reason": reason})
+
+
+def _no_route_message(role: str, candidates: Sequence[PrefillCandidate | DecodeCandidate]) -> str:
+    if not candidates:
+        return f"no {role} node is registered"
+    why = "; ".join(f"{c.node_id}/dp{c.dp_rank}: {c.reason}" for c in candidates[:8])
+    return f"no {role} node can take this request ({why})"

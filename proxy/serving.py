@@ -1,0 +1,212 @@
+"""The generation endpoints: ``/v1/completions`` and ``/v1/chat/completions``.
+
+Per request: parse and validate the body, check the model, tokenize (chat template for chat),
+resolve ``max_tokens`` against the context limit, then run the ``Pipeline`` and turn its tokens
+into text (``OutputText``) and OpenAI's shapes (``responses``). Prefill runs before the response
+starts, so its errors are HTTP errors; decode errors after a stream started become an SSE error
+event. The client leaving cancels the work at any point; ``Generation.close`` cleans up.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any, TypeVar
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ValidationError
+
+from cluster.nodes import NodeState
+from cluster.proto_gen import pdcluster_v1_pb2 as pb
+from engine.tokenizer import Tokenizer
+from proxy.detok import OutputText
+from proxy.discovery import NodeView, context_limit
+from proxy.errors import APIError, bad_request, error_body, validation_error
+from proxy.metrics import ProxyMetrics
+from proxy.pipeline import Generation, GenerationError, GenerationRequest, Pipeline
+from proxy.protocol import ChatCompletionRequest, CompletionRequest
+from proxy.responses import ChatFormat, CompletionFormat, Format, TokenTexts, sse, usage
+from proxy.sse import ClientDisconnected, EventStreamResponse, until_disconnected
+
+log = logging.getLogger(__name__)
+
+R = TypeVar("R", bound=BaseModel)
+Piece = tuple[str, list[pb.Token], str]  # (text, its tokens, finish reason or "")
+
+
+class Serving:
+    """Handlers of the two generation endpoints for one served model."""
+
+    def __init__(self, *, model_name: str, tokenizer: Tokenizer, view: NodeView, pipeline: Pipeline,
+                 metrics: ProxyMetrics, max_model_len: int) -> None:
+        self.model_name = model_name
+        self.tokenizer = tokenizer
+        self.view = view
+        self.pipeline = pipeline
+        self.metrics = metrics
+        self.max_model_len = max_model_len  # the model's own limit, when no node says otherwise
+        self.texts = TokenTexts(tokenizer)
+
+    async def completions(self, request: Request) -> Response:
+        arrival = time.perf_counter()
+        body = await _json_body(request)
+        req = _validate(CompletionRequest, body)
+        self._check_model(req.model)
+        ids = req.prompt if isinstance(req.prompt, list) else self.tokenizer.encode(req.prompt)
+        return await self._generate(request, req, ids, "completions", "cmpl", "prompt", arrival)
+
+    async def chat(self, request: Request) -> Response:
+        arrival = time.perf_counter()
+        body = await _json_body(request)
+        req = _validate(ChatCompletionRequest, body)
+        self._check_model(req.model)
+        messages = [m.as_template_input() for m in req.messages]
+        try:
+            ids = self.tokenizer.apply_chat_template(messages)
+        except Exception as e:  # the template is the model's code: any failure is about these messages
+            raise bad_request(f"the chat template failed on these messages: {e}", param="messages") from None
+        return await self._generate(request, req, ids, "chat", "chatcmpl", "messages", arrival)
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
+
+    async def _generate(self, request: Request, req: CompletionRequest | ChatCompletionRequest, prompt_ids: list[int],
+                        endpoint: str, id_prefix: str, prompt_param: str, arrival: float) -> Response:
+        nodes = self.view.snapshot()
+        max_tokens = _resolve_max_tokens(req.max_output_tokens, len(prompt_ids),
+                                         context_limit(nodes, self.model_name, self.max_model_len), prompt_param)
+        if req.min_tokens and req.min_tokens > max_tokens:
+            raise bad_request(f"min_tokens ({req.min_tokens}) must be <= max_tokens ({max_tokens})", param="min_tokens")
+        gen_req = GenerationRequest(request_id=f"{id_prefix}-{uuid.uuid4().hex}", endpoint=endpoint,
+                                    prompt_token_ids=list(prompt_ids), sampling=req.sampling(max_tokens),
+                                    arrival=arrival)
+        fmt_type = ChatFormat if endpoint == "chat" else CompletionFormat
+        fmt: Format = fmt_type(gen_req.request_id, int(time.time()), self.model_name,
+                               logprobs=req.top_logprobs_n is not None, include_usage=req.include_usage,
+                               texts=self.texts)
+        out = OutputText(self.tokenizer, req.stop_list)
+        self.metrics.inflight.inc()
+        handed_off = False  # once the stream response owns the request, it ends it
+        try:
+            if not req.stream:
+                body = await until_disconnected(request, self._complete(gen_req, nodes, fmt, out))
+                return JSONResponse(body)
+            gen = await until_disconnected(request, self.pipeline.start(gen_req, nodes))
+
+            def close(disconnected: bool) -> None:
+                gen.close()
+                self.metrics.inflight.dec()
+                if disconnected:
+                    self.metrics.errors.labels("client_disconnect").inc()
+
+            handed_off = True
+            return EventStreamResponse(self._events(gen, fmt, out, req.include_usage), on_close=close)
+        except ClientDisconnected:
+            self.metrics.errors.labels("client_disconnect").inc()
+            return Response(status_code=499)  # nobody reads it; the metrics middleware counts it
+        finally:
+            if not handed_off:
+                self.metrics.inflight.dec()
+
+    async def _complete(self, req: GenerationRequest, nodes: list[NodeState], fmt: Format,
+                        out: OutputText) -> dict[str, Any]:
+        gen = await self.pipeline.start(req, nodes)
+        try:
+            tokens: list[pb.Token] = []
+            finish = ""
+            async for _, piece_tokens, piece_finish in _pieces(gen, out):
+                tokens += piece_tokens
+                finish = piece_finish
+            self.metrics.e2e.labels(req.endpoint).observe(time.perf_counter() - req.arrival)
+            return fmt.response(out.text, finish, tokens, usage(len(req.prompt_token_ids), len(tokens)))
+        except GenerationError as e:
+            raise e.error from None
+        finally:
+            gen.close()
+
+    async def _events(self, gen: Generation, fmt: Format, out: OutputText, include_usage: bool) -> AsyncIterator[str]:
+        req = gen.request
+        completion_tokens = 0
+        for chunk in fmt.first_chunks():
+            yield sse(chunk)
+        try:
+            async for text, tokens, finish in _pieces(gen, out):
+                completion_tokens += len(tokens)
+                if not finish:
+                    yield sse(fmt.delta_chunk(text, tokens))
+                    continue
+                for chunk in fmt.final_chunks(text, tokens, finish):
+                    yield sse(chunk)
+                if include_usage:
+                    yield sse(fmt.usage_chunk(usage(len(req.prompt_token_ids), completion_tokens)))
+                yield sse("[DONE]")
+                self.metrics.e2e.labels(req.endpoint).observe(time.perf_counter() - req.arrival)
+                return
+        except GenerationError as e:
+            # Headers are gone already: the error travels as an event, and the stream ends without [DONE].
+            log.warning("request %s failed mid-stream: %s", req.request_id, e.error.message)
+            self.metrics.errors.labels(e.error.cause).inc()
+            yield sse(e.error.body())
+        except Exception:
+            log.exception("request %s failed mid-stream", req.request_id)
+            self.metrics.errors.labels("internal").inc()
+            yield sse(error_body("internal server error", type="server_error", code="internal_error"))
+
+
+async def _pieces(gen: Generation, out: OutputText) -> AsyncIterator[Piece]:
+    """Text as it becomes sendable, each piece with the tokens since the last; the last piece has the
+    finish reason. Tokens after a stop string are dropped: the output ends there ("stop")."""
+    pending: list[pb.Token] = []
+    while True:
+        tokens, finish = await gen.next_tokens()
+        for t in tokens:
+            pending.append(t)
+            out.add(t.token_id)
+            if out.stopped:
+                finish = "stop"
+                break
+        if finish:
+            yield out.finish(), pending, finish
+            return
+        text = out.take()
+        if text:
+            yield text, pending, ""
+            pending = []
+
+
+def _resolve_max_tokens(requested: int | None, prompt_len: int, limit: int, prompt_param: str) -> int:
+    """``max_tokens`` for the nodes: as requested, or up to the context limit; 400 if it cannot fit."""
+    if prompt_len >= limit:
+        raise APIError(400, f"This model's maximum context length is {limit} tokens, but the prompt has {prompt_len} "
+                       "tokens (at least one output token must fit).", param=prompt_param,
+                       code="context_length_exceeded")
+    if requested is None:
+        return limit - prompt_len
+    if prompt_len + requested > limit:
+        raise APIError(400, f"This model's maximum context length is {limit} tokens, but {prompt_len} prompt tokens "
+                       f"+ {requested} max_tokens = {prompt_len + requested}.", param="max_tokens",
+                       code="context_length_exceeded")
+    return requested
+
+
+async def _json_body(request: Request) -> dict[str, Any]:
+    raw = await request.body()
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise bad_request(f"the request body is not valid JSON: {e}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise bad_request("the request body must be a JSON object", code="invalid_json")
+    return body
+
+
+def _validate(model: type[R], body: dict[str, Any]) -> R:
+    try:
+        return model.model_validate(body)
+    except ValidationError as e:
+        raise validation_error(list(e.errors())) from None

@@ -1,0 +1,103 @@
+"""``python -m proxy`` as a process: wired to a real Redis registry, routing to fake nodes.
+
+The fake nodes register through ``cluster.registry.Registry`` as real nodes do; the proxy finds
+them there, serves a request, and drains a node through Redis.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from proxy_fakes import FakeDecode, FakeNodes, FakePrefill, Script, node_state, wait_until
+
+from cluster.config import RegistryConfig
+from cluster.net import free_port
+from cluster.redis_server import start_redis
+from cluster.registry import Registry
+from engine.tokenizer import Tokenizer
+
+MODEL = "tiny-main"
+ADMIN_KEY = "adm"
+
+
+@pytest.fixture
+def registered_fakes(tiny_model: Path) -> Iterator[tuple[str, FakePrefill, FakeDecode]]:
+    """Redis, and one fake prefill and decode node heartbeating into it; yields the Redis URL."""
+    tok = Tokenizer(tiny_model)
+    script = Script(tok.encode("Hello from the fake nodes.", add_special_tokens=False), tok.eos_token_id)
+    fakes, stop = FakeNodes(), threading.Event()
+    try:
+        with start_redis() as redis_server:
+            registry = Registry(RegistryConfig(url=redis_server.url, cluster="proxytest", ttl_s=3, heartbeat_s=0.3))
+            p, d = FakePrefill("p0", script), FakeDecode("d0", script)
+            states = [node_state("p0", "prefill", fakes.serve(p), model=MODEL, max_model_len=256),
+                      node_state("d0", "decode", fakes.serve(d), model=MODEL, max_model_len=256)]
+
+            def heartbeat() -> None:
+                while not stop.is_set():
+                    for s in states:
+                        registry.heartbeat(s.info, s.replicas)
+                    stop.wait(0.3)
+
+            beat = threading.Thread(target=heartbeat, daemon=True)
+            beat.start()
+            try:
+                yield redis_server.url, p, d
+            finally:
+                stop.set()
+                beat.join(5)
+                registry.close()
+    finally:
+        fakes.stop()
+
+
+def test_main_serves_from_the_registry(tiny_model: Path, registered_fakes: tuple[str, FakePrefill, FakeDecode]) -> None:
+    redis_url, p0, d0 = registered_fakes
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "proxy", "--model", str(tiny_model), "--served-model-name", MODEL,
+         "--port", str(port), "--registry-url", redis_url, "--cluster", "proxytest", "--admin-key", ADMIN_KEY,
+         "--refresh-s", "0.2", "--log-level", "warning"],
+        cwd=Path(__file__).parents[2], env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    try:
+        def healthy() -> bool:
+            try:
+                return httpx.get(f"{url}/health", timeout=1).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        assert wait_until(healthy, 30), "the proxy never became healthy"
+        r = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0).completions.create(
+            model=MODEL, prompt="hi", max_tokens=50)
+        assert r.choices[0].text == "Hello from the fake nodes." and r.choices[0].finish_reason == "stop"
+        assert len(p0.requests) == 1 and len(d0.requests) == 1
+
+        admin = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {ADMIN_KEY}"}, timeout=5)
+        assert admin.post("/admin/nodes/p0/drain").json() == {"node_id": "p0", "draining": True}
+        assert httpx.get(f"{url}/health").status_code == 503  # at once, not after the next refresh
+        registry = Registry(RegistryConfig(url=redis_url, cluster="proxytest"))
+        assert next(n for n in registry.nodes() if n.info.node_id == "p0").draining  # written through Redis
+        registry.close()
+        assert admin.post("/admin/nodes/p0/undrain").status_code == 200
+        assert wait_until(healthy, 5)
+        admin.close()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            # uvicorn shuts down gracefully, then re-raises SIGTERM so the exit status says why
+            assert proc.wait(10) in (0, -signal.SIGTERM)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()

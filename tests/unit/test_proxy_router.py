@@ -1,0 +1,169 @@
+"""Routing rules of the proxy: PCP-aware prefill cost, decode by load, never a draining/unhealthy node."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from cluster.nodes import NodeInfo, NodeState, ReplicaLoad
+from proxy.router import (
+    LONG_PROMPT_TOKENS,
+    NoRoute,
+    Router,
+    effective_pcp,
+    prefill_cost,
+)
+
+MODEL = "m"
+
+
+def node(node_id: str, role: str = "prefill", *, pcp: int = 1, dp: int = 1, queued: int | list[int] = 0,
+         running: int | list[int] = 0, free: int | None = 1000, draining: bool = False, healthy: bool = True,
+         model: str = MODEL, max_model_len: int = 100_000, num_blocks: int = 1000) -> NodeState:
+    info = NodeInfo(node_id=node_id, role=role, address=f"{node_id}:1", model=model, max_model_len=max_model_len,
+                    dp=dp, pcp=pcp, pp=1, kv_layout="sharded", block_size=16, num_blocks=num_blocks,
+                    started_at=time.time())
+    q = queued if isinstance(queued, list) else [queued] * dp
+    r = running if isinstance(running, list) else [running] * dp
+    replicas = () if free is None else tuple(
+        ReplicaLoad(dp_rank=i, queued_prefill_tokens=q[i], running=r[i], free_blocks=free) for i in range(dp))
+    return NodeState(info=info, replicas=replicas, draining=draining, healthy=healthy, heartbeat_at=time.time())
+
+
+DECODE = node("d", "decode", num_blocks=10_000, free=10_000)
+
+
+def test_effective_pcp_ramps_with_prompt_length() -> None:
+    assert effective_pcp(1, 10) == 1
+    assert effective_pcp(4, 0) == 1
+    assert effective_pcp(4, LONG_PROMPT_TOKENS // 2) == pytest.approx(2.5)
+    assert effective_pcp(4, LONG_PROMPT_TOKENS) == 4
+    assert effective_pcp(4, 10 * LONG_PROMPT_TOKENS) == 4
+    assert prefill_cost(0, 8192, 4) < prefill_cost(0, 8192, 1)
+
+
+def test_long_prompt_goes_to_the_biggest_pcp_group() -> None:
+    nodes = [node("small", pcp=1), node("big", pcp=4), DECODE]
+    route = Router(MODEL).route(nodes, prompt_tokens=16_000, max_tokens=16)
+    assert route.prefill.node_id == "big"
+    # ... even when the big group already has some work queued
+    nodes = [node("small", pcp=1), node("big", pcp=4, queued=20_000), DECODE]
+    assert Router(MODEL).route(nodes, 16_000, 16).prefill.node_id == "big"
+
+
+def test_short_prompt_goes_to_the_least_loaded() -> None:
+    nodes = [node("a", pcp=1, queued=300), node("b", pcp=1, queued=20), node("big", pcp=4, queued=200), DECODE]
+    assert Router(MODEL).route(nodes, prompt_tokens=50, max_tokens=16).prefill.node_id == "b"
+    # idle cluster: a short prompt leaves the big PCP group to long ones
+    nodes = [node("a", pcp=1), node("big", pcp=4), DECODE]
+    assert Router(MODEL).route(nodes, prompt_tokens=50, max_tokens=16).prefill.node_id == "a"
+
+
+def test_dp_replicas_are_separate_candidates() -> None:
+    nodes = [node("p", dp=2, pcp=2, queued=[900, 10]), DECODE]
+    route = Router(MODEL).route(nodes, 100, 16)
+    assert (route.prefill.node_id, route.prefill.dp_rank) == ("p", 1)
+
+
+@pytest.mark.parametrize("bad", [
+    {"draining": True}, {"healthy": False}, {"model": "other"}, {"max_model_len": 100},
+])
+def test_ineligible_prefill_nodes_are_never_chosen(bad: dict[str, object]) -> None:
+    # The ineligible node is idle and has the biggest PCP group: it would win if it were eligible.
+    nodes = [node("bad", pcp=8, **bad), node("ok", pcp=1, queued=5000), DECODE]
+    router = Router(MODEL)
+    for _ in range(5):
+        assert router.route(nodes, 4000, 16).prefill.node_id == "ok"
+    plan = router.plan(nodes, 4000, 16)
+    bad_c = next(c for c in plan.prefill_candidates if c.node_id == "bad")
+    assert not bad_c.eligible and bad_c.reason
+    assert bad_c.to_dict()["cost"] is None
+
+
+def test_ineligible_decode_nodes_are_never_chosen() -> None:
+    nodes = [node("p"), node("d-drain", "decode", draining=True), node("d-dead", "decode", healthy=False),
+             node("d-busy", "decode", running=50)]
+    router = Router(MODEL)
+    assert all(router.route(nodes, 100, 16).decode.node_id == "d-busy" for _ in range(4))
+    reasons = {c.node_id: c.reason for c in router.plan(nodes, 100, 16).decode_candidates}
+    assert reasons["d-drain"] == "draining" and "unhealthy" in reasons["d-dead"]
+
+
+def test_no_route_codes() -> None:
+    with pytest.raises(NoRoute) as e:
+        Router(MODEL).route([DECODE], 10, 10)
+    assert e.value.code == "no_prefill_node" and "no prefill node" in e.value.message
+    with pytest.raises(NoRoute) as e:
+        Router(MODEL).route([node("p", draining=True), DECODE], 10, 10)
+    assert e.value.code == "no_prefill_node" and "draining" in e.value.message
+    with pytest.raises(NoRoute) as e:
+        Router(MODEL).route([node("p"), node("d", "decode", healthy=False)], 10, 10)
+    assert e.value.code == "no_decode_node"
+
+
+def test_decode_by_load_and_free_blocks() -> None:
+    nodes = [node("p"), node("d1", "decode", running=5), node("d2", "decode", running=2, dp=2),
+             node("d3", "decode", running=1, free=3)]
+    router = Router(MODEL)
+    # d3 is the least busy but 3 free blocks of 16 tokens cannot hold 100 + 16 tokens
+    route = router.route(nodes, 100, 16)
+    assert route.decode.node_id == "d2"
+    d3 = next(c for c in router.plan(nodes, 100, 16).decode_candidates if c.node_id == "d3")
+    assert not d3.eligible and d3.reason == "needs 8 KV blocks, 3 free"
+    # a short request fits on d3
+    assert router.route(nodes, 10, 10).decode.node_id == "d3"
+    # a request longer than a node's whole cache never goes there
+    small = [node("p"), node("tiny", "decode", num_blocks=4, free=None)]
+    with pytest.raises(NoRoute):
+        router.route(small, 100, 16)
+
+
+def test_decode_ties_broken_by_free_blocks_then_turns() -> None:
+    nodes = [node("p"), node("d1", "decode", free=500), node("d2", "decode", free=900)]
+    assert Router(MODEL).route(nodes, 10, 10).decode.node_id == "d2"
+    nodes = [node("p"), node("d1", "decode"), node("d2", "decode")]
+    router = Router(MODEL)
+    picks = [router.route(nodes, 10, 10).decode.node_id for _ in range(4)]
+    assert picks == ["d1", "d2", "d1", "d2"]
+
+
+def test_equal_prefill_replicas_take_turns_deterministically() -> None:
+    nodes = [node("p2"), node("p1"), DECODE]
+    picks = [Router(MODEL).route(nodes, 100, 10).prefill.node_id for _ in range(3)]
+    assert picks == ["p1", "p1", "p1"]  # a fresh router always starts at the same one
+    router = Router(MODEL)
+    assert [router.route(nodes, 100, 10).prefill.node_id for _ in range(4)] == ["p1", "p2", "p1", "p2"]
+
+
+def test_local_in_flight_load_counts_before_heartbeats() -> None:
+    nodes = [node("a"), node("b"), node("d1", "decode"), node("d2", "decode")]
+    router = Router(MODEL)
+    first = router.route(nodes, 1000, 10)
+    router.load.add(first.prefill.node_id, first.prefill.dp_rank, tokens=1000)
+    router.load.add(first.decode.node_id, first.decode.dp_rank, seqs=1)
+    plan = router.plan(nodes, 1000, 10)
+    assert plan.prefill.node_id != first.prefill.node_id
+    assert plan.decode.node_id != first.decode.node_id
+    queued = {c.node_id: c.queued_tokens for c in plan.prefill_candidates}
+    assert queued[first.prefill.node_id] == 1000
+
+
+def test_plan_explains_without_side_effects() -> None:
+    nodes = [node("a"), node("b"), node("big", pcp=2, draining=True), DECODE]
+    router = Router(MODEL)
+    plans = [router.plan(nodes, 1200, 10) for _ in range(3)]
+    assert len({p.prefill.node_id for p in plans}) == 1  # plan() does not take a turn
+    p = plans[0].prefill
+    assert p.reason.startswith("lowest estimated cost 1200 (queued 0 + 1200 tokens over effective PCP 1.00")
+    assert plans[0].decode.reason.startswith("least loaded: 0 running")
+    assert {c.node_id: c.eligible for c in plans[0].prefill_candidates} == {"a": True, "b": True, "big": False}
+    d = p.to_dict()
+    assert {"node_id", "dp_rank", "pcp", "cost", "reason", "eligible"} <= set(d)
+
+
+def test_pcp_reason_mentions_effective_speedup() -> None:
+    nodes = [node("big", pcp=2), DECODE]
+    p = Router(MODEL).plan(nodes, 1024, 10).prefill
+    assert "effective PCP 1.50" in p.reason and "PCP overhead 16" in p.reason
+    assert p.cost == pytest.approx(1024 / 1.5 + 16)
