@@ -16,5 +16,16 @@ if ! ldconfig -p 2>/dev/null | grep -q "libibverbs.so.1"; then
     echo "no apt-get: install libibverbs (rdma-core) with your package manager" >&2; exit 1
   fi
 fi
+if ! command -v docker-compose >/dev/null; then
+  echo "== installing docker-compose (tests validate docker-compose.yml offline; no docker engine needed)"
+  if command -v apt-get >/dev/null; then
+    SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
+    $SUDO apt-get install -y -q docker-compose >/dev/null 2>&1 \
+      || { $SUDO apt-get update -q >/dev/null && $SUDO apt-get install -y -q docker-compose >/dev/null 2>&1; } \
+      || echo "warning: could not install docker-compose; tests/unit/test_compose.py will skip (fail under CI)" >&2
+  else
+    echo "warning: no apt-get: install docker-compose to validate docker-compose.yml" >&2
+  fi
+fi
 echo "== installing pdcluster and its Python dependencies"
 "$PY" -m pip install -q -e ".[dev,transfer-cpu]"
