@@ -1,0 +1,212 @@
+"""The whole cluster through its user interfaces: the official ``openai`` client, ``pdctl``, SSE.
+
+One PCP2 prefill node (sharded KV) and decode nodes DP2 (decode-0) and DP1 (decode-1). Greedy
+outputs must equal the engine's colocated PCP1 outputs; no KV block may stay used afterwards.
+Tests run in file order: the last one kills a decode node.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+from conftest import ADMIN_KEY, Cluster
+
+from cluster.launcher import read_state
+from engine import LLM, SamplingParams
+from engine.tokenizer import Tokenizer
+
+MODEL = "tiny"
+KW = dict(dtype="float32", device="cpu", max_model_len=1024)
+
+
+def client(c: Cluster) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{c.url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def colocated(c: Cluster, prompts: list[list[int]], max_tokens: list[int]) -> list[tuple[list[int], str, list[float]]]:
+    with LLM(str(c.model), **KW) as llm:
+        outs = llm.generate(prompts, [SamplingParams(max_tokens=m, temperature=0.0, logprobs=1) for m in max_tokens])
+    return [(o.token_ids, o.text, o.logprobs) for o in outs]
+
+
+def used_blocks(c: Cluster) -> dict[str, int]:
+    return {nid: sum(r["used_blocks"] for r in n["replicas"]) for nid, n in c.nodes().items()}
+
+
+def wait_all_free(c: Cluster, timeout_s: float = 15.0) -> dict[str, int]:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        used = used_blocks(c)
+        if not any(used.values()) or time.monotonic() > deadline:
+            return used
+        time.sleep(0.3)
+
+
+def routed(c: Cluster) -> dict[tuple[str, str], float]:
+    """The proxy's routing counters: (role, node) -> decisions."""
+    out = {}
+    for line in httpx.get(f"{c.url}/metrics").text.splitlines():
+        if line.startswith("pdcluster_proxy_routing_decisions_total{"):
+            labels, value = line[line.index("{") + 1 : line.index("}")], float(line.rsplit(" ", 1)[1])
+            d = dict(kv.split("=") for kv in labels.split(","))
+            out[(d["role"].strip('"'), d["node_id"].strip('"'))] = value
+    return out
+
+
+def pdctl(c: Cluster, *args: str) -> str:
+    env = {**os.environ, "COLUMNS": "200"}
+    r = subprocess.run([sys.executable, "-m", "cluster.cli", *args, "--proxy", c.url, "--admin-key", ADMIN_KEY],
+                       capture_output=True, text=True, timeout=60, env=env)
+    assert r.returncode == 0, r.stderr + r.stdout
+    return r.stdout
+
+
+def test_chat_and_completions_equal_colocated_pcp1(cluster: Cluster) -> None:
+    tok = Tokenizer(cluster.model)
+    messages = [{"role": "user", "content": "What does a serving cluster do?"}]
+    long_ids = [(i * 7 + 3) % 1000 + 2 for i in range(607)]
+    chat_ids = tok.apply_chat_template(messages)
+    text_ids = tok.encode("Hello there")
+    want = colocated(cluster, [chat_ids, long_ids, text_ids], [12, 10, 8])
+    oa = client(cluster)
+
+    chat = oa.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0)
+    assert chat.choices[0].message.content == want[0][1]
+    assert (chat.usage.prompt_tokens, chat.usage.completion_tokens) == (len(chat_ids), len(want[0][0]))
+    assert chat.usage.total_tokens == len(chat_ids) + len(want[0][0])
+    stream = oa.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0, stream=True,
+                                        stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == want[0][1]
+    assert chunks[-1].usage.completion_tokens == len(want[0][0])
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "length"
+
+    comp = oa.completions.create(model=MODEL, prompt=long_ids, max_tokens=10, temperature=0, logprobs=1)
+    assert comp.choices[0].text == want[1][1]
+    assert comp.usage.prompt_tokens == 607 and comp.usage.completion_tokens == 10
+    assert comp.choices[0].logprobs.token_logprobs == pytest.approx(want[1][2], abs=1e-4)
+    stream = oa.completions.create(model=MODEL, prompt="Hello there", max_tokens=8, temperature=0, stream=True)
+    assert "".join(ch.choices[0].text for ch in stream) == want[2][1]
+    assert not any(wait_all_free(cluster).values())
+
+
+def test_64_concurrent_streams_complete_and_free_every_block(cluster: Cluster) -> None:
+    prompts = [[(i * 13 + j * 7) % 1000 + 2 for j in range(5 + (i * 37) % 700)] for i in range(64)]
+    max_tokens = [1 + (i * 5) % 24 for i in range(64)]
+    want = colocated(cluster, prompts, max_tokens)
+    oa = openai.AsyncOpenAI(base_url=f"{cluster.url}/v1", api_key="unused", max_retries=0, timeout=300)
+
+    async def one(i: int) -> tuple[str, int, str | None]:
+        stream = await oa.completions.create(model=MODEL, prompt=prompts[i], max_tokens=max_tokens[i], temperature=0,
+                                             stream=True, stream_options={"include_usage": True})
+        text, usage, finish = "", -1, None
+        async for ch in stream:
+            if ch.choices:
+                text += ch.choices[0].text
+                finish = ch.choices[0].finish_reason or finish
+            if ch.usage is not None:
+                usage = ch.usage.completion_tokens
+        return text, usage, finish
+
+    async def all_() -> list[tuple[str, int, str | None]]:
+        try:
+            return await asyncio.gather(*(one(i) for i in range(64)))
+        finally:
+            await oa.close()
+
+    got = asyncio.run(all_())
+    for i, (text, n, finish) in enumerate(got):
+        assert (text, n) == (want[i][1], len(want[i][0])), f"request {i} ({len(prompts[i])} tokens)"
+        assert finish in ("length", "stop")
+    used = wait_all_free(cluster)
+    assert not any(used.values()), f"KV blocks still used after the burst: {used}"
+
+
+BAD = [
+    ("/v1/completions", b"{not json"),
+    ("/v1/completions", {"model": "nope", "prompt": "hi"}),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": -1}),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "temperature": -0.5}),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "top_p": 1.5}),
+    ("/v1/completions", {"model": MODEL, "prompt": list(range(2, 1100)), "max_tokens": 4}),
+    ("/v1/chat/completions", {"model": MODEL, "messages": []}),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "top_p": 0}),
+    ("/v1/chat/completions", {"model": MODEL}),
+]
+
+
+@pytest.mark.parametrize("path,body", BAD)
+def test_bad_input_gets_an_openai_error_and_the_cluster_keeps_serving(cluster: Cluster, path: str, body) -> None:
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    r = httpx.post(f"{cluster.url}{path}", content=content, headers={"content-type": "application/json"}, timeout=30)
+    expected = 404 if isinstance(body, dict) and body.get("model") == "nope" else 400
+    assert r.status_code == expected, r.text
+    err = r.json()["error"]
+    assert isinstance(err["message"], str) and err["message"] and "type" in err and "code" in err
+    ok = client(cluster).completions.create(model=MODEL, prompt="ok", max_tokens=2, temperature=0)
+    assert ok.usage.completion_tokens == 2
+
+
+def test_status_and_drain_stop_new_routing_while_in_flight_finish(cluster: Cluster) -> None:
+    out = pdctl(cluster, "status")
+    for node in ("prefill-0", "decode-0", "decode-1"):
+        assert node in out
+    assert "1/2/1" in out and "2/1/1" in out  # DP/PCP/PP of the prefill node and of decode-0
+    oa = client(cluster)
+    pdctl(cluster, "drain", "decode-0")  # everything goes to decode-1 now
+    r0 = routed(cluster)
+    # A long stream starts on decode-1, then decode-1 is drained while it runs.
+    stream = oa.completions.create(model=MODEL, prompt=[5] * 50, max_tokens=150, temperature=0, stream=True,
+                                   extra_body={"ignore_eos": True})
+    it = iter(stream)
+    first = next(it)
+    pdctl(cluster, "undrain", "decode-0")
+    pdctl(cluster, "drain", "decode-1")
+    lines = {ln.split()[0]: ln for ln in pdctl(cluster, "nodes").splitlines() if ln.strip()}
+    assert "draining" in lines["decode-1"] and "draining" not in lines["decode-0"]
+    for _ in range(4):
+        assert oa.completions.create(model=MODEL, prompt="short", max_tokens=2, temperature=0).usage
+    rest = list(it)
+    assert rest[-1].choices[0].finish_reason == "length"  # the drained node finished what it had
+    assert len(first.choices[0].text + "".join(c.choices[0].text for c in rest)) > 0
+    r1 = routed(cluster)
+    got = {k: r1.get(k, 0) - r0.get(k, 0) for k in r1}
+    assert got.get(("decode", "decode-1"), 0) == 1 and got.get(("decode", "decode-0"), 0) == 4, got
+    pdctl(cluster, "undrain", "decode-1")
+
+
+def test_a_killed_decode_node_ends_its_stream_with_an_error_and_frees_prefill_blocks(cluster: Cluster) -> None:
+    pdctl(cluster, "drain", "decode-0")  # the stream must land on decode-1
+    body = {"model": MODEL, "prompt": [7] * 40, "max_tokens": 800, "temperature": 0, "stream": True,
+            "ignore_eos": True}
+    victim = next(p for p in read_state(cluster.run_dir).processes if p.name == "decode-1")
+    events: list[dict] = []
+    with httpx.stream("POST", f"{cluster.url}/v1/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        for line in lines:
+            if line.startswith("data: {"):
+                events.append(json.loads(line[6:]))
+                if len(events) == 3:
+                    os.killpg(victim.pid, signal.SIGKILL)
+                    pdctl(cluster, "undrain", "decode-0")
+        t_end = time.monotonic()
+    assert "error" in events[-1], f"the stream ended without an error event: {events[-1]}"
+    assert all("error" not in e for e in events[:-1])
+    assert time.monotonic() - t_end < 5
+    # The prefill node's blocks are freed (the proxy aborts there; the lease would expire anyway).
+    used = wait_all_free(cluster)
+    assert used.get("prefill-0") == 0, used
+    # New requests go to the surviving decode node.
+    for _ in range(3):
+        r = client(cluster).completions.create(model=MODEL, prompt="again", max_tokens=3, temperature=0)
+        assert r.usage.completion_tokens == 3
