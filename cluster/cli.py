@@ -167,9 +167,9 @@ def status(proxy: str | None = PROXY, admin_key: str | None = ADMIN_KEY, run_dir
     """The cluster's nodes, their health, flags and load, as the proxy sees them."""
     url, nodes = _admin(proxy, admin_key, run_dir, cluster, lambda c: (c.base_url, c.nodes()))
     table = Table(title=f"proxy {url}")
-    for column in ("node", "role", "address", "DP/PCP/PP", "KV layout", "health", "draining", "in flight",
-                   "queued tok / running", "KV used / free"):
-        table.add_column(column)
+    for column in ("node", "role", "address", "DP/PCP/PP", "KV", "health", "drain", "in flight",
+                   "queued tok / running", "KV blocks used / free"):
+        table.add_column(column, no_wrap=column != "queued tok / running")
     for n in nodes:
         s, r = n.state, n.state.replicas
         table.add_row(
@@ -181,7 +181,8 @@ def status(proxy: str | None = PROXY, admin_key: str | None = ADMIN_KEY, run_dir
             f"{sum(x.queued_prefill_tokens for x in r)} / {sum(x.running for x in r)}",
             f"{sum(x.used_blocks for x in r)} / {sum(x.free_blocks for x in r)}",
         )
-    console.print(table)
+    # Not a terminal (a pipe, a log): rich would squeeze the table into 80 columns.
+    Console(width=console.width if console.is_terminal else 140).print(table)
     if not nodes:
         console.print("no nodes registered")
 
