@@ -156,8 +156,7 @@ class Replica:
                 self.quarantine.append((time.monotonic() + self.timeout_s, rid))  # late bytes may land
             else:
                 self.engine.abort(rid)
-            if error is not None:
-                job.emit(error)
+            job.emit(error if error is not None else RuntimeError(f"request {rid} aborted"))
             return
         assert table is not None and job.seq is not None
         rec = self.receiver.stats.recent[-1] if self.receiver.stats.recent else None
@@ -228,12 +227,16 @@ class Replica:
 
 
 class DecodeWorker:
-    def __init__(self, config: NodeConfig, transfer_host: str) -> None:
-        from kv_transfer.transports.mooncake import MooncakeTransport
+    """The node's replicas and their shared transport (Mooncake on ``transfer_host`` unless one is given)."""
 
+    def __init__(self, config: NodeConfig, transfer_host: str, transport: Transport | None = None) -> None:
         self.config = config
         ec = config.engine
-        self.transport = MooncakeTransport(host=transfer_host)
+        if transport is None:
+            from kv_transfer.transports.mooncake import MooncakeTransport
+
+            transport = MooncakeTransport(host=transfer_host)
+        self.transport = transport
         self.stats = TransferStats()
         self.failed = threading.Event()
         self.failure: str | None = None

@@ -90,3 +90,42 @@ def test_a_killed_prefill_rank_fails_the_pull_and_leaves_no_blocks(tiny_model) -
         assert sum(receiver.stats.failures.values()) == 1
         assert pe.release("r") and pe.num_used_blocks == 0  # the sender's accounting frees too
         receiver.transport.close()
+
+
+def test_a_prefill_rank_killed_in_the_middle_of_a_large_pull(tmp_path) -> None:
+    """About 800 MB in flight from two rank processes when one is SIGKILLed: the pull fails within
+    the receiver's timeout and the decode side ends with zero used blocks."""
+    from engine.parallel.kv_layout import RankBlocks
+    from engine.tiny_model import make_tiny_model
+
+    model = make_tiny_model(tmp_path / "m", moe=False, seed=0, overrides={"max_position_embeddings": 131072})
+    nblk = 7200  # 7,200 blocks x 3 layers x 16 tokens x 576 x 4 B: 796 MB
+    kw = dict(dtype="float32", device="cpu", max_model_len=nblk * 16, num_kv_blocks=nblk + 64)
+    with (
+        LLM(str(model), **kw, pcp=2, kv_transport="mooncake") as prefill,
+        LLM(str(model), **kw) as decode,
+    ):
+        # The blocks' contents do not matter here, only that they are registered memory of the ranks.
+        half = nblk // 2
+        holders = [RankBlocks(dp=0, pcp=q, pp=0, rank=q, layers=range(0, 3), logical=list(range(q, nblk, 2)),
+                              physical=list(range(half))) for q in (0, 1)]
+        receiver = _receiver(decode, timeout_s=20.0)
+        fill = receiver.fill("big", RequestKV(holders, nblk), prefill.node.cache_layouts)
+        de = decode.engine
+        import threading
+
+        killer = threading.Timer(0.15, os.kill, (prefill.node.pids()[1], signal.SIGKILL))
+        t0 = time.monotonic()
+        killer.start()
+        try:
+            with pytest.raises(TransferError) as err:
+                de.add_prefilled([5] * (nblk * 16 - 8), 7, SamplingParams(max_tokens=2), fill, request_id="big")
+        finally:
+            killer.cancel()
+        took = time.monotonic() - t0
+        assert took > 0.15, "the pull ended before the kill: make it larger"
+        assert took < 21
+        assert err.value.cause in ("peer_gone", "refused", "timeout")
+        assert de.num_used_blocks == 0 and not de.has_unfinished()
+        assert receiver.stats.failures[err.value.cause] == 1
+        receiver.transport.close()

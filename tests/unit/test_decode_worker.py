@@ -1,0 +1,147 @@
+"""The decode node's worker with the fake transport: pulls off the engine thread, continuous
+batching, and what happens to the blocks when a pull fails, times out, or is aborted mid-pull."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import pytest
+
+from cluster.config import NodeConfig
+from cluster.proto_gen import pdcluster_v1_pb2 as pb
+from cluster.wire import token_pb
+from decode_node.worker import DecodeJob, DecodeWorker
+from engine import LLM, SamplingParams
+from engine.engine_config import EngineConfig
+from kv_transfer.handle import from_handle, to_handle
+from kv_transfer.layout import describe_cache
+from kv_transfer.transport import TransferError
+from kv_transfer.transports.fake import Fabric
+
+KW = dict(dtype="float32", device="cpu", max_model_len=512)
+PROMPTS = [[(i * 7 + k) % 1000 + 2 for i in range(n)] for k, n in ((3, 150), (5, 40))]
+
+
+@pytest.fixture(scope="module")
+def want(tiny_model: Path) -> list[list[int]]:
+    with LLM(str(tiny_model), **KW) as llm:
+        return [o.token_ids for o in llm.generate(PROMPTS, SamplingParams(max_tokens=6, temperature=0.0))]
+
+
+class Setup:
+    """An in-process prefill engine and a decode worker on one fake fabric."""
+
+    def __init__(self, model: Path, timeout_s: float) -> None:
+        self.fabric = Fabric()
+        self.prefill = LLM(str(model), **KW)
+        pe = self.prefill.engine
+        src = self.fabric.transport("prefill")
+        self.layout = describe_cache("prefill", pe.executor.cache.layers)
+        src.register(self.layout)
+        cfg = NodeConfig(role="decode", node_id="d", engine=EngineConfig(model=str(model), num_kv_blocks=64, **KW),
+                         transfer_timeout_s=timeout_s)
+        self.worker = DecodeWorker(cfg, "127.0.0.1", transport=self.fabric.transport("decode"))
+        self.engine = self.worker.replicas[0].engine
+
+    def prefilled(self, rid: str, prompt: list[int]) -> tuple[pb.Token, pb.KVHandle]:
+        pe = self.prefill.engine
+        seq = pe.add_request(prompt, SamplingParams(max_tokens=1, temperature=0.0), request_id=rid, hold_kv=True)
+        while pe.has_unfinished():
+            pe.step()
+        handle = to_handle(pe.kv_ownership(rid), len(pe.held[rid].block_ids), {0: self.layout}, node_id="p",
+                           address="", dp_rank=0, block_size=16, lease_s=30)
+        return token_pb(seq.output_token_ids[0]), handle
+
+    async def decode(self, rid: str, prompt: list[int], abort_after_s: float | None = None) -> list:
+        first, handle = self.prefilled(rid, prompt)
+        loop = asyncio.get_running_loop()
+        job = DecodeJob(rid, prompt, SamplingParams(max_tokens=6, temperature=0.0), first, from_handle(handle), loop,
+                        asyncio.Queue())
+        self.worker.submit(job, -1)
+        if abort_after_s is not None:
+            await asyncio.sleep(abort_after_s)
+            self.worker.abort(rid)
+        events = []
+        while True:
+            item = await asyncio.wait_for(job.events.get(), 20)
+            events.append(item)
+            if item is None or isinstance(item, BaseException):
+                return events
+
+    def close(self) -> None:
+        self.worker.shutdown()
+        self.prefill.shutdown()
+
+
+def tokens(first: int, events: list) -> list[int]:
+    out = [first]
+    for e in events:
+        if isinstance(e, pb.DecodeEvent) and e.HasField("tokens"):
+            out += [t.token_id for t in e.tokens.tokens]
+    return out
+
+
+def wait_used(engine, n: int, timeout_s: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while engine.num_used_blocks != n and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return engine.num_used_blocks == n
+
+
+def test_two_requests_decode_together_and_equal_colocated(tiny_model: Path, want) -> None:
+    s = Setup(tiny_model, timeout_s=10)
+    try:
+        async def both() -> list[list]:
+            return await asyncio.gather(s.decode("a", PROMPTS[0]), s.decode("b", PROMPTS[1]))
+
+        got = asyncio.run(both())
+        for prompt_events, expected in zip(got, want):
+            assert prompt_events[0].HasField("admitted") and prompt_events[-1] is None
+            assert tokens(expected[0], prompt_events) == expected
+            assert prompt_events[-2].tokens.finish_reason == "length"
+        assert wait_used(s.engine, 0)
+        for rid in ("a", "b"):
+            assert s.prefill.engine.release(rid)  # what the node's Release does on confirmation
+    finally:
+        s.close()
+
+
+def test_a_timed_out_pull_keeps_its_blocks_quarantined_then_frees_them(tiny_model: Path) -> None:
+    s = Setup(tiny_model, timeout_s=0.3)
+    s.fabric.delay_s = 0.5  # every batch outlasts the timeout: the bytes "may still land"
+    try:
+        t0 = time.monotonic()
+        events = asyncio.run(s.decode("a", PROMPTS[0]))
+        assert isinstance(events[-1], TransferError) and events[-1].cause == "timeout"
+        assert time.monotonic() - t0 < 2
+        assert s.engine.num_used_blocks == 10  # 150 tokens in 16-token blocks, kept for one more timeout
+        assert wait_used(s.engine, 0, timeout_s=2)
+        assert s.worker.stats.failures["timeout"] == 1
+    finally:
+        s.close()
+
+
+def test_a_dead_source_fails_the_pull_and_frees_at_once(tiny_model: Path) -> None:
+    s = Setup(tiny_model, timeout_s=5)
+    s.fabric.kill("prefill")
+    try:
+        events = asyncio.run(s.decode("a", PROMPTS[0]))
+        assert isinstance(events[-1], TransferError) and events[-1].cause == "peer_gone"
+        assert wait_used(s.engine, 0, timeout_s=1)
+    finally:
+        s.close()
+
+
+def test_abort_during_the_pull_frees_the_blocks_when_it_returns(tiny_model: Path) -> None:
+    s = Setup(tiny_model, timeout_s=5)
+    s.fabric.delay_s = 0.4
+    try:
+        events = asyncio.run(s.decode("a", PROMPTS[0], abort_after_s=0.1))
+        assert isinstance(events[-1], Exception) and not any(
+            isinstance(e, pb.DecodeEvent) and e.HasField("tokens") for e in events)
+        assert wait_used(s.engine, 0)
+        assert not s.engine.has_unfinished()
+    finally:
+        s.close()
