@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 
 import grpc
 
@@ -54,14 +55,17 @@ class PrefillService(pb_grpc.PrefillServiceServicer):
         raise AssertionError("unreachable")
 
     async def Release(self, request: pb.ReleaseRequest, context: grpc.aio.ServicerContext) -> pb.ReleaseResponse:
-        loop = asyncio.get_running_loop()
-        fut: asyncio.Future = loop.create_future()
-        self.worker.release(request.request_id, lambda found: loop.call_soon_threadsafe(fut.set_result, found))
-        return pb.ReleaseResponse(found=await asyncio.wait_for(fut, timeout=10))
+        return pb.ReleaseResponse(found=await self._on_engine(self.worker.release, request.request_id))
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
-        self.worker.abort(request.request_id)
-        return pb.AbortResponse(found=True)
+        return pb.AbortResponse(found=await self._on_engine(self.worker.abort, request.request_id))
+
+    async def _on_engine(self, call: Callable[[str, Callable[[bool], None]], None], request_id: str) -> bool:
+        """Run a release/abort on the engine thread and wait until the blocks are free."""
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future = loop.create_future()
+        call(request_id, lambda found: loop.call_soon_threadsafe(fut.set_result, found))
+        return await asyncio.wait_for(fut, timeout=10)
 
     async def Health(self, request: pb.HealthRequest, context: grpc.aio.ServicerContext) -> pb.HealthResponse:
         return self.state.health(self.node_id, "prefill")

@@ -108,6 +108,9 @@ class PrefillWorker:
         self._wake = threading.Event()
         self._stop = False
         self._load = [ReplicaLoad(dp_rank=d, free_blocks=self.num_blocks) for d in range(len(self.engines))]
+        # Answers wait here until the load they changed is published, so a Stats call made after an
+        # answer always sees its effect.
+        self._answers: list[Callable[[], None]] = []
         self._thread = threading.Thread(target=self._run, name="prefill-engine", daemon=True)
         self._thread.start()
 
@@ -115,8 +118,10 @@ class PrefillWorker:
     def submit(self, job: PrefillJob) -> None:
         self._send("prefill", job)
 
-    def abort(self, request_id: str) -> None:
-        self._send("abort", request_id)
+    def abort(self, request_id: str, done: Callable[[bool], None] | None = None) -> None:
+        """Free whatever the request holds (queued, prefilling, or held under a lease); ``done(found)``
+        is called from the engine thread once it is free."""
+        self._send("abort", (request_id, done))
 
     def release(self, request_id: str, done: Callable[[bool], None]) -> None:
         self._send("release", (request_id, done))
@@ -165,6 +170,9 @@ class PrefillWorker:
                         for seq in e.finish_step():
                             self._finished(d, seq)
                 self._publish_load()
+                answers, self._answers = self._answers, []
+                for answer in answers:
+                    answer()
                 if not busy:
                     self._wake.wait(0.05)
                     self._wake.clear()
@@ -185,10 +193,14 @@ class PrefillWorker:
             if kind == "prefill":
                 self._start(arg)
             elif kind == "abort":
-                self._abort(arg)
+                rid, done = arg
+                found = self._abort(rid)
+                if done is not None:
+                    self._answers.append(lambda done=done, found=found: done(found))
             elif kind == "release":
                 rid, done = arg
-                done(self.leases.confirm(rid))
+                found = self.leases.confirm(rid)
+                self._answers.append(lambda done=done, found=found: done(found))
             elif kind == "abort_all":
                 for rid in list(self.jobs) + list(self.held_on):
                     self._abort(rid)
@@ -223,7 +235,7 @@ class PrefillWorker:
             return
         if seq.finish_reason == "abort" or not seq.output_token_ids:
             eng.release(seq.request_id)
-            job.resolve(error=Aborted(seq.request_id))
+            self._answers.append(lambda: job.resolve(error=Aborted(seq.request_id)))
             return
         token = seq.output_token_ids[0]
         want_lp = job.params.logprobs is not None
@@ -248,19 +260,21 @@ class PrefillWorker:
                 eng.kv_ownership(seq.request_id), len(held.block_ids), self.layouts, node_id=self.config.node_id,
                 address=self.address, dp_rank=d, block_size=self.config.engine.block_size, lease_s=self.config.lease_s,
             ))
-        job.resolve(resp)
+        self._answers.append(lambda: job.resolve(resp))
 
     def _release_held(self, request_id: str) -> bool:
         d = self.held_on.pop(request_id, None)
         return d is not None and self.engines[d].release(request_id)
 
-    def _abort(self, request_id: str) -> None:
+    def _abort(self, request_id: str) -> bool:
         if self.leases.abort(request_id):
-            return
+            return True
         job = self.jobs.pop(request_id, None)
-        if job is not None:
-            self.engines[job.replica].abort(request_id)
-            job.resolve(error=Aborted(request_id))
+        if job is None:
+            return False
+        self.engines[job.replica].abort(request_id)
+        self._answers.append(lambda: job.resolve(error=Aborted(request_id)))
+        return True
 
     def _publish_load(self) -> None:
         out = []

@@ -184,6 +184,22 @@ def test_status_and_drain_stop_new_routing_while_in_flight_finish(cluster: Clust
     pdctl(cluster, "undrain", "decode-1")
 
 
+def test_a_client_that_disconnects_mid_stream_frees_the_kv_everywhere(cluster: Cluster) -> None:
+    body = {"model": MODEL, "prompt": [9] * 300, "max_tokens": 700, "temperature": 0, "stream": True,
+            "ignore_eos": True}
+    with httpx.stream("POST", f"{cluster.url}/v1/completions", json=body, timeout=60) as r:
+        seen = 0
+        for line in r.iter_lines():
+            seen += line.startswith("data: {")
+            if seen == 3:
+                break  # leaving the block closes the connection mid-stream
+    assert seen == 3
+    used = wait_all_free(cluster)
+    assert not any(used.values()), f"blocks still used after the client left: {used}"
+    m = httpx.get(f"{cluster.url}/metrics").text
+    assert "pdcluster_proxy_inflight_requests 0.0" in m
+
+
 def test_a_killed_decode_node_ends_its_stream_with_an_error_and_frees_prefill_blocks(cluster: Cluster) -> None:
     pdctl(cluster, "drain", "decode-0")  # the stream must land on decode-1
     body = {"model": MODEL, "prompt": [7] * 40, "max_tokens": 800, "temperature": 0, "stream": True,

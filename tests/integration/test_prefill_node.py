@@ -1,0 +1,107 @@
+"""A prefill node process over gRPC: held KV under a lease, freed on Release, Abort or expiry;
+bad input answered with INVALID_ARGUMENT; registration in Redis with its shape and load."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from cluster.config import RegistryConfig
+from cluster.proto_gen import pdcluster_v1_pb2 as pb
+from cluster.proto_gen import pdcluster_v1_pb2_grpc as pb_grpc
+from cluster.redis_server import start_redis
+from cluster.registry import Registry
+
+PROMPT = [(i * 7 + 3) % 1000 + 2 for i in range(100)]  # 7 blocks of 16
+
+
+@pytest.fixture(scope="module")
+def node(tiny_model: Path) -> Iterator[tuple[pb_grpc.PrefillServiceStub, Registry]]:
+    redis = start_redis()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "prefill_node", "--model", str(tiny_model), "--node-id", "p0", "--registry-url",
+         redis.url, "--cluster", "t", "--dtype", "float32", "--device", "cpu", "--max-model-len", "512",
+         "--num-kv-blocks", "64", "--lease-s", "1.5", "--grace-s", "2"],
+        start_new_session=True)
+    registry = Registry(RegistryConfig(url=redis.url, cluster="t"))
+    try:
+        deadline = time.monotonic() + 90
+        while not registry.nodes():
+            assert proc.poll() is None, "the prefill node exited"
+            assert time.monotonic() < deadline, "the prefill node did not register"
+            time.sleep(0.2)
+        channel = grpc.insecure_channel(registry.nodes()[0].info.address)
+        yield pb_grpc.PrefillServiceStub(channel), registry
+        channel.close()
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        assert proc.wait(30) == 0  # a clean stop: in-flight finished or aborted, registry left
+        assert not registry.nodes()
+        registry.close()
+        redis.stop()
+
+
+def prefill(stub: pb_grpc.PrefillServiceStub, rid: str, max_tokens: int = 8) -> pb.PrefillResponse:
+    req = pb.PrefillRequest(request_id=rid, token_ids=PROMPT, dp_rank=-1,
+                            sampling=pb.SamplingParams(temperature=0, max_tokens=max_tokens))
+    return stub.Prefill(req, timeout=60)
+
+
+def used(stub: pb_grpc.PrefillServiceStub) -> int:
+    return sum(r.used_blocks for r in stub.Stats(pb.StatsRequest(), timeout=10).replicas)
+
+
+def test_registers_its_shape(node) -> None:
+    _, registry = node
+    (n,) = registry.nodes()
+    assert (n.info.role, n.info.dp, n.info.pcp, n.info.pp, n.info.max_model_len) == ("prefill", 1, 1, 1, 512)
+    assert n.healthy and n.replicas[0].free_blocks == 64
+
+
+def test_held_kv_is_freed_by_release_abort_or_lease_expiry(node) -> None:
+    stub, _ = node
+    a = prefill(stub, "a")
+    assert a.finish_reason == "" and a.kv.num_blocks == 7 and len(a.kv.sources) == 1
+    assert used(stub) == 7
+    assert stub.Release(pb.ReleaseRequest(request_id="a"), timeout=10).found  # the decode side confirmed
+    assert used(stub) == 0
+    prefill(stub, "b")
+    stub.Abort(pb.AbortRequest(request_id="b"), timeout=10)
+    assert used(stub) == 0
+    prefill(stub, "c")  # nobody confirms: the 1.5 s lease frees it
+    assert used(stub) == 7
+    time.sleep(2.0)
+    stats = stub.Stats(pb.StatsRequest(), timeout=10)
+    assert sum(r.used_blocks for r in stats.replicas) == 0 and stats.transfers.leases_expired == 1
+    assert not stub.Release(pb.ReleaseRequest(request_id="c"), timeout=10).found
+
+
+def test_a_one_token_request_holds_nothing(node) -> None:
+    stub, _ = node
+    r = prefill(stub, "one", max_tokens=1)
+    assert r.finish_reason == "length" and not r.HasField("kv")
+    assert used(stub) == 0
+
+
+@pytest.mark.parametrize("req", [
+    pb.PrefillRequest(request_id="", token_ids=[1, 2]),
+    pb.PrefillRequest(request_id="x", token_ids=[]),
+    pb.PrefillRequest(request_id="x", token_ids=[1, 10**6]),
+    pb.PrefillRequest(request_id="x", token_ids=list(range(2, 600))),
+    pb.PrefillRequest(request_id="x", token_ids=[1, 2], dp_rank=3),
+    pb.PrefillRequest(request_id="x", token_ids=[1, 2], sampling=pb.SamplingParams(temperature=-1)),
+])
+def test_bad_input_is_invalid_argument(node, req: pb.PrefillRequest) -> None:
+    stub, _ = node
+    with pytest.raises(grpc.RpcError) as e:
+        stub.Prefill(req, timeout=30)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert used(stub) == 0
