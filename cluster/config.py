@@ -7,8 +7,10 @@ its own. CLI defaults come from these dataclasses, so a flag and its dataclass n
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from engine.engine_config import EngineConfig
+if TYPE_CHECKING:  # the proxy uses this module too and must not load torch
+    from engine.engine_config import EngineConfig
 
 ROLES = ("prefill", "decode")
 
