@@ -44,6 +44,7 @@ from kv_transfer.receiver import Receiver, TransferStats
 from kv_transfer.transport import TransferError, Transport
 
 log = logging.getLogger("pdcluster.decode")
+LEASE_SHARE = 0.5  # a pull may take at most this share of the prefill node's lease
 
 
 @dataclass
@@ -137,7 +138,10 @@ class Replica:
             return
         job.replica = self.index
         self.jobs[job.request_id] = job
-        fill = self.receiver.fill(job.request_id, job.source.request, job.source.layouts)
+        # The prefill node frees the blocks when its lease runs out, even mid-pull; a pull must end
+        # well before that, or it could read blocks already given to another request.
+        limit = LEASE_SHARE * job.source.lease_s if job.source.lease_s > 0 else None
+        fill = self.receiver.fill(job.request_id, job.source.request, job.source.layouts, limit)
         blocks = list(job.seq.block_ids)
 
         def pull() -> None:

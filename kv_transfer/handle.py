@@ -22,6 +22,7 @@ class KVSource:
     prefill_node_id: str
     prefill_address: str
     block_size: int
+    lease_s: float = 0.0  # how long the prefill node keeps the blocks unconfirmed (0: unknown)
 
 
 def to_handle(
@@ -82,4 +83,4 @@ def from_handle(handle: pb.KVHandle) -> KVSource:
         holders.append(RankBlocks(dp=handle.dp_rank, pcp=h.pcp, pp=h.pp, rank=h.rank, layers=span,
                                   logical=list(h.logical), physical=list(h.physical)))
     return KVSource(RequestKV(holders, handle.num_blocks), layouts, handle.prefill_node_id,
-                    handle.prefill_address, handle.block_size)
+                    handle.prefill_address, handle.block_size, handle.lease_s)

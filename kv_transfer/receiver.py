@@ -70,8 +70,12 @@ class Receiver:
         self.stats = stats or TransferStats()
 
     def fill(
-        self, request_id: str, request: RequestKV, sources: dict[int, CacheLayout]
+        self, request_id: str, request: RequestKV, sources: dict[int, CacheLayout], timeout_s: float | None = None
     ) -> Callable[[list[int]], list[int]]:
+        """The ``add_prefilled`` callback for one request (``timeout_s``: this pull's limit, at most the
+        receiver's)."""
+        limit = self.timeout_s if timeout_s is None else min(timeout_s, self.timeout_s)
+
         def pull(block_ids: list[int]) -> list[int]:
             t0 = time.perf_counter()
             nbytes, nsrc = 0, 0
@@ -80,7 +84,7 @@ class Receiver:
                 plan = plan_transfer(request, sources, self.dest, table)
                 nbytes, nsrc = plan.total_bytes, len(plan.by_source())
                 batches = {sources[src].endpoint: segs for src, segs in plan.pull_segments().items()}
-                self.transport.read_all(batches, self.timeout_s)
+                self.transport.read_all(batches, limit)
             except TransferError as e:
                 self.stats.add(TransferRecord(request_id, TransferState.FAILED, nbytes,
                                               time.perf_counter() - t0, nsrc, e.cause))
