@@ -28,6 +28,10 @@ log = logging.getLogger("pdcluster.node")
 
 # KV handles of long prompts on many ranks exceed gRPC's 4 MiB default.
 GRPC_OPTIONS = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]
+# Servers accept the proxy's keepalive pings (every 30 s) on calls that send nothing for a while
+# (a long prefill), instead of answering them with GOAWAY "too_many_pings".
+SERVER_OPTIONS = GRPC_OPTIONS + [("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+                                 ("grpc.keepalive_permit_without_calls", 1)]
 
 
 class NodeWorker(Protocol):
@@ -83,6 +87,8 @@ class Heartbeat(threading.Thread):
 
     def stop(self) -> None:
         self.stopped.set()
+        if self.is_alive():
+            self.join(timeout=10)  # a beat in flight must not re-register us after we leave
         try:
             self.registry.deregister(self.info.node_id)
         except Exception as e:
@@ -114,7 +120,7 @@ async def serve(
     state: NodeState,
 ) -> int:
     """Run the node until a signal or a worker failure; returns the process exit code."""
-    server = grpc.aio.server(options=GRPC_OPTIONS)
+    server = grpc.aio.server(options=SERVER_OPTIONS)
     add_servicer(server)
     port = server.add_insecure_port(f"{config.host}:{config.port}")
     if port == 0:

@@ -8,16 +8,15 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from cluster.node_runtime import GRPC_OPTIONS, NodeState
+from cluster.node_runtime import NodeState
 from cluster.proto_gen import pdcluster_v1_pb2 as pb
 from cluster.proto_gen import pdcluster_v1_pb2_grpc as pb_grpc
 from cluster.wire import sampling_from_pb
-from decode_node.worker import DecodeJob, DecodeWorker
+from decode_node.worker import DecodeJob, DecodeWorker, KVLost, NodeStopping
 from kv_transfer.handle import from_handle
 from kv_transfer.transport import TransferError
 
 log = logging.getLogger("pdcluster.decode")
-CONFIRM_TIMEOUT_S = 5.0
 
 
 class DecodeService(pb_grpc.DecodeServiceServicer):
@@ -25,23 +24,9 @@ class DecodeService(pb_grpc.DecodeServiceServicer):
         self.worker = worker
         self.node_id = node_id
         self.state = state
-        self._prefill: dict[str, pb_grpc.PrefillServiceStub] = {}
-        self._tasks: set[asyncio.Task] = set()
-
-    def _prefill_stub(self, address: str) -> pb_grpc.PrefillServiceStub:
-        stub = self._prefill.get(address)
-        if stub is None:
-            stub = pb_grpc.PrefillServiceStub(grpc.aio.insecure_channel(address, options=GRPC_OPTIONS))
-            self._prefill[address] = stub
-        return stub
-
-    async def _confirm(self, address: str, request_id: str) -> None:
-        """Tell the prefill node it may free the request's KV (else its lease frees it later)."""
-        try:
-            await self._prefill_stub(address).Release(pb.ReleaseRequest(request_id=request_id),
-                                                      timeout=CONFIRM_TIMEOUT_S)
-        except grpc.RpcError as e:
-            log.warning("could not confirm %s to %s: %s", request_id, address, e)
+        engine = worker.replicas[0].engine
+        self.vocab_size = engine.model_config.vocab_size
+        self.block_size = worker.config.engine.block_size
 
     async def Decode(
         self, request: pb.DecodeRequest, context: grpc.aio.ServicerContext
@@ -59,10 +44,16 @@ class DecodeService(pb_grpc.DecodeServiceServicer):
             source = from_handle(request.kv)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        if source.block_size != self.worker.config.engine.block_size:
+        if source.block_size != self.block_size:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"block size {source.block_size} differs from this node's "
-                                f"{self.worker.config.engine.block_size}")
+                                f"block size {source.block_size} differs from this node's {self.block_size}")
+        want_blocks = -(-len(request.prompt_token_ids) // self.block_size)
+        if source.request.num_blocks != want_blocks:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"the KV handle has {source.request.num_blocks} blocks, the prompt needs {want_blocks}")
+        if not 0 <= request.first_token.token_id < self.vocab_size:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"first token {request.first_token.token_id} outside the vocabulary")
         loop = asyncio.get_running_loop()
         job = DecodeJob(rid, list(request.prompt_token_ids), params, request.first_token, source, loop,
                         asyncio.Queue())
@@ -77,18 +68,15 @@ class DecodeService(pb_grpc.DecodeServiceServicer):
                 if isinstance(item, BaseException):
                     finished = True
                     await context.abort(*_status(item))
-                if item.HasField("admitted"):
-                    task = asyncio.create_task(self._confirm(source.prefill_address, rid))
-                    self._tasks.add(task)
-                    task.add_done_callback(self._tasks.discard)
                 yield item
         finally:
             if not finished:  # the client went away (or the stream broke): free the request here
                 self.worker.abort(rid)
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
+        found = any(request.request_id in r.jobs for r in self.worker.replicas)
         self.worker.abort(request.request_id)
-        return pb.AbortResponse(found=True)
+        return pb.AbortResponse(found=found)
 
     async def Health(self, request: pb.HealthRequest, context: grpc.aio.ServicerContext) -> pb.HealthResponse:
         return self.state.health(self.node_id, "decode")
@@ -99,8 +87,12 @@ class DecodeService(pb_grpc.DecodeServiceServicer):
 
 
 def _status(e: BaseException) -> tuple[grpc.StatusCode, str]:
-    if isinstance(e, TransferError):
-        return grpc.StatusCode.UNAVAILABLE, f"KV transfer failed: {e}"
+    # A failed pull is the prefill side's problem (or the link's), not this node's: not UNAVAILABLE,
+    # which would make the proxy mark this node unreachable.
+    if isinstance(e, (TransferError, KVLost)):
+        return grpc.StatusCode.FAILED_PRECONDITION, f"KV transfer failed: {e}"
+    if isinstance(e, NodeStopping):
+        return grpc.StatusCode.UNAVAILABLE, str(e)
     if isinstance(e, MemoryError):
         return grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)
     if isinstance(e, (ValueError, TypeError)):

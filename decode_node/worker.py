@@ -5,15 +5,17 @@ Request lifecycle (SGLang-style queues, one replica):
 1. **Transfer**: ``submit`` hands over a request prefilled elsewhere. On the replica's engine
    thread its prompt blocks are allocated (``begin_prefilled``); the pull from the prefill ranks
    runs on a transfer thread, so the running batch keeps stepping meanwhile.
-2. **Admit**: when the pull is done the request joins the running batch between two steps
-   (``admit_prefilled``) and the client hears ``Admitted``; the service then confirms to the
-   prefill node, which frees its copy.
+2. **Confirm, then admit**: when the pull is done the transfer thread confirms to the prefill
+   node (``Release``; ``found=False`` means its lease ran out and the blocks may have been reused
+   mid-read, so the request fails). Then the request joins the running batch between two steps
+   (``admit_prefilled``) and the client hears ``Admitted``.
 3. **Run**: every step's new tokens go to the request's stream; the last event has the finish
    reason. Aborts (client gone, node stopping) free the blocks between steps.
 
-A pull that fails frees its blocks at once, except after a timeout: Mooncake cannot cancel a
-batch, so late bytes may still land; those blocks stay allocated for another timeout period
-(quarantine) before they are reused.
+A pull that fails keeps its blocks allocated for one more timeout period (quarantine) before they
+are reused: Mooncake cannot cancel a batch, so after a timeout, or when one source failed while
+batches to the others were in flight, late bytes may still land. The pull's time limit counts from
+the request's arrival and is at most half of the prefill node's lease.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -45,6 +48,14 @@ from kv_transfer.transport import TransferError, Transport
 
 log = logging.getLogger("pdcluster.decode")
 LEASE_SHARE = 0.5  # a pull may take at most this share of the prefill node's lease
+
+
+class KVLost(RuntimeError):
+    """The prefill node no longer held the request's blocks when the pull was confirmed."""
+
+
+class NodeStopping(RuntimeError):
+    """The node aborted the request because it is shutting down."""
 
 
 @dataclass
@@ -99,12 +110,13 @@ class Replica:
             while not self.stop:
                 self._handle_inbox()
                 self._free_quarantined()
-                busy = self.engine.has_unfinished()
-                if busy:
-                    self.engine.step()
+                scheduled = 0
+                if self.engine.has_unfinished():
+                    scheduled = self.engine.launch_step()
+                    self.engine.finish_step()
                     self._emit_tokens()
                 self._publish_load()
-                if not busy:
+                if not scheduled:  # idle, or waiting for blocks held by pulls or in quarantine
                     self.wake.wait(0.05)
                     self.wake.clear()
         except BaseException as e:
@@ -128,7 +140,7 @@ class Replica:
                 self._abort(arg)
             elif kind == "abort_all":
                 for rid in list(self.jobs):
-                    self._abort(rid)
+                    self._abort(rid, NodeStopping(f"request {rid} aborted: {arg}"))
 
     def _start(self, job: DecodeJob) -> None:
         try:
@@ -138,15 +150,23 @@ class Replica:
             return
         job.replica = self.index
         self.jobs[job.request_id] = job
-        # The prefill node frees the blocks when its lease runs out, even mid-pull; a pull must end
-        # well before that, or it could read blocks already given to another request.
-        limit = LEASE_SHARE * job.source.lease_s if job.source.lease_s > 0 else None
-        fill = self.receiver.fill(job.request_id, job.source.request, job.source.layouts, limit)
         blocks = list(job.seq.block_ids)
+        source = job.source
 
         def pull() -> None:
             try:
-                self.send("pulled", (job, fill(blocks), None))
+                # The prefill node frees the blocks when its lease runs out, even mid-pull; the pull
+                # must end well before that, counting from the request's arrival here.
+                limit = None
+                if source.lease_s > 0:
+                    limit = LEASE_SHARE * source.lease_s - (time.monotonic() - job.t_submit)
+                    if limit <= 0:
+                        raise TransferError("timeout", "the prefill node's lease ran out before the pull started")
+                table = self.receiver.fill(job.request_id, source.request, source.layouts, limit)(blocks)
+                if not self.worker.confirm(source.prefill_address, job.request_id):
+                    raise KVLost(f"{source.prefill_node_id} no longer held the KV of {job.request_id} "
+                                 "(lease expired or aborted during the pull)")
+                self.send("pulled", (job, table, None))
             except BaseException as e:
                 self.send("pulled", (job, None, e))
 
@@ -156,26 +176,26 @@ class Replica:
         rid = job.request_id
         if error is not None or job.cancelled:
             self.jobs.pop(rid, None)
-            if isinstance(error, TransferError) and error.cause == "timeout":
+            if isinstance(error, TransferError):
                 self.quarantine.append((time.monotonic() + self.timeout_s, rid))  # late bytes may land
             else:
                 self.engine.abort(rid)
             job.emit(error if error is not None else RuntimeError(f"request {rid} aborted"))
             return
         assert table is not None and job.seq is not None
-        rec = self.receiver.stats.recent[-1] if self.receiver.stats.recent else None
-        nbytes, secs = (rec.bytes, rec.seconds) if rec is not None and rec.request_id == rid else (0, 0.0)
+        rec = self.receiver.stats.last(rid)
         first = job.first
         top = {t.token_id: t.logprob for t in first.top} or None
-        job.emit(pb.DecodeEvent(admitted=pb.Admitted(dp_rank=self.index, transfer_bytes=nbytes, transfer_s=secs)))
         try:
             done = self.engine.admit_prefilled(job.seq, table, first.token_id, first.logprob, top)
-            job.admitted = True
         except (ValueError, KeyError) as e:
             self.jobs.pop(rid, None)
             self.engine.abort(rid)
             job.emit(e)
             return
+        job.admitted = True
+        job.emit(pb.DecodeEvent(admitted=pb.Admitted(
+            dp_rank=self.index, transfer_bytes=rec.bytes if rec else 0, transfer_s=rec.seconds if rec else 0.0)))
         if done:
             self._finish(job)
 
@@ -203,7 +223,7 @@ class Replica:
         job.emit(pb.DecodeEvent(tokens=pb.Tokens(tokens=toks or [], finish_reason=job.seq.finish_reason or "stop")))
         job.emit(None)
 
-    def _abort(self, rid: str) -> None:
+    def _abort(self, rid: str, why: BaseException | None = None) -> None:
         job = self.jobs.get(rid)
         if job is None:
             return
@@ -212,7 +232,7 @@ class Replica:
             return
         self.jobs.pop(rid, None)
         self.engine.abort(rid)
-        job.emit(RuntimeError(f"request {rid} aborted"))
+        job.emit(why or RuntimeError(f"request {rid} aborted"))
 
     def _free_quarantined(self) -> None:
         now = time.monotonic()
@@ -233,8 +253,15 @@ class Replica:
 class DecodeWorker:
     """The node's replicas and their shared transport (Mooncake on ``transfer_host`` unless one is given)."""
 
-    def __init__(self, config: NodeConfig, transfer_host: str, transport: Transport | None = None) -> None:
+    def __init__(self, config: NodeConfig, transfer_host: str, transport: Transport | None = None,
+                 confirm: Callable[[str, str], bool] | None = None) -> None:
+        """``confirm(prefill_address, request_id)``: the Release call after a pull (default: gRPC)."""
         self.config = config
+        if confirm is None:
+            from decode_node.confirm import PrefillConfirmer
+
+            confirm = PrefillConfirmer()
+        self.confirm = confirm
         ec = config.engine
         if transport is None:
             from kv_transfer.transports.mooncake import MooncakeTransport
@@ -300,3 +327,6 @@ class DecodeWorker:
             r.thread.join(timeout=30)
         self.pool.shutdown(wait=True, cancel_futures=True)
         self.transport.close()
+        close = getattr(self.confirm, "close", None)
+        if close is not None:
+            close()

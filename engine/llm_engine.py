@@ -258,15 +258,28 @@ class LLMEngine:
         self.launch_step()
         return self.finish_step()
 
-    def launch_step(self) -> None:
-        """Schedule a step and hand it to the executor (returns before it has run on rank processes)."""
+    def launch_step(self) -> int:
+        """Schedule a step and hand it to the executor (returns before it has run on rank processes).
+
+        Returns how many requests it scheduled: 0 when all that is left waits for blocks held
+        elsewhere (see ``_blocks_held_elsewhere``)."""
         assert self._launched is None, "launch_step() twice without finish_step()"
         scheduled = self.scheduler.schedule()
-        if not scheduled and self.scheduler.has_unfinished():
+        if not scheduled and self.scheduler.has_unfinished() and not self._blocks_held_elsewhere():
             raise RuntimeError("scheduler made no progress (KV cache too small for any waiting request)")
         if scheduled:
             self.executor.launch(scheduled)
         self._launched = scheduled
+        return len(scheduled)
+
+    def _blocks_held_elsewhere(self) -> bool:
+        """Blocks the scheduler cannot preempt: held finished requests (``hold_kv``) and requests
+        being filled by a transfer (``begin_prefilled``). They will be freed by their owner, so a
+        step with nothing to schedule waits for them instead of failing."""
+        if self.held:
+            return True
+        queued = {id(s) for s in self.scheduler.waiting} | {id(s) for s in self.scheduler.running}
+        return any(id(s) not in queued and s.block_ids for s in self._requests.values())
 
     def finish_step(self) -> list[Sequence]:
         """Wait for the launched step, sample, and return the requests that finished in it."""

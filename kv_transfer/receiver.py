@@ -10,6 +10,7 @@ own under its lease: ``kv_transfer.lease``.)
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import Counter, deque
 from collections.abc import Callable
@@ -41,6 +42,7 @@ class TransferStats:
     """Totals and the most recent transfers, for the node's metrics endpoint."""
 
     def __init__(self, keep: int = 256) -> None:
+        self._lock = threading.Lock()  # pulls of several requests record from their own threads
         self.recent: deque[TransferRecord] = deque(maxlen=keep)
         self.done = 0
         self.bytes = 0
@@ -48,13 +50,19 @@ class TransferStats:
         self.failures: Counter[str] = Counter()
 
     def add(self, r: TransferRecord) -> None:
-        self.recent.append(r)
-        if r.state == TransferState.DONE:
-            self.done += 1
-            self.bytes += r.bytes
-            self.seconds += r.seconds
-        else:
-            self.failures[r.cause or "unknown"] += 1
+        with self._lock:
+            self.recent.append(r)
+            if r.state == TransferState.DONE:
+                self.done += 1
+                self.bytes += r.bytes
+                self.seconds += r.seconds
+            else:
+                self.failures[r.cause or "unknown"] += 1
+
+    def last(self, request_id: str) -> TransferRecord | None:
+        """The latest record of a request, if it is still among the recent ones."""
+        with self._lock:
+            return next((r for r in reversed(self.recent) if r.request_id == request_id), None)
 
 
 class Receiver:

@@ -64,7 +64,10 @@ class PrefillService(pb_grpc.PrefillServiceServicer):
         """Run a release/abort on the engine thread and wait until the blocks are free."""
         loop = asyncio.get_running_loop()
         fut: asyncio.Future = loop.create_future()
-        call(request_id, lambda found: loop.call_soon_threadsafe(fut.set_result, found))
+        def done(found: bool) -> None:
+            loop.call_soon_threadsafe(lambda: None if fut.done() else fut.set_result(found))
+
+        call(request_id, done)
         return await asyncio.wait_for(fut, timeout=10)
 
     async def Health(self, request: pb.HealthRequest, context: grpc.aio.ServicerContext) -> pb.HealthResponse:

@@ -163,9 +163,10 @@ class PrefillWorker:
                 self._handle_inbox()
                 self.leases.expire()
                 busy = [(d, e) for d, e in enumerate(self.engines) if e.has_unfinished()]
+                scheduled = 0
                 if busy:
                     for _, e in busy:
-                        e.launch_step()
+                        scheduled += e.launch_step()
                     for d, e in busy:
                         for seq in e.finish_step():
                             self._finished(d, seq)
@@ -173,7 +174,7 @@ class PrefillWorker:
                 answers, self._answers = self._answers, []
                 for answer in answers:
                     answer()
-                if not busy:
+                if not scheduled:  # idle, or waiting for held blocks to be released
                     self._wake.wait(0.05)
                     self._wake.clear()
         except BaseException as e:  # a rank died or the engine broke: nothing more can be served
@@ -203,7 +204,7 @@ class PrefillWorker:
                 self._answers.append(lambda done=done, found=found: done(found))
             elif kind == "abort_all":
                 for rid in list(self.jobs) + list(self.held_on):
-                    self._abort(rid)
+                    self._abort(rid, NodeFailed(f"aborted: {arg}"))
 
     def _start(self, job: PrefillJob) -> None:
         if self._stop or self.failed.is_set():
@@ -213,8 +214,12 @@ class PrefillWorker:
             job.resolve(error=ValueError(f"request id {job.request_id!r} is already in flight"))
             return
         d = job.dp_rank if job.dp_rank >= 0 else min(range(len(self._load)), key=self._cost)
-        once = dataclasses.replace(job.params, max_tokens=1, stop=None)  # the decode side handles stop strings
         try:
+            if len(job.token_ids) >= self.max_model_len:
+                raise ValueError(f"prompt has {len(job.token_ids)} tokens: no room for output within "
+                                 f"max_model_len {self.max_model_len}")
+            # One token here; the decode side continues (and handles stop strings and min_tokens).
+            once = dataclasses.replace(job.params, max_tokens=1, min_tokens=min(job.params.min_tokens, 1), stop=None)
             job.seq = self.engines[d].add_request(job.token_ids, once, request_id=job.request_id, hold_kv=True)
         except (ValueError, TypeError) as e:
             job.resolve(error=ValueError(str(e)))
@@ -266,14 +271,15 @@ class PrefillWorker:
         d = self.held_on.pop(request_id, None)
         return d is not None and self.engines[d].release(request_id)
 
-    def _abort(self, request_id: str) -> bool:
+    def _abort(self, request_id: str, why: Exception | None = None) -> bool:
         if self.leases.abort(request_id):
             return True
         job = self.jobs.pop(request_id, None)
         if job is None:
             return False
         self.engines[job.replica].abort(request_id)
-        self._answers.append(lambda: job.resolve(error=Aborted(request_id)))
+        error = why or Aborted(request_id)
+        self._answers.append(lambda: job.resolve(error=error))
         return True
 
     def _publish_load(self) -> None:

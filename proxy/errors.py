@@ -87,6 +87,9 @@ _RPC_STATUS: dict[grpc.StatusCode, tuple[int, str]] = {
     grpc.StatusCode.UNAVAILABLE: (503, "node_unavailable"),
     grpc.StatusCode.DEADLINE_EXCEEDED: (503, "timeout"),
     grpc.StatusCode.CANCELLED: (503, "node_unavailable"),
+    # The decode node could not pull the KV from the prefill node (a source died, timed out, or its
+    # lease ran out): the request can be sent again.
+    grpc.StatusCode.FAILED_PRECONDITION: (503, "kv_transfer_failed"),
 }
 
 

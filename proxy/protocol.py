@@ -117,6 +117,8 @@ class CompletionRequest(_Sampling):
     """``POST /v1/completions``: one prompt, as text or token ids."""
 
     prompt: str | list[int] | list[str] | list[list[int]]
+    # OpenAI's and vLLM's default for completions (chat has none: up to the context limit).
+    max_tokens: int | None = Field(16, ge=1)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     best_of: int | None = None

@@ -7,30 +7,15 @@ nothing it started may outlive the module.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import psutil
 import pytest
+from e2e_cluster import ADMIN_KEY, Cluster
 
 from cluster.launcher import down, up
 from cluster.topology import Topology
-
-ADMIN_KEY = "e2e-admin"
-
-
-@dataclass
-class Cluster:
-    url: str
-    run_dir: Path
-    model: Path
-    admin: httpx.Client
-
-    def nodes(self) -> dict[str, dict]:
-        r = self.admin.get("/admin/nodes")
-        r.raise_for_status()
-        return {n["node_id"]: n for n in r.json()["nodes"]}
 
 
 @pytest.fixture(scope="module")

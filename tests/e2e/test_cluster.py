@@ -18,7 +18,7 @@ import time
 import httpx
 import openai
 import pytest
-from conftest import ADMIN_KEY, Cluster
+from e2e_cluster import ADMIN_KEY, Cluster
 
 from cluster.launcher import read_state
 from engine import LLM, SamplingParams

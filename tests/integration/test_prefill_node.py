@@ -29,7 +29,7 @@ def node(tiny_model: Path) -> Iterator[tuple[pb_grpc.PrefillServiceStub, Registr
     proc = subprocess.Popen(
         [sys.executable, "-m", "prefill_node", "--model", str(tiny_model), "--node-id", "p0", "--registry-url",
          redis.url, "--cluster", "t", "--dtype", "float32", "--device", "cpu", "--max-model-len", "512",
-         "--num-kv-blocks", "64", "--lease-s", "1.5", "--grace-s", "2"],
+         "--num-kv-blocks", "64", "--lease-s", "3", "--grace-s", "2"],
         start_new_session=True)
     registry = Registry(RegistryConfig(url=redis.url, cluster="t"))
     try:
@@ -76,9 +76,9 @@ def test_held_kv_is_freed_by_release_abort_or_lease_expiry(node) -> None:
     prefill(stub, "b")
     stub.Abort(pb.AbortRequest(request_id="b"), timeout=10)
     assert used(stub) == 0
-    prefill(stub, "c")  # nobody confirms: the 1.5 s lease frees it
+    prefill(stub, "c")  # nobody confirms: the 3 s lease frees it
     assert used(stub) == 7
-    time.sleep(2.0)
+    time.sleep(3.5)
     stats = stub.Stats(pb.StatsRequest(), timeout=10)
     assert sum(r.used_blocks for r in stats.replicas) == 0 and stats.transfers.leases_expired == 1
     assert not stub.Release(pb.ReleaseRequest(request_id="c"), timeout=10).found
@@ -104,4 +104,32 @@ def test_bad_input_is_invalid_argument(node, req: pb.PrefillRequest) -> None:
     with pytest.raises(grpc.RpcError) as e:
         stub.Prefill(req, timeout=30)
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert used(stub) == 0
+
+
+def test_requests_that_once_crashed_a_node_are_served(node) -> None:
+    stub, _ = node
+    for i, sp in enumerate([pb.SamplingParams(max_tokens=8, min_tokens=3),  # min_tokens > the one prefill token
+                            pb.SamplingParams(max_tokens=8, temperature=1e-30)]):  # a "greedy" temperature
+        r = stub.Prefill(pb.PrefillRequest(request_id=f"odd{i}", token_ids=PROMPT, sampling=sp), timeout=60)
+        assert r.finish_reason == "" and r.kv.num_blocks == 7
+        stub.Abort(pb.AbortRequest(request_id=f"odd{i}"), timeout=10)
+    assert used(stub) == 0
+
+
+def test_a_full_cache_of_held_kv_makes_new_prefills_wait_not_fail(node) -> None:
+    import concurrent.futures
+
+    stub, _ = node
+    held = [f"h{i}" for i in range(9)]  # 9 x 7 = 63 of the 64 blocks, all under leases
+    for rid in held:
+        prefill(stub, rid)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        waiting = pool.submit(prefill, stub, "late")
+        time.sleep(0.5)
+        assert not waiting.done()  # no room: it waits for a held request to go
+        assert stub.Release(pb.ReleaseRequest(request_id=held[0]), timeout=10).found
+        assert waiting.result(timeout=30).kv.num_blocks == 7
+    for rid in held[1:] + ["late"]:
+        stub.Abort(pb.AbortRequest(request_id=rid), timeout=10)
     assert used(stub) == 0

@@ -120,12 +120,23 @@ def test_completion_length_and_usage(c: Cluster) -> None:
     assert list(sent.prompt_token_ids) == c.tokenizer.encode("The cluster")
 
 
-def test_completion_runs_to_eos_by_default(c: Cluster) -> None:
-    r = c.client().completions.create(model=MODEL, prompt=[5, 6, 7])
+def test_completion_runs_to_eos(c: Cluster) -> None:
+    r = c.client().completions.create(model=MODEL, prompt=[5, 6, 7], max_tokens=MAX_MODEL_LEN - 3)
     assert r.choices[0].text == SCRIPT_TEXT  # EOS is not in the text
     assert r.choices[0].finish_reason == "stop"
     assert r.usage.completion_tokens == len(c.script.tokens) + 1  # EOS counted
-    assert c.d0.requests[-1].sampling.max_tokens == MAX_MODEL_LEN - 3  # up to the nodes' context limit
+
+
+def test_completion_max_tokens_defaults_to_16_like_openai(c: Cluster) -> None:
+    c.client().completions.create(model=MODEL, prompt=[5, 6, 7])
+    assert c.d0.requests[-1].sampling.max_tokens == 16
+
+
+def test_chat_runs_up_to_the_context_limit_by_default(c: Cluster) -> None:
+    c.client().chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}])
+    decode = c.d0.requests[-1]
+    (prefill,) = [r for r in c.p0.requests + c.p1.requests if r.request_id == decode.request_id]
+    assert decode.sampling.max_tokens == MAX_MODEL_LEN - len(prefill.token_ids)
 
 
 def test_chat_non_streaming(c: Cluster) -> None:
@@ -169,11 +180,12 @@ def test_completion_streaming_matches_non_streaming(c: Cluster) -> None:
 def test_stop_string_cuts_text(c: Cluster, stream: bool) -> None:
     client = c.client()
     if stream:
-        chunks = list(client.completions.create(model=MODEL, prompt="x", stop=["日本", "zzz"], stream=True))
+        chunks = list(client.completions.create(model=MODEL, prompt="x", stop=["日本", "zzz"], stream=True,
+                                                  max_tokens=200))
         text = "".join(ch.choices[0].text for ch in chunks)
         finish = chunks[-1].choices[0].finish_reason
     else:
-        r = client.completions.create(model=MODEL, prompt="x", stop="日本")
+        r = client.completions.create(model=MODEL, prompt="x", stop="日本", max_tokens=200)
         text, finish = r.choices[0].text, r.choices[0].finish_reason
         # completion_tokens counts up to and including the token that completed the stop string
         ids = c.script.tokens

@@ -4,6 +4,7 @@ batching, and what happens to the blocks when a pull fails, times out, or is abo
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from pathlib import Path
 
@@ -12,7 +13,7 @@ import pytest
 from cluster.config import NodeConfig
 from cluster.proto_gen import pdcluster_v1_pb2 as pb
 from cluster.wire import token_pb
-from decode_node.worker import DecodeJob, DecodeWorker
+from decode_node.worker import DecodeJob, DecodeWorker, KVLost
 from engine import LLM, SamplingParams
 from engine.engine_config import EngineConfig
 from kv_transfer.handle import from_handle, to_handle
@@ -33,8 +34,11 @@ def want(tiny_model: Path) -> list[list[int]]:
 class Setup:
     """An in-process prefill engine and a decode worker on one fake fabric."""
 
-    def __init__(self, model: Path, timeout_s: float) -> None:
+    def __init__(self, model: Path, timeout_s: float, lease_s: float = 30.0) -> None:
         self.fabric = Fabric()
+        self.lease_s = lease_s
+        self.lock = threading.Lock()  # the prefill engine is used from the test and the pull threads
+        self.confirmed: list[str] = []
         self.prefill = LLM(str(model), **KW)
         pe = self.prefill.engine
         src = self.fabric.transport("prefill")
@@ -42,17 +46,24 @@ class Setup:
         src.register(self.layout)
         cfg = NodeConfig(role="decode", node_id="d", engine=EngineConfig(model=str(model), num_kv_blocks=64, **KW),
                          transfer_timeout_s=timeout_s)
-        self.worker = DecodeWorker(cfg, "127.0.0.1", transport=self.fabric.transport("decode"))
+        self.worker = DecodeWorker(cfg, "127.0.0.1", transport=self.fabric.transport("decode"), confirm=self.confirm)
         self.engine = self.worker.replicas[0].engine
 
+    def confirm(self, address: str, rid: str) -> bool:
+        """What PrefillService.Release does: free the held blocks; False if they were not held."""
+        with self.lock:
+            self.confirmed.append(rid)
+            return self.prefill.engine.release(rid)
+
     def prefilled(self, rid: str, prompt: list[int]) -> tuple[pb.Token, pb.KVHandle]:
-        pe = self.prefill.engine
-        seq = pe.add_request(prompt, SamplingParams(max_tokens=1, temperature=0.0), request_id=rid, hold_kv=True)
-        while pe.has_unfinished():
-            pe.step()
-        handle = to_handle(pe.kv_ownership(rid), len(pe.held[rid].block_ids), {0: self.layout}, node_id="p",
-                           address="", dp_rank=0, block_size=16, lease_s=30)
-        return token_pb(seq.output_token_ids[0]), handle
+        with self.lock:
+            pe = self.prefill.engine
+            seq = pe.add_request(prompt, SamplingParams(max_tokens=1, temperature=0.0), request_id=rid, hold_kv=True)
+            while pe.has_unfinished():
+                pe.step()
+            handle = to_handle(pe.kv_ownership(rid), len(pe.held[rid].block_ids), {0: self.layout}, node_id="p",
+                               address="", dp_rank=0, block_size=16, lease_s=self.lease_s)
+            return token_pb(seq.output_token_ids[0]), handle
 
     async def decode(self, rid: str, prompt: list[int], abort_after_s: float | None = None) -> list:
         first, handle = self.prefilled(rid, prompt)
@@ -102,8 +113,7 @@ def test_two_requests_decode_together_and_equal_colocated(tiny_model: Path, want
             assert tokens(expected[0], prompt_events) == expected
             assert prompt_events[-2].tokens.finish_reason == "length"
         assert wait_used(s.engine, 0)
-        for rid in ("a", "b"):
-            assert s.prefill.engine.release(rid)  # what the node's Release does on confirmation
+        assert sorted(s.confirmed) == ["a", "b"] and s.prefill.engine.num_used_blocks == 0
     finally:
         s.close()
 
@@ -123,13 +133,48 @@ def test_a_timed_out_pull_keeps_its_blocks_quarantined_then_frees_them(tiny_mode
         s.close()
 
 
-def test_a_dead_source_fails_the_pull_and_frees_at_once(tiny_model: Path) -> None:
-    s = Setup(tiny_model, timeout_s=5)
+def test_a_dead_source_fails_the_pull_and_its_blocks_are_quarantined_too(tiny_model: Path) -> None:
+    s = Setup(tiny_model, timeout_s=0.5)
     s.fabric.kill("prefill")
     try:
         events = asyncio.run(s.decode("a", PROMPTS[0]))
         assert isinstance(events[-1], TransferError) and events[-1].cause == "peer_gone"
-        assert wait_used(s.engine, 0, timeout_s=1)
+        # Batches to other sources could still be writing: the blocks wait one timeout period.
+        assert s.engine.num_used_blocks == 10
+        assert wait_used(s.engine, 0, timeout_s=2)
+        assert not s.confirmed
+    finally:
+        s.close()
+
+
+def test_kv_the_prefill_node_no_longer_held_is_not_decoded(tiny_model: Path) -> None:
+    s = Setup(tiny_model, timeout_s=5)
+    try:
+        first, handle = s.prefilled("a", PROMPTS[0])
+        with s.lock:
+            assert s.prefill.engine.release("a")  # the lease ran out during the pull
+
+        async def run() -> list:
+            loop = asyncio.get_running_loop()
+            job = DecodeJob("a", PROMPTS[0], SamplingParams(max_tokens=6, temperature=0.0), first,
+                            from_handle(handle), loop, asyncio.Queue())
+            s.worker.submit(job, -1)
+            return [await asyncio.wait_for(job.events.get(), 20)]
+
+        (err,) = asyncio.run(run())
+        assert isinstance(err, KVLost)
+        assert wait_used(s.engine, 0, timeout_s=1)  # nothing is in flight any more: freed at once
+    finally:
+        s.close()
+
+
+def test_a_pull_may_not_outlast_half_the_lease(tiny_model: Path) -> None:
+    s = Setup(tiny_model, timeout_s=5, lease_s=0.4)
+    s.fabric.delay_s = 0.3  # more than half of the 0.4 s lease
+    try:
+        events = asyncio.run(s.decode("a", PROMPTS[0]))
+        assert isinstance(events[-1], TransferError) and events[-1].cause == "timeout"
+        assert not s.confirmed
     finally:
         s.close()
 
