@@ -27,6 +27,7 @@ from typing import Any
 import httpx
 
 import cluster
+from cluster import envs
 from cluster.net import dial_host, free_port
 from cluster.process_group import ProcessRecord, is_running, record_of, spawn, stop_groups
 from cluster.redis_server import RedisServerError, start_redis
@@ -56,6 +57,7 @@ class ProcessSpec:
     name: str
     argv: tuple[str, ...]
     port: int | None = None  # None: the process picks one and publishes it in the registry
+    env: tuple[tuple[str, str], ...] = ()  # extra environment (secrets go here, not on the command line)
 
 
 @dataclass(frozen=True)
@@ -132,11 +134,12 @@ def proxy_command(topology: Topology, registry_url: str, port: int, python: str 
     if topology.served_model_name is not None:
         argv += ["--served-model-name", topology.served_model_name]
     argv += ["--host", proxy.host, "--port", str(port), "--registry-url", registry_url, "--cluster", topology.cluster]
+    env = []
     if proxy.api_key is not None:
-        argv += ["--api-key", proxy.api_key]
+        env.append((envs.API_KEY, proxy.api_key))
     if proxy.admin_key is not None:
-        argv += ["--admin-key", proxy.admin_key]
-    return ProcessSpec(PROXY, tuple(argv), port)
+        env.append((envs.ADMIN_KEY, proxy.admin_key))
+    return ProcessSpec(PROXY, tuple(argv), port, tuple(env))
 
 
 def cluster_commands(topology: Topology, registry_url: str, proxy_port: int,
@@ -217,7 +220,8 @@ def up(topology: Topology, run_dir: Path, timeout_s: float = 300.0, progress: Pr
         children: dict[str, subprocess.Popen[bytes]] = {}
         for spec in cluster_commands(topology, state.registry_url, proxy_port, python):
             say(f"starting {spec.name}")
-            proc, record = spawn(spec.name, spec.argv, logs / f"{spec.name}.log", _child_env(), spec.port)
+            proc, record = spawn(spec.name, spec.argv, logs / f"{spec.name}.log", {**_child_env(), **dict(spec.env)},
+                                 spec.port)
             children[spec.name] = proc
             started.append(record)
             state = replace(state, processes=tuple(started))

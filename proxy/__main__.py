@@ -13,6 +13,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from cluster import envs
 from cluster.config import ProxyConfig, RegistryConfig
 from cluster.nodes import NodeState
 
@@ -29,8 +30,10 @@ def parse_args(argv: list[str] | None = None) -> tuple[ProxyConfig, str]:
     ap.add_argument("--port", type=int, default=d.port)
     ap.add_argument("--registry-url", default=r.url)
     ap.add_argument("--cluster", default=r.cluster, help="the registry's cluster name (key prefix)")
-    ap.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
-    ap.add_argument("--admin-key", default=None, help="require 'Authorization: Bearer KEY' on /admin/*")
+    ap.add_argument("--api-key", default=envs.api_key(),
+                    help=f"require 'Authorization: Bearer KEY' on /v1/* (default: ${envs.API_KEY})")
+    ap.add_argument("--admin-key", default=envs.admin_key(),
+                    help=f"require 'Authorization: Bearer KEY' on /admin/* (default: ${envs.ADMIN_KEY})")
     ap.add_argument("--prefill-timeout-s", type=float, default=d.prefill_timeout_s)
     ap.add_argument("--token-timeout-s", type=float, default=d.token_timeout_s)
     ap.add_argument("--refresh-s", type=float, default=d.refresh_s, help="registry refresh period")

@@ -126,10 +126,11 @@ def test_proxy_command_line(tmp_path) -> None:
     spec = proxy_command(t, URL, port=8100, python="py")
     assert list(spec.argv) == [
         "py", "-m", "proxy", "--model", str(tmp_path / "tiny"), "--served-model-name", "tiny-chat",
-        "--host", "0.0.0.0", "--port", "8100", "--registry-url", URL, "--cluster", "demo", "--admin-key", "sesame",
+        "--host", "0.0.0.0", "--port", "8100", "--registry-url", URL, "--cluster", "demo",
     ]
-    bare = proxy_command(Topology(model="/m"), URL, port=8000, python="py").argv
-    assert "--served-model-name" not in bare and "--api-key" not in bare and "--admin-key" not in bare
+    assert dict(spec.env) == {"PDCLUSTER_ADMIN_KEY": "sesame"}  # keys travel in the environment, not in ps
+    bare = proxy_command(Topology(model="/m"), URL, port=8000, python="py")
+    assert "--served-model-name" not in bare.argv and not bare.env
 
 
 def test_cluster_commands_order_and_ids() -> None:
@@ -149,7 +150,10 @@ def test_command_lines_parse_with_the_real_parsers(tmp_path) -> None:
     for spec in cluster_commands(t, URL, proxy_port=8100):
         args = list(spec.argv[3:])
         if spec.name == "proxy":
-            config, _ = proxy_main.parse_args(args)
+            with pytest.MonkeyPatch.context() as mp:
+                for k, v in spec.env:
+                    mp.setenv(k, v)
+                config, _ = proxy_main.parse_args(args)
             assert (config.port, config.admin_key, config.registry.cluster) == (8100, "sesame", "demo")
         else:
             node, served = node_cli.parse(spec.name.split("-")[0], args)
