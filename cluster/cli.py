@@ -83,6 +83,9 @@ def up(
     cluster: str | None = typer.Option(None, help=f"Redis key prefix (default: {RegistrySpec.cluster})"),
     api_key: str | None = typer.Option(None, help="the key /v1/* requires (default: none)"),
     admin_key: str | None = typer.Option(None, help="the key /admin/* requires (default: none)"),
+    engine: str | None = typer.Option(None, help="native or vllm: the nodes' engine (default: native)"),
+    vllm_python: str | None = typer.Option(None, help="engine vllm: the nodes' Python (default: "
+                                                     "$VLLM_VENV/bin/python or /opt/vllm-venv/bin/python)"),
     run_dir: Path | None = RUN_DIR,
     timeout_s: float = typer.Option(300.0, "--timeout", help="seconds to wait for the proxy's /health"),
 ) -> None:
@@ -96,6 +99,7 @@ def up(
         "--kv-interleave": kv_interleave, "--decode-nodes": decode_nodes, "--decode-dp": decode_dp,
         "--dtype": dtype, "--device": device, "--max-model-len": max_model_len, "--registry-url": registry_url,
         "--redis-port": redis_port, "--cluster": cluster, "--api-key": api_key, "--admin-key": admin_key,
+        "--engine": engine, "--vllm-python": vllm_python,
     }
     given = [name for name, value in flags.items() if value is not None]
     try:
@@ -106,15 +110,16 @@ def up(
         elif model is None:
             _fail("give --model DIR (and optionally topology flags), or --topology FILE", code=2)
         else:
-            engine = _given(dtype=dtype, device=device, max_model_len=max_model_len)
+            placement = _given(dtype=dtype, device=device, max_model_len=max_model_len)
             prefill = PrefillSpec(**_given(dp=prefill_dp, pcp=prefill_pcp, pp=prefill_pp, kv_layout=kv_layout,
-                                           kv_interleave=kv_interleave), **engine)
-            decode = DecodeSpec(**_given(dp=decode_dp), **engine)
+                                           kv_interleave=kv_interleave), **placement)
+            decode = DecodeSpec(**_given(dp=decode_dp), **placement)
             topology = Topology(
                 model=str(model), prefill=(prefill,) * (prefill_nodes or 1), decode=(decode,) * (decode_nodes or 1),
                 served_model_name=served_model_name,
                 proxy=ProxySpec(**_given(host=proxy_host, port=proxy_port, api_key=api_key, admin_key=admin_key)),
                 registry=RegistrySpec(**_given(url=registry_url, port=redis_port, cluster=cluster)),
+                **_given(engine=engine, vllm_python=vllm_python),
             )
     except ValueError as e:
         _fail(str(e), code=2)

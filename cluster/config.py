@@ -13,6 +13,7 @@ if TYPE_CHECKING:  # the proxy uses this module too and must not load torch
     from engine.engine_config import EngineConfig
 
 ROLES = ("prefill", "decode")
+ENGINE_BACKENDS = ("native", "vllm")
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,7 @@ class NodeConfig:
     lease_s: float = 30.0  # prefill: how long finished prefills keep their KV for the decode side
     transfer_timeout_s: float = 30.0  # decode: the longest a KV pull may take
     grace_s: float = 30.0  # on SIGTERM: how long in-flight requests may run before they are aborted
+    engine_backend: str = "native"  # "native" (engine/) or "vllm" (an in-process vLLM engine, cluster.vllm_engine)
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -60,6 +62,8 @@ class NodeConfig:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.grace_s < 0:
             raise ValueError(f"grace_s must be >= 0, got {self.grace_s}")
+        if self.engine_backend not in ENGINE_BACKENDS:
+            raise ValueError(f"engine_backend must be one of {ENGINE_BACKENDS}, got {self.engine_backend!r}")
         if self.role == "decode" and (self.engine.pcp != 1 or self.engine.pp != 1):
             raise ValueError("a decode node runs DP replicas only: pcp and pp must be 1")
 

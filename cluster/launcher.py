@@ -112,7 +112,7 @@ def prefill_command(topology: Topology, index: int, registry_url: str, python: s
              "--max-num-batched-tokens", str(spec.max_num_batched_tokens)]
     if spec.num_kv_blocks is not None:
         argv += ["--num-kv-blocks", str(spec.num_kv_blocks)]
-    argv += ["--lease-s", f"{spec.lease_s:g}"]
+    argv += ["--lease-s", f"{spec.lease_s:g}", *_engine_args(topology)]
     return ProcessSpec(node_id, tuple(argv), spec.port or None)
 
 
@@ -124,7 +124,7 @@ def decode_command(topology: Topology, index: int, registry_url: str, python: st
             "--max-model-len", str(spec.max_model_len), "--max-num-seqs", str(spec.max_num_seqs)]
     if spec.num_kv_blocks is not None:
         argv += ["--num-kv-blocks", str(spec.num_kv_blocks)]
-    argv += ["--transfer-timeout-s", f"{spec.transfer_timeout_s:g}"]
+    argv += ["--transfer-timeout-s", f"{spec.transfer_timeout_s:g}", *_engine_args(topology)]
     return ProcessSpec(node_id, tuple(argv), spec.port or None)
 
 
@@ -145,11 +145,16 @@ def proxy_command(topology: Topology, registry_url: str, port: int, python: str 
 def cluster_commands(topology: Topology, registry_url: str, proxy_port: int,
                      python: str = sys.executable) -> list[ProcessSpec]:
     """Every process of the cluster but Redis, in start order: prefill nodes, decode nodes, proxy."""
+    nodes = topology.node_python(python)  # vLLM nodes run in the vLLM venv's Python
     return [
-        *(prefill_command(topology, i, registry_url, python) for i in range(len(topology.prefill))),
-        *(decode_command(topology, i, registry_url, python) for i in range(len(topology.decode))),
+        *(prefill_command(topology, i, registry_url, nodes) for i in range(len(topology.prefill))),
+        *(decode_command(topology, i, registry_url, nodes) for i in range(len(topology.decode))),
         proxy_command(topology, registry_url, proxy_port, python),
     ]
+
+
+def _engine_args(topology: Topology) -> list[str]:
+    return ["--engine", topology.engine] if topology.engine != "native" else []
 
 
 def _node_args(topology: Topology, node_id: str, port: int, registry_url: str) -> list[str]:

@@ -55,6 +55,9 @@ def parser(role: str) -> argparse.ArgumentParser:
     ap.add_argument("--gpu-memory-utilization", type=float, default=_default(_E, "gpu_memory_utilization"))
     ap.add_argument("--load-format", default=_default(_E, "load_format"))
     ap.add_argument("--seed", type=int, default=_default(_E, "seed"))
+    ap.add_argument("--engine", choices=["native", "vllm"], default=_default(_N, "engine_backend"),
+                    help="native: pdcluster's engine; vllm: an in-process vLLM engine with PdKVConnector "
+                         "(needs vllm importable; DP 1)")
     ap.add_argument("--grace-s", type=float, default=_default(_N, "grace_s"),
                     help="on SIGTERM, how long in-flight requests may finish")
     return ap
@@ -79,7 +82,7 @@ def parse(role: str, argv: list[str] | None = None) -> tuple[NodeConfig, str]:
             registry=RegistryConfig(url=a.registry_url, cluster=a.cluster, ttl_s=a.ttl_s, heartbeat_s=a.heartbeat_s),
             lease_s=getattr(a, "lease_s", _default(_N, "lease_s")),
             transfer_timeout_s=getattr(a, "transfer_timeout_s", _default(_N, "transfer_timeout_s")),
-            grace_s=a.grace_s,
+            grace_s=a.grace_s, engine_backend=a.engine,
         )
     except ValueError as e:
         ap.error(str(e))

@@ -14,6 +14,8 @@ A YAML topology (every key but ``model`` optional; relative paths are relative t
       - {dp: 1, pcp: 2, pp: 1, kv_layout: sharded}
     decode:
       - {dp: 1, max_num_seqs: 64}
+    engine: native                 # or vllm: in-process vLLM engines with PdKVConnector (DP 1 nodes)
+    vllm_python: null              # engine vllm: the nodes' Python (default: $VLLM_VENV/bin/python)
 
 The defaults suit the tiny CPU model (float32 on CPU, 2048-token context). Only what the launcher
 needs is checked here, without importing the engine (``pdctl`` stays quick to start); each node
@@ -23,6 +25,7 @@ validates its full engine config again when it starts.
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -31,6 +34,8 @@ import yaml
 
 KV_LAYOUTS = ("sharded", "replicated")  # as engine.parallel.grid.KV_LAYOUTS
 DTYPES = ("auto", "float32", "bfloat16", "float16")  # as engine.engine_config.DTYPES, plus "auto"
+ENGINES = ("native", "vllm")  # as cluster.config.ENGINE_BACKENDS
+DEFAULT_VLLM_VENV = "/opt/vllm-venv"  # scripts/test_vllm.sh's default
 
 
 @dataclass(frozen=True)
@@ -126,8 +131,16 @@ class Topology:
     node_host: str = "127.0.0.1"
     proxy: ProxySpec = field(default_factory=ProxySpec)
     registry: RegistrySpec = field(default_factory=RegistrySpec)
+    engine: str = "native"  # the nodes' engine: "native" or "vllm" (in-process vLLM, PdKVConnector; DP 1)
+    vllm_python: str | None = None  # engine vllm: the nodes' Python (default: $VLLM_VENV/bin/python)
 
     def __post_init__(self) -> None:
+        _choice(self, "engine", ENGINES)
+        if self.vllm_python == "":
+            raise ValueError("vllm_python must be non-empty when set")
+        if self.engine == "vllm" and any(s.dp != 1 or getattr(s, "pcp", 1) != 1 or getattr(s, "pp", 1) != 1
+                                         for s in (*self.prefill, *self.decode)):
+            raise ValueError("engine vllm runs one vLLM engine per node: dp, pcp and pp must be 1")
         if not self.model:
             raise ValueError("model (the model directory) is required")
         if not self.prefill or not self.decode:
@@ -141,6 +154,12 @@ class Topology:
     def cluster(self) -> str:
         return self.registry.cluster
 
+    def node_python(self, default: str) -> str:
+        """The Python the nodes run with: ``default`` for native nodes, a vLLM venv's for vLLM ones."""
+        if self.engine != "vllm":
+            return default
+        return self.vllm_python or str(Path(os.environ.get("VLLM_VENV", DEFAULT_VLLM_VENV)) / "bin" / "python")
+
     @staticmethod
     def from_dict(d: dict[str, Any], base_dir: Path | None = None) -> Topology:
         """Build from the YAML form; a relative ``model`` is taken relative to ``base_dir``."""
@@ -150,7 +169,8 @@ class Topology:
         model = Path(str(d["model"])).expanduser()
         if base_dir is not None and not model.is_absolute():
             model = base_dir / model
-        kwargs: dict[str, Any] = {k: v for k, v in d.items() if k in ("served_model_name", "node_host")}
+        kwargs: dict[str, Any] = {k: v for k, v in d.items()
+                                  if k in ("served_model_name", "node_host", "engine", "vllm_python")}
         if "prefill" in d:
             kwargs["prefill"] = tuple(_spec(PrefillSpec, s, f"prefill[{i}]") for i, s in enumerate(_list(d, "prefill")))
         if "decode" in d:

@@ -17,6 +17,10 @@ from decode_node.worker import DecodeWorker
 
 async def main() -> int:
     config, served = node_cli.parse("decode")
+    if config.engine_backend == "vllm":  # imported only here: vLLM is optional
+        from decode_node import vllm_worker
+
+        return await vllm_worker.main(config, served)
     worker = DecodeWorker(config, node_runtime.transfer_host(config))
     state = node_runtime.NodeState()
     ec = config.engine

@@ -17,6 +17,10 @@ from prefill_node.worker import PrefillWorker
 
 async def main() -> int:
     config, served = node_cli.parse("prefill")
+    if config.engine_backend == "vllm":  # imported only here: vLLM is optional
+        from prefill_node import vllm_worker
+
+        return await vllm_worker.main(config, served)
     worker = PrefillWorker(config, node_runtime.transfer_host(config))
     state = node_runtime.NodeState()
     ec = config.engine

@@ -218,7 +218,7 @@ class Generation:
         req, reply = self.request, self._reply
         decode = pb.DecodeRequest(request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
                                   sampling=req.sampling, first_token=reply.first_token, kv=reply.kv,
-                                  dp_rank=self.route.decode.dp_rank)
+                                  dp_rank=self.route.decode.dp_rank, vllm_kv_params_json=reply.vllm_kv_params_json)
         self._call = self._p.clients.decode(self.route.decode.address).Decode(decode)
 
     @property

@@ -93,6 +93,7 @@ class FakePrefill(pb_grpc.PrefillServiceServicer):
             reply.kv.CopyFrom(pb.KVHandle(prefill_node_id=self.node_id, prefill_address=self.address,
                                           dp_rank=reply.dp_rank, num_blocks=-(-len(request.token_ids) // 16),
                                           block_size=16, transport="fake", lease_s=30.0))
+            reply.vllm_kv_params_json = f'{{"fake": "{request.request_id}"}}'  # as a vLLM prefill node's
         return reply
 
     async def Release(self, request: pb.ReleaseRequest, context: grpc.aio.ServicerContext) -> pb.ReleaseResponse:

@@ -118,6 +118,7 @@ def test_completion_length_and_usage(c: Cluster) -> None:
     sent = c.d0.requests[-1]
     assert sent.sampling.max_tokens == 5 and sent.sampling.temperature == 0
     assert list(sent.prompt_token_ids) == c.tokenizer.encode("The cluster")
+    assert sent.vllm_kv_params_json == f'{{"fake": "{sent.request_id}"}}'  # copied from the Prefill answer
 
 
 def test_completion_runs_to_eos(c: Cluster) -> None:

@@ -160,3 +160,25 @@ def test_command_lines_parse_with_the_real_parsers(tmp_path) -> None:
             assert node.node_id == spec.name and served == "tiny-chat" and node.registry.url == URL
     node, _ = node_cli.parse("prefill", list(prefill_command(t, 0, URL).argv[3:]))
     assert (node.engine.dp, node.engine.pcp, node.engine.kv_interleave, node.engine.num_kv_blocks) == (2, 2, 32, 128)
+
+
+def test_vllm_engine_nodes(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("VLLM_VENV", "/venvs/v")
+    t = Topology.from_dict({"model": "/m", "engine": "vllm"})
+    specs = cluster_commands(t, URL, proxy_port=8000)
+    nodes, proxy = specs[:-1], specs[-1]
+    assert all(s.argv[0] == "/venvs/v/bin/python" and s.argv[-2:] == ("--engine", "vllm") for s in nodes)
+    assert proxy.argv[0] == sys.executable and "--engine" not in proxy.argv
+    t = Topology(model="/m", engine="vllm", vllm_python="/py")
+    assert {s.argv[0] for s in cluster_commands(t, URL, proxy_port=8000)[:-1]} == {"/py"}
+    assert "--engine" not in cluster_commands(Topology(model="/m"), URL, proxy_port=8000)[0].argv
+    with pytest.raises(ValueError, match="engine must be one of"):
+        Topology(model="/m", engine="trt")
+    with pytest.raises(ValueError, match="dp, pcp and pp must be 1"):
+        Topology(model="/m", engine="vllm", prefill=(PrefillSpec(pcp=2),))
+    node_cli = pytest.importorskip("cluster.node_cli")
+    (tmp_path / "config.json").write_text("{}")
+    node, _ = node_cli.parse("decode", ["--model", str(tmp_path), "--node-id", "d0", "--engine", "vllm"])
+    assert node.engine_backend == "vllm"
+    node, _ = node_cli.parse("decode", ["--model", str(tmp_path), "--node-id", "d0"])
+    assert node.engine_backend == "native"

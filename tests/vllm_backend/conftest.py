@@ -54,3 +54,23 @@ def mla_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from engine.tiny_model import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("vllm-model"), arch="v2", moe=True, seed=0)
+
+
+@pytest.fixture(scope="session")
+def colocated_all(mla_model: Path) -> tuple[list[list[int]], list[int], list[int]]:
+    """Colocated vLLM's greedy tokens (one engine start): for PROMPTS, then the CHAT prompt's ids and tokens."""
+    from vllm_common import CHAT, MAX_TOKENS, PROMPTS, _llm, _params
+
+    from engine.tokenizer import Tokenizer
+
+    chat_ids = Tokenizer(str(mla_model)).apply_chat_template(CHAT)
+    llm = _llm(mla_model)
+    outs = llm.generate([{"prompt_token_ids": p} for p in [*PROMPTS, chat_ids]], _params(MAX_TOKENS))
+    del llm
+    tokens = [list(o.outputs[0].token_ids) for o in outs]
+    return tokens[:-1], chat_ids, tokens[-1]
+
+
+@pytest.fixture(scope="session")
+def colocated(colocated_all: tuple[list[list[int]], list[int], list[int]]) -> list[list[int]]:
+    return colocated_all[0]

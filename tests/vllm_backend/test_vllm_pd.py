@@ -6,47 +6,8 @@ engine on the same model files, and the producer must free every held block exac
 
 from __future__ import annotations
 
-import socket
-from pathlib import Path
-
 import pytest
-
-PROMPTS = [
-    list(range(5, 45)),  # 40 tokens: 2 full blocks and a partial one
-    [7, 300, 12, 999, 45, 45, 2, 81, 640],  # one partial block
-    [int(11 + (i * 37) % 900) for i in range(70)],  # 5 blocks
-    [int(900 - (i * 13) % 700) for i in range(32)],  # exactly 2 blocks
-]
-MAX_TOKENS = 16
-ENGINE = dict(dtype="float32", max_model_len=256, enforce_eager=True, block_size=16, max_num_seqs=8,
-              enable_prefix_caching=False, kv_cache_memory_bytes=64 << 20)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _llm(model: Path, role: str | None = None, port: int = 0):
-    from vllm import LLM
-
-    kw = dict(ENGINE)
-    if role is not None:
-        kw["kv_transfer_config"] = {
-            "kv_connector": "PdKVConnector",
-            "kv_connector_module_path": "kv_transfer.vllm_connector",
-            "kv_role": role,
-            "kv_connector_extra_config": {"side_channel_port": port, "lease_s": 60.0},
-        }
-    return LLM(model=str(model), **kw)
-
-
-def _params(max_tokens: int, kv: dict | None = None):
-    from vllm import SamplingParams
-
-    extra = {"kv_transfer_params": kv} if kv is not None else None
-    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, extra_args=extra)
+from vllm_common import ENGINE, MAX_TOKENS, PROMPTS, _llm, _params, free_port
 
 
 @pytest.fixture(scope="module")
@@ -56,14 +17,6 @@ def engines(mla_model):
     decode = _llm(mla_model, "kv_consumer")
     yield prefill, decode
     del prefill, decode
-
-
-@pytest.fixture(scope="module")
-def colocated(mla_model) -> list[list[int]]:
-    llm = _llm(mla_model)
-    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], _params(MAX_TOKENS))
-    del llm
-    return [list(o.outputs[0].token_ids) for o in outs]
 
 
 def _disaggregated(prefill, decode, prompts: list[list[int]]) -> tuple[list[list[int]], list[dict]]:

