@@ -66,7 +66,15 @@ def colocated_all(mla_model: Path) -> tuple[list[list[int]], list[int], list[int
     chat_ids = Tokenizer(str(mla_model)).apply_chat_template(CHAT)
     llm = _llm(mla_model)
     outs = llm.generate([{"prompt_token_ids": p} for p in [*PROMPTS, chat_ids]], _params(MAX_TOKENS))
+    # Stop its engine process now: on 2 cores an idle vLLM engine left polling starves the
+    # cluster's engines that run next.
+    core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+    if core is not None and hasattr(core, "shutdown"):
+        core.shutdown()
     del llm
+    import gc
+
+    gc.collect()
     tokens = [list(o.outputs[0].token_ids) for o in outs]
     return tokens[:-1], chat_ids, tokens[-1]
 
