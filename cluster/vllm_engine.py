@@ -19,6 +19,7 @@ import os
 import threading
 from typing import Any
 
+from cluster import envs
 from cluster.config import NodeConfig
 from cluster.net import free_port
 from cluster.nodes import ReplicaLoad
@@ -29,7 +30,6 @@ log = logging.getLogger("pdcluster.vllm")
 CONNECTOR = "PdKVConnector"
 CONNECTOR_MODULE = "kv_transfer.vllm_connector"
 ROLES = {"prefill": "kv_producer", "decode": "kv_consumer"}
-KV_CACHE_BYTES_ENV = "PDCLUSTER_VLLM_KV_CACHE_BYTES"  # vLLM's kv_cache_memory_bytes (default 256 MiB)
 
 
 def engine_args(config: NodeConfig, transfer_host: str) -> Any:
@@ -55,7 +55,7 @@ def engine_args(config: NodeConfig, transfer_host: str) -> Any:
         model=ec.model, dtype=ec.dtype, max_model_len=ec.max_model_len, enforce_eager=True,
         block_size=ec.block_size, max_num_seqs=ec.max_num_seqs, max_num_batched_tokens=ec.max_num_batched_tokens,
         enable_prefix_caching=False, seed=ec.seed, num_gpu_blocks_override=ec.num_kv_blocks,
-        kv_cache_memory_bytes=int(os.environ.get(KV_CACHE_BYTES_ENV, 256 << 20)), kv_transfer_config=kv,
+        kv_cache_memory_bytes=envs.vllm_kv_cache_bytes(), kv_transfer_config=kv,
         disable_log_stats=True,
     )
 
