@@ -20,6 +20,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from cluster.admin_client import AdminClient, AdminError, AdminNode
+from cluster.config import DOWN_GRACE_S
 from cluster.topology import DecodeSpec, PrefillSpec, ProxySpec, RegistrySpec, Topology, load_topology
 
 app = typer.Typer(help="pdcluster admin CLI", no_args_is_help=True, add_completion=False)
@@ -146,7 +147,7 @@ def up(
 def down(
     run_dir: Path | None = RUN_DIR,
     cluster: str = CLUSTER,
-    grace_s: float = typer.Option(30.0, "--grace", help="seconds each process may take to stop before SIGKILL"),
+    grace_s: float = typer.Option(DOWN_GRACE_S, "--grace", help="seconds each process may take to stop before SIGKILL"),
 ) -> None:
     """Stop the cluster that `pdctl up` started (idempotent)."""
     from cluster import launcher

@@ -13,6 +13,9 @@ if TYPE_CHECKING:  # the proxy uses this module too and must not load torch
     from engine.engine_config import EngineConfig
 
 ROLES = ("prefill", "decode")
+# How long ``pdctl down`` lets each process stop before SIGKILL: more than a node's own grace for
+# in-flight requests (NodeConfig.grace_s, 30 s) plus its shutdown.
+DOWN_GRACE_S = 45.0
 ENGINE_BACKENDS = ("native", "vllm")
 
 

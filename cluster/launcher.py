@@ -28,6 +28,7 @@ import httpx
 
 import cluster
 from cluster import envs
+from cluster.config import DOWN_GRACE_S
 from cluster.net import dial_host, free_port
 from cluster.process_group import ProcessRecord, is_running, record_of, spawn, stop_groups
 from cluster.redis_server import RedisServerError, start_redis
@@ -239,7 +240,7 @@ def up(topology: Topology, run_dir: Path, timeout_s: float = 300.0, progress: Pr
         raise
 
 
-def down(run_dir: Path, grace_s: float = 30.0, progress: Progress | None = None) -> RunState | None:
+def down(run_dir: Path, grace_s: float = DOWN_GRACE_S, progress: Progress | None = None) -> RunState | None:
     """Stop what ``up`` started from ``run_dir``; None when there is nothing (idempotent)."""
     say = progress or (lambda _msg: None)
     run_dir = run_dir.expanduser().resolve()
