@@ -37,6 +37,10 @@ SERVER_OPTIONS = GRPC_OPTIONS + [("grpc.http2.min_ping_interval_without_data_ms"
 class NodeWorker(Protocol):
     failed: threading.Event  # set when the engine can no longer serve (a rank died)
     failure: str | None
+    max_model_len: int
+    num_blocks: int  # KV blocks of one replica
+    block_size: int
+    address: str  # set by ``serve`` once the server listens: the address peers dial
 
     def load(self) -> list[ReplicaLoad]: ...
 
@@ -112,21 +116,45 @@ class NodeState:
         return pb.HealthResponse(status=status, node_id=node_id, role=role)
 
 
+def node_info(config: NodeConfig, served: str, worker: NodeWorker) -> NodeInfo:
+    """What the node publishes in the registry."""
+    ec = config.engine
+    return NodeInfo(node_id=config.node_id, role=config.role, address=worker.address, model=served,
+                    max_model_len=worker.max_model_len, dp=ec.dp, pcp=ec.pcp, pp=ec.pp,
+                    kv_layout=ec.kv_layout if config.role == "prefill" else "replicated",
+                    block_size=worker.block_size, num_blocks=worker.num_blocks, started_at=time.time())
+
+
 async def serve(
     config: NodeConfig,
     worker: NodeWorker,
-    info_for: Callable[[str], NodeInfo],
+    served: str,
     add_servicer: Callable[[grpc.aio.Server], None],
     state: NodeState,
 ) -> int:
-    """Run the node until a signal or a worker failure; returns the process exit code."""
+    """Run the node until a signal or a worker failure; returns the process exit code. The worker
+    is shut down on every way out."""
+    try:
+        return await _serve(config, worker, served, add_servicer, state)
+    finally:
+        worker.shutdown()
+
+
+async def _serve(
+    config: NodeConfig,
+    worker: NodeWorker,
+    served: str,
+    add_servicer: Callable[[grpc.aio.Server], None],
+    state: NodeState,
+) -> int:
     server = grpc.aio.server(options=SERVER_OPTIONS)
     add_servicer(server)
     port = server.add_insecure_port(f"{config.host}:{config.port}")
     if port == 0:
         raise RuntimeError(f"cannot listen on {config.host}:{config.port}")
+    worker.address = f"{config.dial_host}:{port}"  # before the first answer can carry it
     await server.start()
-    info = info_for(f"{config.dial_host}:{port}")
+    info = node_info(config, served, worker)
     heartbeat = Heartbeat(config, info, worker.load)
     state.heartbeat = heartbeat
     heartbeat.beat()  # registered before we say we are up
@@ -154,7 +182,6 @@ async def serve(
         await asyncio.sleep(0.1)
     worker.abort_all("the node is shutting down")
     await server.stop(grace=1.0)
-    worker.shutdown()
     return code
 
 

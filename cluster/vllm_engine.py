@@ -118,6 +118,7 @@ class VllmWorker:
         self.max_model_len = int(vc.model_config.max_model_len)
         self.num_blocks = int(vc.cache_config.num_gpu_blocks or 0)
         self.block_size = int(vc.cache_config.block_size)
+        self.address = ""  # set once the server listens
         self.done = 0
 
     @classmethod

@@ -286,6 +286,8 @@ class DecodeWorker:
             raise
         self.max_model_len = self.replicas[0].engine.max_model_len
         self.num_blocks = self.replicas[0].load.free_blocks
+        self.block_size = ec.block_size
+        self.address = ""  # set once the server listens
 
     def submit(self, job: DecodeJob, dp_rank: int) -> None:
         d = dp_rank if dp_rank >= 0 else min(range(len(self.replicas)), key=self._cost)

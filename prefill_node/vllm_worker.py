@@ -17,7 +17,6 @@ import grpc
 
 from cluster import node_runtime
 from cluster.config import NodeConfig
-from cluster.nodes import NodeInfo
 from cluster.proto_gen import pdcluster_v1_pb2 as pb
 from cluster.proto_gen import pdcluster_v1_pb2_grpc as pb_grpc
 from cluster.vllm_engine import VllmWorker, finish_reason, sampling_to_vllm, tokens_pb
@@ -105,18 +104,8 @@ class VllmPrefillService(pb_grpc.PrefillServiceServicer):
 async def main(config: NodeConfig, served: str) -> int:
     worker = await VllmWorker.start(config, node_runtime.transfer_host(config))
     state = node_runtime.NodeState()
-    ec = config.engine
-
-    def info_for(address: str) -> NodeInfo:
-        return NodeInfo(node_id=config.node_id, role="prefill", address=address, model=served,
-                        max_model_len=worker.max_model_len, dp=1, pcp=1, pp=1, kv_layout=ec.kv_layout,
-                        block_size=worker.block_size, num_blocks=worker.num_blocks, started_at=time.time())
 
     def add(server: object) -> None:
         pb_grpc.add_PrefillServiceServicer_to_server(VllmPrefillService(worker, config.node_id, state), server)
 
-    try:
-        return await node_runtime.serve(config, worker, info_for, add, state)
-    except BaseException:
-        worker.shutdown()
-        raise
+    return await node_runtime.serve(config, worker, served, add, state)

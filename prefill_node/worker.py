@@ -98,6 +98,7 @@ class PrefillWorker:
         self.engines: list[LLMEngine] = self.llm.engines
         self.max_model_len = self.engines[0].max_model_len
         self.num_blocks = self.engines[0].scheduler.allocator.num_free
+        self.block_size = ec.block_size
         self.address = ""  # set once the server listens (goes into KV handles)
         self.leases = LeaseTable(self._release_held, lease_s=config.lease_s)
         self.held_on: dict[str, int] = {}  # request id -> replica holding its blocks
@@ -263,7 +264,7 @@ class PrefillWorker:
             self.leases.hold(seq.request_id)
             resp.kv.CopyFrom(to_handle(
                 eng.kv_ownership(seq.request_id), len(held.block_ids), self.layouts, node_id=self.config.node_id,
-                address=self.address, dp_rank=d, block_size=self.config.engine.block_size, lease_s=self.config.lease_s,
+                address=self.address, dp_rank=d, block_size=self.block_size, lease_s=self.config.lease_s,
             ))
         self._answers.append(lambda: job.resolve(resp))
 
