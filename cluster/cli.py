@@ -74,8 +74,12 @@ def up(
     prefill_pp: int | None = typer.Option(None, min=1, help=f"PP stages per replica (default: {PrefillSpec.pp})"),
     kv_layout: str | None = typer.Option(None, help=f"sharded or replicated (default: {PrefillSpec.kv_layout})"),
     kv_interleave: int | None = typer.Option(None, min=1, help="sharded: tokens per run on one PCP rank"),
+    prefill_tp: int | None = typer.Option(None, min=1, help="engine vllm: TP size of each prefill node (default: 1)"),
+    prefill_dcp: int | None = typer.Option(None, min=1, help="engine vllm: DCP size of each prefill node (default: 1)"),
     decode_nodes: int | None = typer.Option(None, min=1, help="number of decode nodes (default: 1)"),
     decode_dp: int | None = typer.Option(None, min=1, help=f"DP ranks per decode node (default: {DecodeSpec.dp})"),
+    decode_tp: int | None = typer.Option(None, min=1, help="engine vllm: TP size of each decode node (default: 1)"),
+    decode_dcp: int | None = typer.Option(None, min=1, help="engine vllm: DCP size of each decode node (default: 1)"),
     dtype: str | None = typer.Option(None, help=f"engine dtype of every node (default: {PrefillSpec.dtype})"),
     device: str | None = typer.Option(None, help=f"device of every node (default: {PrefillSpec.device})"),
     max_model_len: int | None = typer.Option(None, min=1, help=f"context (default: {PrefillSpec.max_model_len})"),
@@ -97,7 +101,8 @@ def up(
         "--model": model, "--served-model-name": served_model_name, "--proxy-host": proxy_host,
         "--proxy-port": proxy_port, "--prefill-nodes": prefill_nodes, "--prefill-dp": prefill_dp,
         "--prefill-pcp": prefill_pcp, "--prefill-pp": prefill_pp, "--kv-layout": kv_layout,
-        "--kv-interleave": kv_interleave, "--decode-nodes": decode_nodes, "--decode-dp": decode_dp,
+        "--kv-interleave": kv_interleave, "--prefill-tp": prefill_tp, "--prefill-dcp": prefill_dcp,
+        "--decode-nodes": decode_nodes, "--decode-dp": decode_dp, "--decode-tp": decode_tp, "--decode-dcp": decode_dcp,
         "--dtype": dtype, "--device": device, "--max-model-len": max_model_len, "--registry-url": registry_url,
         "--redis-port": redis_port, "--cluster": cluster, "--api-key": api_key, "--admin-key": admin_key,
         "--engine": engine, "--vllm-python": vllm_python,
@@ -113,8 +118,8 @@ def up(
         else:
             placement = _given(dtype=dtype, device=device, max_model_len=max_model_len)
             prefill = PrefillSpec(**_given(dp=prefill_dp, pcp=prefill_pcp, pp=prefill_pp, kv_layout=kv_layout,
-                                           kv_interleave=kv_interleave), **placement)
-            decode = DecodeSpec(**_given(dp=decode_dp), **placement)
+                                           kv_interleave=kv_interleave, tp=prefill_tp, dcp=prefill_dcp), **placement)
+            decode = DecodeSpec(**_given(dp=decode_dp, tp=decode_tp, dcp=decode_dcp), **placement)
             topology = Topology(
                 model=str(model), prefill=(prefill,) * (prefill_nodes or 1), decode=(decode,) * (decode_nodes or 1),
                 served_model_name=served_model_name,

@@ -52,6 +52,10 @@ class NodeConfig:
     transfer_timeout_s: float = 30.0  # decode: the longest a KV pull may take
     grace_s: float = 30.0  # on SIGTERM: how long in-flight requests may run before they are aborted
     engine_backend: str = "native"  # "native" (engine/) or "vllm" (an in-process vLLM engine, cluster.vllm_engine)
+    # vLLM nodes only (the native engine has neither): tensor parallel and decode context parallel
+    # sizes of the node's vLLM engine (vLLM's MLA cache is replicated across TP, sharded across DCP).
+    tp: int = 1
+    dcp: int = 1
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -69,6 +73,12 @@ class NodeConfig:
             raise ValueError(f"engine_backend must be one of {ENGINE_BACKENDS}, got {self.engine_backend!r}")
         if self.role == "decode" and (self.engine.pcp != 1 or self.engine.pp != 1):
             raise ValueError("a decode node runs DP replicas only: pcp and pp must be 1")
+        if self.tp < 1 or self.dcp < 1:
+            raise ValueError(f"tp and dcp must be >= 1, got {self.tp} and {self.dcp}")
+        if self.engine_backend == "native" and (self.tp != 1 or self.dcp != 1):
+            raise ValueError("tp and dcp are vLLM's (--engine vllm); the native engine runs DP x PCP x PP")
+        if self.engine_backend == "vllm" and self.engine.dp != 1:
+            raise ValueError("--engine vllm runs one vLLM engine per node: dp must be 1 (start more nodes)")
 
     @property
     def dial_host(self) -> str:

@@ -113,7 +113,7 @@ def prefill_command(topology: Topology, index: int, registry_url: str, python: s
              "--max-num-batched-tokens", str(spec.max_num_batched_tokens)]
     if spec.num_kv_blocks is not None:
         argv += ["--num-kv-blocks", str(spec.num_kv_blocks)]
-    argv += ["--lease-s", f"{spec.lease_s:g}", *_engine_args(topology)]
+    argv += ["--lease-s", f"{spec.lease_s:g}", *_engine_args(topology, spec)]
     return ProcessSpec(node_id, tuple(argv), spec.port or None)
 
 
@@ -125,7 +125,7 @@ def decode_command(topology: Topology, index: int, registry_url: str, python: st
             "--max-model-len", str(spec.max_model_len), "--max-num-seqs", str(spec.max_num_seqs)]
     if spec.num_kv_blocks is not None:
         argv += ["--num-kv-blocks", str(spec.num_kv_blocks)]
-    argv += ["--transfer-timeout-s", f"{spec.transfer_timeout_s:g}", *_engine_args(topology)]
+    argv += ["--transfer-timeout-s", f"{spec.transfer_timeout_s:g}", *_engine_args(topology, spec)]
     return ProcessSpec(node_id, tuple(argv), spec.port or None)
 
 
@@ -146,16 +146,21 @@ def proxy_command(topology: Topology, registry_url: str, port: int, python: str 
 def cluster_commands(topology: Topology, registry_url: str, proxy_port: int,
                      python: str = sys.executable) -> list[ProcessSpec]:
     """Every process of the cluster but Redis, in start order: prefill nodes, decode nodes, proxy."""
-    nodes = topology.node_python(python)  # vLLM nodes run in the vLLM venv's Python
+    def py(spec: PrefillSpec | DecodeSpec) -> str:  # vLLM nodes run in the vLLM venv's Python
+        return topology.node_python(python, spec)
+
     return [
-        *(prefill_command(topology, i, registry_url, nodes) for i in range(len(topology.prefill))),
-        *(decode_command(topology, i, registry_url, nodes) for i in range(len(topology.decode))),
+        *(prefill_command(topology, i, registry_url, py(s)) for i, s in enumerate(topology.prefill)),
+        *(decode_command(topology, i, registry_url, py(s)) for i, s in enumerate(topology.decode)),
         proxy_command(topology, registry_url, proxy_port, python),
     ]
 
 
-def _engine_args(topology: Topology) -> list[str]:
-    return ["--engine", topology.engine] if topology.engine != "native" else []
+def _engine_args(topology: Topology, spec: PrefillSpec | DecodeSpec) -> list[str]:
+    engine = topology.engine_of(spec)
+    if engine == "native":
+        return []
+    return ["--engine", engine, "--tp", str(spec.tp), "--dcp", str(spec.dcp)]
 
 
 def _node_args(topology: Topology, node_id: str, port: int, registry_url: str) -> list[str]:

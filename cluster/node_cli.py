@@ -45,6 +45,8 @@ def parser(role: str) -> argparse.ArgumentParser:
                         help="how long a finished prefill keeps its KV for the decode side")
     else:
         ap.add_argument("--transfer-timeout-s", type=float, default=_default(_N, "transfer_timeout_s"))
+    ap.add_argument("--tp", type=int, default=1, help="tensor parallel size (--engine vllm only)")
+    ap.add_argument("--dcp", type=int, default=1, help="decode context parallel size (--engine vllm only)")
     ap.add_argument("--dtype", default=_default(_E, "dtype"))
     ap.add_argument("--device", default=_default(_E, "device"))
     ap.add_argument("--max-model-len", type=int, default=None)
@@ -57,7 +59,7 @@ def parser(role: str) -> argparse.ArgumentParser:
     ap.add_argument("--seed", type=int, default=_default(_E, "seed"))
     ap.add_argument("--engine", choices=["native", "vllm"], default=_default(_N, "engine_backend"),
                     help="native: pdcluster's engine; vllm: an in-process vLLM engine with PdKVConnector "
-                         "(needs vllm importable; DP 1)")
+                         "(needs vllm importable; DP 1, --tp/--dcp/--pcp/--pp)")
     ap.add_argument("--grace-s", type=float, default=_default(_N, "grace_s"),
                     help="on SIGTERM, how long in-flight requests may finish")
     return ap
@@ -82,7 +84,7 @@ def parse(role: str, argv: list[str] | None = None) -> tuple[NodeConfig, str]:
             registry=RegistryConfig(url=a.registry_url, cluster=a.cluster, ttl_s=a.ttl_s, heartbeat_s=a.heartbeat_s),
             lease_s=getattr(a, "lease_s", _default(_N, "lease_s")),
             transfer_timeout_s=getattr(a, "transfer_timeout_s", _default(_N, "transfer_timeout_s")),
-            grace_s=a.grace_s, engine_backend=a.engine,
+            grace_s=a.grace_s, engine_backend=a.engine, tp=a.tp, dcp=a.dcp,
         )
     except ValueError as e:
         ap.error(str(e))

@@ -122,7 +122,8 @@ def node_info(config: NodeConfig, served: str, worker: NodeWorker) -> NodeInfo:
     return NodeInfo(node_id=config.node_id, role=config.role, address=worker.address, model=served,
                     max_model_len=worker.max_model_len, dp=ec.dp, pcp=ec.pcp, pp=ec.pp,
                     kv_layout=ec.kv_layout if config.role == "prefill" else "replicated",
-                    block_size=worker.block_size, num_blocks=worker.num_blocks, started_at=time.time())
+                    block_size=worker.block_size, num_blocks=worker.num_blocks, started_at=time.time(),
+                    engine=config.engine_backend)
 
 
 async def serve(

@@ -27,13 +27,14 @@ class NodeInfo:
     block_size: int
     num_blocks: int  # KV blocks of one replica
     started_at: float  # unix time
+    engine: str = "native"  # "native" | "vllm": which decode nodes can read a prefill node's KV
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     @staticmethod
     def from_dict(d: dict[str, Any]) -> NodeInfo:
-        return NodeInfo(**{k: d[k] for k in NodeInfo.__dataclass_fields__})
+        return NodeInfo(**{k: d[k] for k in NodeInfo.__dataclass_fields__ if k in d})
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,8 @@ A YAML topology (every key but ``model`` optional; relative paths are relative t
       - {dp: 1, pcp: 2, pp: 1, kv_layout: sharded}
     decode:
       - {dp: 1, max_num_seqs: 64}
-    engine: native                 # or vllm: in-process vLLM engines with PdKVConnector (DP 1 nodes)
+    engine: native                 # or vllm: in-process vLLM engines with PdKVConnector (DP 1 nodes;
+                                   #   tp and dcp keys on nodes, pcp/pp on prefill nodes)
     vllm_python: null              # engine vllm: the nodes' Python (default: $VLLM_VENV/bin/python)
 
 The defaults suit the tiny CPU model (float32 on CPU, 2048-token context). Only what the launcher
@@ -47,6 +48,9 @@ class PrefillSpec:
     pp: int = 1
     kv_layout: str = "sharded"
     kv_interleave: int | None = None  # sharded: tokens per run on one PCP rank (default: one block)
+    tp: int = 1  # engine vllm: tensor parallel size (MLA's cache is replicated across TP)
+    dcp: int = 1  # engine vllm: decode context parallel size (shards the cache)
+    engine: str | None = None  # this node's engine (default: the topology's)
     dtype: str = "float32"
     device: str = "cpu"
     max_model_len: int = 2048
@@ -56,12 +60,14 @@ class PrefillSpec:
     port: int = 0  # 0 = the node picks a free port and publishes it in the registry
 
     def __post_init__(self) -> None:
-        _positive_int(self, "dp", "pcp", "pp", "max_model_len", "max_num_batched_tokens")
+        _positive_int(self, "dp", "pcp", "pp", "tp", "dcp", "max_model_len", "max_num_batched_tokens")
         _positive(self, "lease_s")
         _positive_or_none(self, "kv_interleave", "num_kv_blocks")
         _choice(self, "kv_layout", KV_LAYOUTS)
         _engine_placement(self)
         _port(self, "port")
+        if self.engine is not None:
+            _choice(self, "engine", ENGINES)
 
 
 @dataclass(frozen=True)
@@ -69,6 +75,9 @@ class DecodeSpec:
     """One decode node: DP ranks with continuous batching."""
 
     dp: int = 1
+    tp: int = 1  # engine vllm: tensor parallel size
+    dcp: int = 1  # engine vllm: decode context parallel size
+    engine: str | None = None  # this node's engine (default: the topology's)
     dtype: str = "float32"
     device: str = "cpu"
     max_model_len: int = 2048
@@ -78,11 +87,13 @@ class DecodeSpec:
     port: int = 0
 
     def __post_init__(self) -> None:
-        _positive_int(self, "dp", "max_model_len", "max_num_seqs")
+        _positive_int(self, "dp", "tp", "dcp", "max_model_len", "max_num_seqs")
         _positive(self, "transfer_timeout_s")
         _positive_or_none(self, "num_kv_blocks")
         _engine_placement(self)
         _port(self, "port")
+        if self.engine is not None:
+            _choice(self, "engine", ENGINES)
 
 
 @dataclass(frozen=True)
@@ -131,16 +142,22 @@ class Topology:
     node_host: str = "127.0.0.1"
     proxy: ProxySpec = field(default_factory=ProxySpec)
     registry: RegistrySpec = field(default_factory=RegistrySpec)
-    engine: str = "native"  # the nodes' engine: "native" or "vllm" (in-process vLLM, PdKVConnector; DP 1)
+    engine: str = "native"  # the nodes' engine: "native" or "vllm" (in-process vLLM, PdKVConnector; DP 1, TP/DCP)
     vllm_python: str | None = None  # engine vllm: the nodes' Python (default: $VLLM_VENV/bin/python)
 
     def __post_init__(self) -> None:
         _choice(self, "engine", ENGINES)
         if self.vllm_python == "":
             raise ValueError("vllm_python must be non-empty when set")
-        if self.engine == "vllm" and any(s.dp != 1 or getattr(s, "pcp", 1) != 1 or getattr(s, "pp", 1) != 1
-                                         for s in (*self.prefill, *self.decode)):
-            raise ValueError("engine vllm runs one vLLM engine per node: dp, pcp and pp must be 1")
+        nodes = (*self.prefill, *self.decode)
+        if any(self.engine_of(s) == "vllm" and s.dp != 1 for s in nodes):
+            raise ValueError("engine vllm runs one vLLM engine per node: dp must be 1 (add nodes for replicas)")
+        if any(self.engine_of(s) == "native" and (s.tp != 1 or s.dcp != 1) for s in nodes):
+            raise ValueError("tp and dcp are for engine vllm; the native engine runs DP x PCP x PP")
+        if (any(self.engine_of(s) == "vllm" for s in self.prefill)
+                and not any(self.engine_of(s) == "vllm" for s in self.decode)):
+            raise ValueError("a vLLM prefill node's KV can be read only by vLLM decode nodes: add one "
+                             "(native prefill nodes serve both engines)")
         if not self.model:
             raise ValueError("model (the model directory) is required")
         if not self.prefill or not self.decode:
@@ -154,9 +171,12 @@ class Topology:
     def cluster(self) -> str:
         return self.registry.cluster
 
-    def node_python(self, default: str) -> str:
-        """The Python the nodes run with: ``default`` for native nodes, a vLLM venv's for vLLM ones."""
-        if self.engine != "vllm":
+    def engine_of(self, spec: PrefillSpec | DecodeSpec) -> str:
+        return spec.engine or self.engine
+
+    def node_python(self, default: str, spec: PrefillSpec | DecodeSpec | None = None) -> str:
+        """The Python a node runs with: ``default`` for native nodes, a vLLM venv's for vLLM ones."""
+        if (self.engine_of(spec) if spec is not None else self.engine) != "vllm":
             return default
         return self.vllm_python or str(Path(os.environ.get("VLLM_VENV", DEFAULT_VLLM_VENV)) / "bin" / "python")
 

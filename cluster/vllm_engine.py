@@ -5,7 +5,8 @@ front end lives on the node's asyncio loop, next to the gRPC server), the wire -
 conversion, and ``VllmWorker``, the ``NodeWorker`` that ``cluster.node_runtime.serve`` drives.
 vLLM is imported lazily (inside functions): the default test suite imports nothing of it.
 
-Only DP 1 is supported (one engine per node). vLLM does not expose block usage to the front end,
+One engine per node (DP 1; more replicas = more nodes), with the node's PP x PCP x TP workers
+and DCP. vLLM does not expose block usage to the front end,
 so ``used_blocks``/``free_blocks`` in the published load and Stats are an estimate: the blocks
 the node's in-flight requests may need (prompt + max_tokens), not vLLM's own count.
 """
@@ -37,8 +38,8 @@ def engine_args(config: NodeConfig, transfer_host: str) -> Any:
     from vllm.engine.arg_utils import AsyncEngineArgs
 
     ec = config.engine
-    if ec.dp != 1 or ec.pcp != 1 or ec.pp != 1:
-        raise ValueError("--engine vllm runs one vLLM engine per node: dp, pcp and pp must be 1")
+    if ec.dp != 1:
+        raise ValueError("--engine vllm runs one vLLM engine per node: dp must be 1")
     extra: dict[str, Any] = {"side_channel_host": transfer_host, "side_channel_port": free_port(transfer_host),
                              "mooncake_host": transfer_host}
     if config.role == "prefill":
@@ -51,13 +52,34 @@ def engine_args(config: NodeConfig, transfer_host: str) -> Any:
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     kv = {"kv_connector": CONNECTOR, "kv_connector_module_path": CONNECTOR_MODULE, "kv_role": ROLES[config.role],
           "kv_connector_extra_config": extra}
+    place_devices(ec.device, world_size(config))
     return AsyncEngineArgs(
         model=ec.model, dtype=ec.dtype, max_model_len=ec.max_model_len, enforce_eager=True,
+        tensor_parallel_size=config.tp, pipeline_parallel_size=ec.pp, prefill_context_parallel_size=ec.pcp,
+        decode_context_parallel_size=config.dcp,
+        # Our default run (one block per rank) rather than vLLM's 1: transfers move whole blocks.
+        cp_kv_cache_interleave_size=ec.kv_interleave or ec.block_size,
         block_size=ec.block_size, max_num_seqs=ec.max_num_seqs, max_num_batched_tokens=ec.max_num_batched_tokens,
         enable_prefix_caching=False, seed=ec.seed, num_gpu_blocks_override=ec.num_kv_blocks,
         kv_cache_memory_bytes=envs.vllm_kv_cache_bytes(), kv_transfer_config=kv,
         disable_log_stats=True,
     )
+
+
+def world_size(config: NodeConfig) -> int:
+    """Worker processes of the node's vLLM engine: PP x PCP x TP (DCP reuses the TP ranks)."""
+    return config.engine.pp * config.engine.pcp * config.tp
+
+
+def place_devices(device: str, n: int) -> None:
+    """``cuda:K``: the engine's ``n`` workers get GPUs ``K .. K+n-1`` (``CUDA_VISIBLE_DEVICES``).
+
+    vLLM numbers its workers' devices from 0 within the visible set, so a node's device range is
+    how nodes share a host. ``cpu``/``cuda``/``auto`` leave the environment alone.
+    """
+    if device.startswith("cuda:"):
+        first = int(device.split(":", 1)[1])
+        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(first + i) for i in range(n))
 
 
 def sampling_to_vllm(m: pb.SamplingParams, kv_params: dict[str, Any] | None, max_tokens: int | None = None) -> Any:

@@ -6,11 +6,18 @@ prompt token and samples the first output token again. That token was already se
 node, so it is dropped here: the stream carries tokens 2..max_tokens (greedy: exactly colocated
 vLLM's; sampling: the same when a seed is given, else the two first tokens may differ). Admitted
 is sent with the first output (the KV has arrived by then). A cancelled stream aborts in vLLM.
+
+From a native prefill node the request carries a ``KVHandle`` instead: it goes to the connector in
+the params (``kv_transfer.vllm.handle_params``), and the node releases the request on the prefill
+node (``Release``, as native decode nodes confirm) when vLLM's first output shows the KV was read,
+or when the stream ends before that. ``found=False`` then means the prefill node's lease ran out
+before the read was confirmed: the request fails with FAILED_PRECONDITION, as on native nodes.
 Imported only with ``--engine vllm``.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -23,15 +30,23 @@ from cluster.config import NodeConfig
 from cluster.proto_gen import pdcluster_v1_pb2 as pb
 from cluster.proto_gen import pdcluster_v1_pb2_grpc as pb_grpc
 from cluster.vllm_engine import VllmWorker, finish_reason, sampling_to_vllm, tokens_pb
+from decode_node.confirm import PrefillConfirmer
+from kv_transfer.vllm import handle_params
 
 log = logging.getLogger("pdcluster.decode")
 
 
+class KVLost(Exception):
+    """The prefill node had freed the request's KV before the read was confirmed."""
+
+
 class VllmDecodeService(pb_grpc.DecodeServiceServicer):
-    def __init__(self, worker: VllmWorker, node_id: str, state: node_runtime.NodeState) -> None:
+    def __init__(self, worker: VllmWorker, node_id: str, state: node_runtime.NodeState,
+                 confirm: PrefillConfirmer) -> None:
         self.worker = worker
         self.node_id = node_id
         self.state = state
+        self.confirm = confirm
 
     async def Decode(
         self, request: pb.DecodeRequest, context: grpc.aio.ServicerContext
@@ -45,10 +60,19 @@ class VllmDecodeService(pb_grpc.DecodeServiceServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the node is stopping")
         if rid in self.worker.active:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request {rid} is already running")
+        release_to = ""  # a native prefill node's address, until the request is released there
         try:
-            kv = json.loads(request.vllm_kv_params_json) if request.vllm_kv_params_json else None
-            if not isinstance(kv, dict):
-                raise ValueError("vllm_kv_params_json (from a vLLM prefill node) is required")
+            if request.vllm_kv_params_json:
+                kv = json.loads(request.vllm_kv_params_json)
+                if not isinstance(kv, dict):
+                    raise ValueError("vllm_kv_params_json must be a JSON object")
+            elif request.HasField("kv"):
+                kv = handle_params.handle_params(request.kv, rid, len(request.prompt_token_ids))
+                handle_params.source_of(kv)  # a malformed handle is the caller's error
+                release_to = request.kv.prefill_address
+            else:
+                raise ValueError("a KV handle (native prefill node) or vllm_kv_params_json (vLLM prefill node) "
+                                 "is required")
             params = sampling_to_vllm(request.sampling, kv)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
@@ -58,6 +82,10 @@ class VllmDecodeService(pb_grpc.DecodeServiceServicer):
         seen = 0  # output tokens so far, the re-sampled first one included
         try:
             async for out in self.worker.engine.generate(prompt, params, rid):
+                if seen == 0 and release_to:
+                    address, release_to = release_to, ""
+                    if not await asyncio.to_thread(self.confirm, address, rid):
+                        raise KVLost(f"the prefill node no longer held {rid}'s KV when it was confirmed")
                 if seen == 0:
                     self.worker.active[rid] = "running"
                     yield pb.DecodeEvent(admitted=pb.Admitted(dp_rank=0, transfer_s=time.perf_counter() - t0))
@@ -72,12 +100,17 @@ class VllmDecodeService(pb_grpc.DecodeServiceServicer):
             self.worker.done += 1
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except KVLost as e:
+            await self.worker.abort(rid)
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
         except Exception as e:
             self.worker.check()
             code = grpc.StatusCode.UNAVAILABLE if self.worker.failed.is_set() else grpc.StatusCode.ABORTED
             await context.abort(code, f"vLLM: {e}")
         finally:  # a cancelled stream: vLLM's generate aborts the request itself
             self.worker.end(rid)
+            if release_to:  # ended before its first output: free the prefill node's blocks now
+                asyncio.get_running_loop().run_in_executor(None, self.confirm, release_to, rid)
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
         return pb.AbortResponse(found=await self.worker.abort(request.request_id))
@@ -93,8 +126,12 @@ class VllmDecodeService(pb_grpc.DecodeServiceServicer):
 async def main(config: NodeConfig, served: str) -> int:
     worker = await VllmWorker.start(config, node_runtime.transfer_host(config))
     state = node_runtime.NodeState()
+    confirm = PrefillConfirmer()
 
     def add(server: object) -> None:
-        pb_grpc.add_DecodeServiceServicer_to_server(VllmDecodeService(worker, config.node_id, state), server)
+        pb_grpc.add_DecodeServiceServicer_to_server(VllmDecodeService(worker, config.node_id, state, confirm), server)
 
-    return await node_runtime.serve(config, worker, served, add, state)
+    try:
+        return await node_runtime.serve(config, worker, served, add, state)
+    finally:
+        confirm.close()

@@ -44,12 +44,18 @@ Consumer
                                 ``get_block_ids_with_load_errors`` so vLLM recomputes them).
   S ``request_finished``        a request aborted before its load still notifies the producer.
 
+A native prefill node is a producer too: params carrying its ``KVHandle`` (``pd_handle``,
+``kv_transfer.vllm.handle_params``) name every holder rank's blocks and cache directly, so the
+pull thread plans from those (any native DP x PCP x PP, sharded or replicated) with no side channel
+and no notification (the decode node releases the request on the prefill node).
+
 Pull, not push (as ``kv_transfer.receiver``): the consumer owns the destination blocks and knows
 when they are allocated; the producer only holds blocks under a lease.
 """
 
 from __future__ import annotations
 
+import math
 import re
 import threading
 import time
@@ -67,13 +73,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.logger import init_logger
 
+from engine.parallel.kv_layout import RankBlocks
 from kv_transfer.layout import CacheLayout, LayerRegion
 from kv_transfer.planner import plan_transfer
-from kv_transfer.vllm import side_channel
+from kv_transfer.vllm import handle_params, side_channel
 from kv_transfer.vllm.side_channel import WorkerInfo
 from kv_transfer.vllm_layout import (
     VllmKVLayout,
     holders,
+    native_units,
     restrict,
     spread_replicas,
     transfer_unit,
@@ -92,6 +100,11 @@ if TYPE_CHECKING:
 
 logger = init_logger(__name__)
 _REQUIRED = ("remote_engine_id", "remote_request_id", "remote_block_ids", "remote_host", "remote_port")
+
+
+def _loadable(params: dict[str, Any]) -> bool:
+    """Params naming a producer to pull from: its side channel, or a native node's KV handle."""
+    return all(k in params for k in _REQUIRED) or handle_params.has_handle(params)
 
 
 @dataclass(frozen=True)
@@ -215,7 +228,7 @@ class PdKVConnector(KVConnectorBase_V1):
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         params = request.kv_transfer_params
-        if params and params.get("do_remote_prefill") and all(k in params for k in _REQUIRED):
+        if params and params.get("do_remote_prefill") and _loadable(params):
             count = len(request.prompt_token_ids or []) - num_computed_tokens
             if count > 0:
                 self._local_hit[request.request_id] = num_computed_tokens
@@ -227,7 +240,7 @@ class PdKVConnector(KVConnectorBase_V1):
         if not params or not params.get("do_remote_prefill"):
             return
         params["do_remote_prefill"] = False  # one load per request
-        if not all(k in params for k in _REQUIRED):
+        if not _loadable(params):
             logger.warning("request %s: kv_transfer_params lack %s; computing locally", request.request_id,
                            [k for k in _REQUIRED if k not in params])
             return
@@ -250,7 +263,7 @@ class PdKVConnector(KVConnectorBase_V1):
             return False, None
         if params.get("do_remote_prefill"):  # finished (aborted) before its load: release the producer
             params["do_remote_prefill"] = False
-            if all(k in params for k in _REQUIRED):
+            if all(k in params for k in _REQUIRED):  # (a native node's lease frees its handle's blocks)
                 self._pending.recv.append(RecvJob(request.request_id, dict(params), [], 0, 0))
             return False, None
         if not params.get("do_remote_decode") or not block_ids:
@@ -345,9 +358,13 @@ class PdKVConnector(KVConnectorBase_V1):
         remote: list[WorkerInfo] = []
         ok = True
         try:
-            remote = self._remote(f"{p['remote_host']}:{p['remote_port']}", p["remote_engine_id"])
-            if job.end > job.start and job.block_ids:
-                self._read(job, remote)
+            if handle_params.has_handle(p):  # a native prefill node: holders in the params, no notification
+                if job.end > job.start and job.block_ids:
+                    self._read_native(job)
+            else:
+                remote = self._remote(f"{p['remote_host']}:{p['remote_port']}", p["remote_engine_id"])
+                if job.end > job.start and job.block_ids:
+                    self._read(job, remote)
         except Exception as e:
             ok = False
             logger.error("PdKVConnector: pulling %s failed: %s", job.request_id, e)
@@ -374,28 +391,55 @@ class PdKVConnector(KVConnectorBase_V1):
         return self._remotes[address]
 
     def _read(self, job: RecvJob, remote: list[WorkerInfo]) -> None:
+        """From a vLLM producer: its holders follow from its layout and the params' block table."""
         src = VllmKVLayout(**remote[0].layout)
-        dst = self._layout
-        unit = transfer_unit(src, dst)
-        _, _, pcp, tp = self._coords()
+        unit = transfer_unit(src, self._layout)
         mine = set(self._cache.layers)
         layers = {}
         for w in remote:
             held = sorted(mine & {int(i) for i in w.regions})
             layers[w.rank] = range(held[0], held[-1] + 1) if held else range(0)
         hs = holders(src, job.params["remote_block_ids"], job.start, job.end, unit, layers)
-        hs = spread_replicas([h for h in hs if len(h.layers)])
+        sources = {w.rank: self._source(CacheLayout(w.endpoint, {int(i): LayerRegion(int(i), *r)
+                                                                 for i, r in w.regions.items()}), src.block_size, unit)
+                   for w in remote}
+        self._copy(job, spread_replicas([h for h in hs if len(h.layers)]), sources, unit,
+                   self.settings.transfer_timeout_s)
+
+    def _read_native(self, job: RecvJob) -> None:
+        """From a native prefill node: the handle's holders (logical blocks of its block size) in units."""
+        src = handle_params.source_of(job.params)
+        dst = self._layout
+        unit = transfer_unit(VllmKVLayout(block_size=src.block_size), dst)  # a native block is whole
+        hs = native_units(src.request.holders, src.block_size, unit, job.start, job.end, set(self._cache.layers))
+        sources = {r: self._source(layout, src.block_size, unit) for r, layout in src.layouts.items()}
+        # The node frees unconfirmed blocks at its lease: read well within it.
+        timeout = min(self.settings.transfer_timeout_s, src.lease_s / 2 if src.lease_s > 0 else math.inf)
+        self._copy(job, spread_replicas(hs), sources, unit, timeout)
+
+    def _source(self, layout: CacheLayout, block_size: int, unit: int) -> CacheLayout:
+        """A source rank's cache, in units, limited to this worker's layers; refuses other bytes per position."""
+        mine = self._cache.regions
+        regions = {i: r for i, r in layout.regions.items() if i in mine}
+        for i, r in regions.items():
+            if r.block_bytes * self._layout.block_size != mine[i].block_bytes * block_size:
+                raise ValueError(f"layer {i}: {r.block_bytes // block_size} bytes per position at the source, "
+                                 f"{mine[i].block_bytes // self._layout.block_size} here (dtype or model differ)")
+        return unit_layout(CacheLayout(layout.endpoint, regions), block_size, unit)
+
+    def _copy(self, job: RecvJob, hs: list[RankBlocks], sources: dict[int, CacheLayout], unit: int,
+              timeout_s: float) -> None:
+        """Read the units of ``[job.start, job.end)`` this worker holds from the holders ``hs``."""
+        dst = self._layout
+        _, _, pcp, tp = self._coords()
         wanted = units_of(dst, pcp, tp, job.block_ids, job.start, job.end, unit)
         if not wanted:
             return
-        sources = {w.rank: unit_layout(CacheLayout(w.endpoint, {int(i): LayerRegion(int(i), *r)
-                                                                for i, r in w.regions.items() if int(i) in mine}),
-                                       src.block_size, unit) for w in remote}
         plan = plan_transfer(restrict(hs, [j for j, _ in wanted]), sources,
                              unit_layout(self._cache, dst.block_size, unit), [u for _, u in wanted])
         batches = {sources[r].endpoint: segs for r, segs in plan.pull_segments().items()}
         t0 = time.perf_counter()
-        self._transport.read_all(batches, self.settings.transfer_timeout_s)
+        self._transport.read_all(batches, timeout_s)
         logger.debug("PdKVConnector: %s: %d bytes from %d sources in %.3fs", job.request_id, plan.total_bytes,
                      len(batches), time.perf_counter() - t0)
 

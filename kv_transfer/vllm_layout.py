@@ -133,6 +133,27 @@ def holders(layout: VllmKVLayout, block_ids: list[int], start: int, end: int, un
     return out
 
 
+def native_units(hs: list[RankBlocks], block_size: int, unit: int, start: int, end: int,
+                 layers: set[int]) -> list[RankBlocks]:
+    """A native engine's holders (whole blocks of ``block_size``) as unit holders of ``[start, end)``.
+
+    Logical block ``j`` with physical id ``p`` is units ``j·k .. j·k+k-1`` at unit ids
+    ``p·k ..`` (``k = block_size // unit``); each holder keeps only the ``layers`` wanted here.
+    """
+    if block_size % unit:
+        raise ValueError(f"block_size {block_size} is not a multiple of the unit {unit}")
+    k, first, last = block_size // unit, start // unit, -(-end // unit)
+    out = []
+    for h in hs:
+        mine = sorted(layers & set(h.layers))
+        pairs = [(j * k + i, p * k + i) for j, p in zip(h.logical, h.physical) for i in range(k)
+                 if first <= j * k + i < last]
+        if mine and pairs:
+            out.append(RankBlocks(h.dp, h.pcp, h.pp, h.rank, range(mine[0], mine[-1] + 1),
+                                  [a for a, _ in pairs], [b for _, b in pairs]))
+    return out
+
+
 def spread_replicas(hs: list[RankBlocks]) -> list[RankBlocks]:
     """Give each group of replicas (same stage, same units) contiguous, even shares of its units.
 

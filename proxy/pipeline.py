@@ -166,7 +166,8 @@ class Pipeline:
         """Another decode rank for a request whose decode node is unreachable (None if there is none)."""
         if self.view is None:
             return None
-        plan = self.router.plan(self.view.snapshot(), len(req.prompt_token_ids), req.sampling.max_tokens)
+        plan = self.router.plan(self.view.snapshot(), len(req.prompt_token_ids), req.sampling.max_tokens,
+                                prefill_node=route.prefill.node_id)
         if plan.decode is None or plan.decode.node_id == route.decode.node_id:
             return None
         self.metrics.routing.labels("decode", plan.decode.node_id).inc()

@@ -19,6 +19,11 @@ model that have enough free KV blocks for prompt + output (when their load is kn
 with the fewest running sequences (registry + this proxy's in flight) wins, then the one with the
 most free blocks.
 
+Engines: a vLLM prefill node's KV (vLLM's ``kv_transfer_params``) can be read only by a vLLM decode
+node; a native prefill node's ``KVHandle`` by either. A prefill replica no eligible decode rank can
+read from is not eligible, and the decode rank is chosen among those that can read the chosen
+prefill replica's KV.
+
 Exact ties are broken deterministically: candidates sorted by (node_id, dp_rank), then turn by
 turn among the tied ones, so an idle cluster still spreads requests. Every decision carries a
 human-readable reason; ``Router.plan`` explains without deciding (the admin route endpoint).
@@ -254,13 +259,30 @@ class Router:
         self._turn = 0
 
     def plan(self, nodes: Sequence[NodeState], prompt_tokens: int, max_tokens: int,
-             exclude_prefill: Collection[str] = ()) -> RoutePlan:
-        """Judge every candidate and choose, without changing any state."""
+             exclude_prefill: Collection[str] = (), prefill_node: str | None = None) -> RoutePlan:
+        """Judge every candidate and choose, without changing any state.
+
+        ``prefill_node``: the request was prefilled there already; choose only a decode rank that
+        can read its KV.
+        """
         total = prompt_tokens + max_tokens
+        engines = {n.info.node_id: n.info.engine for n in nodes}
         pre = prefill_candidates(nodes, self.model, prompt_tokens, total, self.load, self.long_prompt_tokens,
                                  exclude_prefill)
         dec = decode_candidates(nodes, self.model, total, self.load)
+        readable = {e for e in set(engines.values())
+                    if any(c.eligible and can_read(e, engines[c.node_id]) for c in dec)}
+        pre = [c if not c.eligible or engines[c.node_id] in readable or not readable else
+               PrefillCandidate(c.node_id, c.address, c.dp_rank, c.pcp, c.queued_tokens, math.inf, False,
+                                f"no eligible decode rank can read a {engines[c.node_id]} node's KV")
+               for c in pre]
         p = pick(pre, _prefill_key, self._turn)
+        source = engines.get(prefill_node or (p.node_id if p is not None else ""))
+        if source is not None:
+            dec = [c if not c.eligible or can_read(source, engines[c.node_id]) else
+                   DecodeCandidate(c.node_id, c.address, c.dp_rank, c.running, c.free_blocks, c.needed_blocks,
+                                   False, f"a {engines[c.node_id]} decode node cannot read a {source} node's KV")
+                   for c in dec]
         d = pick(dec, _decode_key, self._turn)
         if p is not None:
             p = _with_reason(p, "lowest " + p.reason)
@@ -278,6 +300,11 @@ class Router:
             raise NoRoute("no_decode_node", _no_route_message("decode", plan.decode_candidates))
         self._turn += 1
         return Route(plan.prefill, plan.decode)
+
+
+def can_read(prefill_engine: str, decode_engine: str) -> bool:
+    """Whether a decode node of ``decode_engine`` can pull the KV a ``prefill_engine`` node holds."""
+    return prefill_engine != "vllm" or decode_engine == "vllm"
 
 
 def _with_reason(c: C, reason: str) -> C:

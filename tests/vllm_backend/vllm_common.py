@@ -23,10 +23,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _llm(model: Path, role: str | None = None, port: int = 0):
+def _llm(model: Path, role: str | None = None, port: int = 0, **extra):
     from vllm import LLM
 
-    kw = dict(ENGINE)
+    kw = {**ENGINE, **extra}
     if role is not None:
         kw["kv_transfer_config"] = {
             "kv_connector": "PdKVConnector",
