@@ -116,12 +116,19 @@ class NodeState:
         return pb.HealthResponse(status=status, node_id=node_id, role=role)
 
 
+def _kv_layout(config: NodeConfig) -> str:
+    """How a replica's KV is spread over its ranks: vLLM shards it only with DCP > 1."""
+    if config.engine_backend == "vllm":
+        return "sharded" if config.dcp > 1 else "replicated"
+    return config.engine.kv_layout if config.role == "prefill" else "replicated"
+
+
 def node_info(config: NodeConfig, served: str, worker: NodeWorker) -> NodeInfo:
     """What the node publishes in the registry."""
     ec = config.engine
     return NodeInfo(node_id=config.node_id, role=config.role, address=worker.address, model=served,
                     max_model_len=worker.max_model_len, dp=ec.dp, pcp=ec.pcp, pp=ec.pp,
-                    kv_layout=ec.kv_layout if config.role == "prefill" else "replicated",
+                    kv_layout=_kv_layout(config),
                     block_size=worker.block_size, num_blocks=worker.num_blocks, started_at=time.time(),
                     engine=config.engine_backend)
 

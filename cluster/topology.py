@@ -154,14 +154,14 @@ class Topology:
             raise ValueError("engine vllm runs one vLLM engine per node: dp must be 1 (add nodes for replicas)")
         if any(self.engine_of(s) == "native" and (s.tp != 1 or s.dcp != 1) for s in nodes):
             raise ValueError("tp and dcp are for engine vllm; the native engine runs DP x PCP x PP")
-        if (any(self.engine_of(s) == "vllm" for s in self.prefill)
-                and not any(self.engine_of(s) == "vllm" for s in self.decode)):
-            raise ValueError("a vLLM prefill node's KV can be read only by vLLM decode nodes: add one "
-                             "(native prefill nodes serve both engines)")
         if not self.model:
             raise ValueError("model (the model directory) is required")
         if not self.prefill or not self.decode:
             raise ValueError("a cluster needs at least one prefill node and one decode node")
+        if (any(self.engine_of(s) == "vllm" for s in self.prefill)
+                and not any(self.engine_of(s) == "vllm" for s in self.decode)):
+            raise ValueError("a vLLM prefill node's KV can be read only by vLLM decode nodes: add one "
+                             "(native prefill nodes serve both engines)")
         if not self.node_host:
             raise ValueError("node_host must be non-empty")
         if self.served_model_name == "":

@@ -37,6 +37,8 @@ def engine_args(config: NodeConfig, transfer_host: str) -> Any:
     """vLLM ``AsyncEngineArgs`` for this node's role, with our connector."""
     from vllm.engine.arg_utils import AsyncEngineArgs
 
+    from kv_transfer.vllm_layout import VllmKVLayout
+
     ec = config.engine
     if ec.dp != 1:
         raise ValueError("--engine vllm runs one vLLM engine per node: dp must be 1")
@@ -52,13 +54,16 @@ def engine_args(config: NodeConfig, transfer_host: str) -> Any:
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     kv = {"kv_connector": CONNECTOR, "kv_connector_module_path": CONNECTOR_MODULE, "kv_role": ROLES[config.role],
           "kv_connector_extra_config": extra}
+    interleave = ec.kv_interleave or ec.block_size
+    # vLLM's own rules for the layout (a bad shape fails here, with its reason, not in vLLM's workers).
+    VllmKVLayout(tp=config.tp, pcp=ec.pcp, dcp=config.dcp, pp=ec.pp, interleave=interleave, block_size=ec.block_size)
     place_devices(ec.device, world_size(config))
     return AsyncEngineArgs(
         model=ec.model, dtype=ec.dtype, max_model_len=ec.max_model_len, enforce_eager=True,
         tensor_parallel_size=config.tp, pipeline_parallel_size=ec.pp, prefill_context_parallel_size=ec.pcp,
         decode_context_parallel_size=config.dcp,
         # Our default run (one block per rank) rather than vLLM's 1: transfers move whole blocks.
-        cp_kv_cache_interleave_size=ec.kv_interleave or ec.block_size,
+        cp_kv_cache_interleave_size=interleave,
         block_size=ec.block_size, max_num_seqs=ec.max_num_seqs, max_num_batched_tokens=ec.max_num_batched_tokens,
         enable_prefix_caching=False, seed=ec.seed, num_gpu_blocks_override=ec.num_kv_blocks,
         kv_cache_memory_bytes=envs.vllm_kv_cache_bytes(), kv_transfer_config=kv,
@@ -72,17 +77,24 @@ def world_size(config: NodeConfig) -> int:
 
 
 def place_devices(device: str, n: int) -> None:
-    """``cuda:K``: the engine's ``n`` workers get GPUs ``K .. K+n-1`` (``CUDA_VISIBLE_DEVICES``).
+    """``cuda:K``: the engine's ``n`` workers get GPUs ``K .. K+n-1`` of those visible (narrowing
+    ``CUDA_VISIBLE_DEVICES`` when it is set).
 
     vLLM numbers its workers' devices from 0 within the visible set, so a node's device range is
     how nodes share a host. ``cpu``/``cuda``/``auto`` leave the environment alone.
     """
     if device.startswith("cuda:"):
         first = int(device.split(":", 1)[1])
-        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(first + i) for i in range(n))
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        ids = visible.split(",") if visible else [str(i) for i in range(first + n)]
+        if first + n > len(ids):
+            raise ValueError(f"device {device} with {n} workers needs GPUs {first}..{first + n - 1}, "
+                             f"{len(ids)} are visible")
+        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(ids[first:first + n])
 
 
-def sampling_to_vllm(m: pb.SamplingParams, kv_params: dict[str, Any] | None, max_tokens: int | None = None) -> Any:
+def sampling_to_vllm(m: pb.SamplingParams, kv_params: dict[str, Any] | None, max_tokens: int | None = None,
+                     min_tokens: int | None = None) -> Any:
     """vLLM ``SamplingParams`` (DELTA outputs) from the wire's; stop strings stay with the proxy."""
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
@@ -90,7 +102,8 @@ def sampling_to_vllm(m: pb.SamplingParams, kv_params: dict[str, Any] | None, max
     return SamplingParams(
         temperature=float(m.temperature), top_p=float(m.top_p) if m.top_p else 1.0,
         top_k=int(m.top_k) if m.top_k > 0 else 0, seed=int(m.seed) if m.HasField("seed") else None,
-        max_tokens=int(m.max_tokens) if max_tokens is None else max_tokens, min_tokens=int(m.min_tokens),
+        max_tokens=int(m.max_tokens) if max_tokens is None else max_tokens,
+        min_tokens=int(m.min_tokens) if min_tokens is None else min_tokens,
         stop_token_ids=list(m.stop_token_ids) or None, ignore_eos=bool(m.ignore_eos),
         logprobs=int(m.logprobs) if m.HasField("logprobs") else None, output_kind=RequestOutputKind.DELTA,
         extra_args={"kv_transfer_params": kv_params} if kv_params is not None else None,

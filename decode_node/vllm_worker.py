@@ -1,17 +1,20 @@
 """``python -m decode_node --engine vllm``: ``DecodeService`` over a vLLM engine (``kv_consumer``).
 
-Decode = vLLM generate with the prompt and the prefill node's ``kv_transfer_params``
-(``DecodeRequest.vllm_kv_params_json``): the connector pulls the KV, vLLM recomputes the last
-prompt token and samples the first output token again. That token was already sent by the prefill
-node, so it is dropped here: the stream carries tokens 2..max_tokens (greedy: exactly colocated
-vLLM's; sampling: the same when a seed is given, else the two first tokens may differ). Admitted
-is sent with the first output (the KV has arrived by then). A cancelled stream aborts in vLLM.
+Decode = vLLM generate with the prompt *plus the first token the prefill node sampled* (the client
+has it already) and ``kv_transfer_params`` whose ``remote_num_tokens`` is the prompt's length: the
+connector loads the prompt's KV, vLLM computes the first token's KV itself and samples token 2, so
+the stream continues from exactly the token the client got, for any sampling (vLLM's own P/D
+convention, which re-samples the first token on the decode side, could diverge from it). vLLM
+gets ``max_tokens - 1`` and ``min_tokens - 1``. Admitted is sent with the first output (the KV
+has arrived by then). A cancelled stream aborts in vLLM.
 
-From a native prefill node the request carries a ``KVHandle`` instead: it goes to the connector in
-the params (``kv_transfer.vllm.handle_params``), and the node releases the request on the prefill
-node (``Release``, as native decode nodes confirm) when vLLM's first output shows the KV was read,
-or when the stream ends before that. ``found=False`` then means the prefill node's lease ran out
-before the read was confirmed: the request fails with FAILED_PRECONDITION, as on native nodes.
+The params come from a vLLM prefill node (``DecodeRequest.vllm_kv_params_json``) or are built from
+a native prefill node's ``KVHandle`` (``kv_transfer.vllm.handle_params``). In the second case the
+node releases the request on the prefill node (``Release``, as native decode nodes confirm) at the
+first output, when the KV has been read; ``found=False`` means the prefill node's lease ran out
+first, and the request fails with FAILED_PRECONDITION, as on native nodes. A stream that ends
+before that releases nothing: the proxy may move the decode leg to another node with the same
+handle (and aborts the prefill when it gives up); the lease frees the blocks otherwise.
 Imported only with ``--engine vllm``.
 """
 
@@ -61,25 +64,35 @@ class VllmDecodeService(pb_grpc.DecodeServiceServicer):
         if rid in self.worker.active:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request {rid} is already running")
         release_to = ""  # a native prefill node's address, until the request is released there
+        n = len(request.prompt_token_ids)
         try:
+            if request.sampling.max_tokens < 2:
+                raise ValueError("max_tokens < 2: the prefill node's first token is the whole answer")
+            if not request.HasField("first_token"):
+                raise ValueError("first_token (the prefill node's) is required")
             if request.vllm_kv_params_json:
                 kv = json.loads(request.vllm_kv_params_json)
                 if not isinstance(kv, dict):
                     raise ValueError("vllm_kv_params_json must be a JSON object")
             elif request.HasField("kv"):
-                kv = handle_params.handle_params(request.kv, rid, len(request.prompt_token_ids))
-                handle_params.source_of(kv)  # a malformed handle is the caller's error
+                kv = handle_params.handle_params(request.kv, rid, n)
+                source = handle_params.source_of(kv)  # a malformed handle is the caller's error
+                if source.request.num_blocks * source.block_size < n:
+                    raise ValueError(f"the KV handle holds {source.request.num_blocks} blocks of "
+                                     f"{source.block_size}, fewer than the prompt's {n} tokens")
                 release_to = request.kv.prefill_address
             else:
                 raise ValueError("a KV handle (native prefill node) or vllm_kv_params_json (vLLM prefill node) "
                                  "is required")
-            params = sampling_to_vllm(request.sampling, kv)
-        except ValueError as e:
+            kv["remote_num_tokens"] = n  # load the prompt; the first token is computed here
+            params = sampling_to_vllm(request.sampling, kv, max_tokens=request.sampling.max_tokens - 1,
+                                      min_tokens=max(0, request.sampling.min_tokens - 1))
+        except (ValueError, json.JSONDecodeError) as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        prompt = {"prompt_token_ids": list(request.prompt_token_ids)}
+        prompt = {"prompt_token_ids": [*request.prompt_token_ids, request.first_token.token_id]}
         t0 = time.perf_counter()
-        self.worker.begin(rid, len(request.prompt_token_ids) + request.sampling.max_tokens)
-        seen = 0  # output tokens so far, the re-sampled first one included
+        self.worker.begin(rid, n + request.sampling.max_tokens)
+        seen = 0  # output tokens so far
         try:
             async for out in self.worker.engine.generate(prompt, params, rid):
                 if seen == 0 and release_to:
@@ -90,7 +103,7 @@ class VllmDecodeService(pb_grpc.DecodeServiceServicer):
                     self.worker.active[rid] = "running"
                     yield pb.DecodeEvent(admitted=pb.Admitted(dp_rank=0, transfer_s=time.perf_counter() - t0))
                 completion = out.outputs[0]
-                tokens = tokens_pb(completion, start=1 if seen == 0 else 0)
+                tokens = tokens_pb(completion)
                 seen += len(completion.token_ids)
                 reason = finish_reason(completion) if out.finished else ""
                 if out.finished and not reason:  # vLLM aborted it (e.g. a failed KV load it gave up on)
@@ -109,8 +122,6 @@ class VllmDecodeService(pb_grpc.DecodeServiceServicer):
             await context.abort(code, f"vLLM: {e}")
         finally:  # a cancelled stream: vLLM's generate aborts the request itself
             self.worker.end(rid)
-            if release_to:  # ended before its first output: free the prefill node's blocks now
-                asyncio.get_running_loop().run_in_executor(None, self.confirm, release_to, rid)
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
         return pb.AbortResponse(found=await self.worker.abort(request.request_id))

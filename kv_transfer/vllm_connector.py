@@ -33,7 +33,7 @@ Producer
 
 Consumer
   S ``get_num_new_matched_tokens``  a ``do_remote_prefill`` request: every prompt token beyond the
-                                local prefix hit is loaded asynchronously.
+                                local prefix hit, up to ``remote_num_tokens``, is loaded asynchronously.
   S ``update_state_after_alloc``  records the request's local blocks and the range to load.
   S ``build_connector_meta``    the loads to start; W ``start_load_kv`` queues them on a pull thread.
   W (pull thread)               fetch the producer's table from the side channel (cached), map
@@ -229,7 +229,13 @@ class PdKVConnector(KVConnectorBase_V1):
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         params = request.kv_transfer_params
         if params and params.get("do_remote_prefill") and _loadable(params):
-            count = len(request.prompt_token_ids or []) - num_computed_tokens
+            # The producer's KV covers its prompt: a decode node that appends the first token the
+            # prefill sampled (cluster nodes do) loads the prompt and computes that token here.
+            n = len(request.prompt_token_ids or [])
+            held = params.get("remote_num_tokens")
+            if isinstance(held, int) and 0 < held < n:
+                n = held
+            count = n - num_computed_tokens
             if count > 0:
                 self._local_hit[request.request_id] = num_computed_tokens
                 return count, True

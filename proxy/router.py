@@ -277,7 +277,8 @@ class Router:
                                 f"no eligible decode rank can read a {engines[c.node_id]} node's KV")
                for c in pre]
         p = pick(pre, _prefill_key, self._turn)
-        source = engines.get(prefill_node or (p.node_id if p is not None else ""))
+        # A prefill node that has left the view: assume the strictest (only vLLM decode reads both).
+        source = engines.get(prefill_node, "vllm") if prefill_node else engines[p.node_id] if p else None
         if source is not None:
             dec = [c if not c.eligible or can_read(source, engines[c.node_id]) else
                    DecodeCandidate(c.node_id, c.address, c.dp_rank, c.running, c.free_blocks, c.needed_blocks,

@@ -347,8 +347,10 @@ def test_prefill_timeout_is_503_and_aborts(c: Cluster) -> None:
     with c.http() as h:
         r = h.post("/v1/completions", json={"model": MODEL, "prompt": "x"})
     assert r.status_code == 503 and r.json()["error"]["code"] == "timeout"
-    rid = (c.p0.requests + c.p1.requests)[0].request_id
-    assert wait_until(lambda: rid in c.aborts())
+    # The proxy aborts the prefill it gave up on. (On a loaded machine the call can time out
+    # before the fake node has even recorded it: the abort is sent either way.)
+    assert wait_until(lambda: len(c.aborts()) >= 1)
+    assert all(q.request_id in c.aborts() for q in c.p0.requests + c.p1.requests)
 
 
 def test_decode_dies_mid_stream(c: Cluster) -> None:

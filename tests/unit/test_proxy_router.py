@@ -191,8 +191,12 @@ def test_engines_pair_only_where_the_decode_side_can_read_the_kv() -> None:
     # A decode leg moved after a vLLM prefill stays on vLLM decode nodes.
     plan = Router(MODEL).plan([vllm_pre, native_pre, native_dec, vllm_dec], 100, 16, prefill_node="a-vllm")
     assert plan.decode.node_id == "e-vllm"
-    with pytest.raises(NoRoute, match="no_prefill_node|prefill"):
+    with pytest.raises(NoRoute) as e:
         Router(MODEL).route([vllm_pre, native_dec], 100, 16)
+    assert e.value.code == "no_prefill_node" and "can read a vllm node's KV" in e.value.message
+    # A decode leg moved after a prefill node left the view: only decode nodes that read any KV.
+    plan = Router(MODEL).plan([native_pre, native_dec, vllm_dec], 100, 16, prefill_node="gone")
+    assert plan.decode.node_id == "e-vllm"
     # Records published before the engine field existed read as native nodes.
     d = native_pre.info.to_dict()
     del d["engine"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -213,3 +214,20 @@ def test_mixed_engines_per_node(monkeypatch) -> None:
         Topology(model="/m", decode=(DecodeSpec(engine="vllm", dp=2),))
     with pytest.raises(ValueError, match="engine must be one of"):
         PrefillSpec(engine="trt")
+
+
+def test_vllm_node_device_range(monkeypatch) -> None:
+    """``cuda:K`` gives a vLLM node's workers GPUs K.. of those visible."""
+    from cluster.vllm_engine import place_devices
+
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    place_devices("cuda:2", 2)
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "2,3"
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
+    place_devices("cuda:1", 2)
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "5,6"
+    with pytest.raises(ValueError, match="2 are visible"):
+        place_devices("cuda:1", 2)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    place_devices("cpu", 4)
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "0"

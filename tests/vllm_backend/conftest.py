@@ -60,15 +60,20 @@ def mla_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def colocated_all(mla_model: Path) -> tuple[list[list[int]], list[int], list[int]]:
-    """Colocated vLLM's greedy tokens (one engine start): for PROMPTS, then the CHAT prompt's ids and tokens."""
-    from vllm_common import CHAT, MAX_TOKENS, PROMPTS, _llm, _params
+def colocated_all(mla_model: Path) -> tuple[list[list[int]], list[int], list[int], list[int]]:
+    """Colocated vLLM (one engine start): greedy tokens for PROMPTS, the CHAT prompt's ids and tokens,
+    and a SAMPLED request on PROMPTS[2] as disaggregated serving should produce it: its first token
+    (sampled from the prompt), then the rest sampled from prompt + that token with the same seed."""
+    from vllm_common import CHAT, MAX_TOKENS, PROMPTS, SAMPLED, _llm, _params
 
     from engine.tokenizer import Tokenizer
 
     chat_ids = Tokenizer(str(mla_model)).apply_chat_template(CHAT)
     llm = _llm(mla_model)
     outs = llm.generate([{"prompt_token_ids": p} for p in [*PROMPTS, chat_ids]], _params(MAX_TOKENS))
+    first = list(llm.generate([{"prompt_token_ids": PROMPTS[2]}], _params(1, **SAMPLED))[0].outputs[0].token_ids)
+    rest = llm.generate([{"prompt_token_ids": PROMPTS[2] + first}], _params(MAX_TOKENS - 1, **SAMPLED))
+    sampled = first + list(rest[0].outputs[0].token_ids)
     # Stop its engine process now: on 2 cores an idle vLLM engine left polling starves the
     # cluster's engines that run next.
     core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
@@ -79,7 +84,7 @@ def colocated_all(mla_model: Path) -> tuple[list[list[int]], list[int], list[int
 
     gc.collect()
     tokens = [list(o.outputs[0].token_ids) for o in outs]
-    return tokens[:-1], chat_ids, tokens[-1]
+    return tokens[:-1], chat_ids, tokens[-1], sampled
 
 
 @pytest.fixture(scope="session")

@@ -23,7 +23,7 @@ import httpx
 import openai
 import psutil
 import pytest
-from vllm_common import CHAT, MAX_TOKENS, PROMPTS
+from vllm_common import CHAT, MAX_TOKENS, PROMPTS, SAMPLED
 
 from cluster.launcher import down, up
 from cluster.topology import DecodeSpec, PrefillSpec, ProxySpec, RegistrySpec, Topology
@@ -87,7 +87,7 @@ def _completions_equal_colocated(url: str, colocated: list[list[int]], tok: Toke
 
 def test_openai_client_equals_colocated_vllm(proxy_url: str, colocated_all, mla_model: Path) -> None:
     """vLLM TP 2 prefill -> vLLM decode."""
-    colocated, chat_ids, chat_tokens = colocated_all
+    colocated, chat_ids, chat_tokens, sampled = colocated_all
     tok = Tokenizer(str(mla_model))
     _only_prefill(proxy_url, "prefill-0")
     before = _routed(proxy_url, "prefill-0")
@@ -100,7 +100,11 @@ def test_openai_client_equals_colocated_vllm(proxy_url: str, colocated_all, mla_
     stream = oa.chat.completions.create(model="tiny", messages=CHAT, max_tokens=MAX_TOKENS, temperature=0.0,
                                         stream=True, extra_body={"ignore_eos": True})
     assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == tok.decode(chat_tokens)
-    assert _routed(proxy_url, "prefill-0") - before == len(PROMPTS) + 2
+    # Sampling: the decode side continues from the very token the prefill sampled (and the client got).
+    r = oa.completions.create(model="tiny", prompt=PROMPTS[2], max_tokens=MAX_TOKENS, extra_body={"ignore_eos": True},
+                              **SAMPLED)
+    assert r.choices[0].text == tok.decode(sampled)
+    assert _routed(proxy_url, "prefill-0") - before == len(PROMPTS) + 3
 
 
 def test_native_pcp2_prefill_then_vllm_decode(proxy_url: str, colocated: list[list[int]], mla_model: Path) -> None:

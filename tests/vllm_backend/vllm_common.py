@@ -37,11 +37,15 @@ def _llm(model: Path, role: str | None = None, port: int = 0, **extra):
     return LLM(model=str(model), **kw)
 
 
-def _params(max_tokens: int, kv: dict | None = None):
+SAMPLED = dict(temperature=0.9, seed=1234)  # a sampled request the cluster test checks
+
+
+def _params(max_tokens: int, kv: dict | None = None, **sampling):
     from vllm import SamplingParams
 
     extra = {"kv_transfer_params": kv} if kv is not None else None
-    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, extra_args=extra)
+    kw = {"temperature": 0.0, **sampling}
+    return SamplingParams(max_tokens=max_tokens, ignore_eos=True, extra_args=extra, **kw)
 
 
 
