@@ -185,7 +185,8 @@ def status(proxy: str | None = PROXY, admin_key: str | None = ADMIN_KEY, run_dir
         s, r = n.state, n.state.replicas
         table.add_row(
             # Text from the proxy is escaped: it is not rich markup.
-            escape(s.info.node_id), escape(s.info.role), escape(s.info.address),
+            escape(s.info.node_id), escape(s.info.role + ("" if s.info.engine == "native" else f" ({s.info.engine})")),
+            escape(s.info.address),
             f"{s.info.dp}/{s.info.pcp}/{s.info.pp}", escape(s.info.kv_layout),
             "[green]healthy[/green]" if s.healthy else "[red]unhealthy[/red]",
             "[yellow]draining[/yellow]" if s.draining else "-", str(n.inflight),

@@ -103,7 +103,8 @@ class FakeProxy(BaseHTTPRequestHandler):
 
 @pytest.fixture
 def proxy_url() -> Iterator[str]:
-    FakeProxy.nodes = {n["node_id"]: n for n in (node("decode-0", "decode"), node("prefill-0", "prefill"),
+    FakeProxy.nodes = {n["node_id"]: n for n in (node("decode-0", "decode", engine="vllm"),
+                                                  node("prefill-0", "prefill"),
                                                   node("prefill-1", "prefill", healthy=False, draining=True))}
     server = ThreadingHTTPServer(("127.0.0.1", 0), FakeProxy)
     thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
@@ -127,7 +128,7 @@ def test_status_table(pdctl, proxy_url) -> None:
     assert result.exit_code == 0, result.output
     out = result.output
     assert f"proxy {proxy_url}" in out
-    for expected in ("decode-0", "prefill-0", "prefill-1", "2/2/1", "sharded", "unhealthy", "draining",
+    for expected in ("decode-0", "decode (vllm)", "prefill-0", "prefill-1", "2/2/1", "sharded", "unhealthy", "draining",
                      "120 / 3", "15 / 113"):
         assert expected in out
 
