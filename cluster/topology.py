@@ -174,9 +174,9 @@ class Topology:
     def engine_of(self, spec: PrefillSpec | DecodeSpec) -> str:
         return spec.engine or self.engine
 
-    def node_python(self, default: str, spec: PrefillSpec | DecodeSpec | None = None) -> str:
+    def node_python(self, default: str, spec: PrefillSpec | DecodeSpec) -> str:
         """The Python a node runs with: ``default`` for native nodes, a vLLM venv's for vLLM ones."""
-        if (self.engine_of(spec) if spec is not None else self.engine) != "vllm":
+        if self.engine_of(spec) != "vllm":
             return default
         return self.vllm_python or str(Path(os.environ.get("VLLM_VENV", DEFAULT_VLLM_VENV)) / "bin" / "python")
 

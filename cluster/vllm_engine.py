@@ -56,8 +56,9 @@ def engine_args(config: NodeConfig, transfer_host: str) -> Any:
           "kv_connector_extra_config": extra}
     interleave = ec.kv_interleave or ec.block_size
     # vLLM's own rules for the layout (a bad shape fails here, with its reason, not in vLLM's workers).
-    VllmKVLayout(tp=config.tp, pcp=ec.pcp, dcp=config.dcp, pp=ec.pp, interleave=interleave, block_size=ec.block_size)
-    place_devices(ec.device, world_size(config))
+    layout = VllmKVLayout(tp=config.tp, pcp=ec.pcp, dcp=config.dcp, pp=ec.pp, interleave=interleave,
+                          block_size=ec.block_size)
+    place_devices(ec.device, layout.world_size)
     return AsyncEngineArgs(
         model=ec.model, dtype=ec.dtype, max_model_len=ec.max_model_len, enforce_eager=True,
         tensor_parallel_size=config.tp, pipeline_parallel_size=ec.pp, prefill_context_parallel_size=ec.pcp,
@@ -69,11 +70,6 @@ def engine_args(config: NodeConfig, transfer_host: str) -> Any:
         kv_cache_memory_bytes=envs.vllm_kv_cache_bytes(), kv_transfer_config=kv,
         disable_log_stats=True,
     )
-
-
-def world_size(config: NodeConfig) -> int:
-    """Worker processes of the node's vLLM engine: PP x PCP x TP (DCP reuses the TP ranks)."""
-    return config.engine.pp * config.engine.pcp * config.tp
 
 
 def place_devices(device: str, n: int) -> None:

@@ -34,6 +34,7 @@ from cluster.proto_gen import pdcluster_v1_pb2 as pb
 from cluster.proto_gen import pdcluster_v1_pb2_grpc as pb_grpc
 from cluster.vllm_engine import VllmWorker, finish_reason, sampling_to_vllm, tokens_pb
 from decode_node.confirm import PrefillConfirmer
+from kv_transfer.handle import from_handle
 from kv_transfer.vllm import handle_params
 
 log = logging.getLogger("pdcluster.decode")
@@ -75,8 +76,8 @@ class VllmDecodeService(pb_grpc.DecodeServiceServicer):
                 if not isinstance(kv, dict):
                     raise ValueError("vllm_kv_params_json must be a JSON object")
             elif request.HasField("kv"):
+                source = from_handle(request.kv)  # a malformed handle is the caller's error
                 kv = handle_params.handle_params(request.kv, rid, n)
-                source = handle_params.source_of(kv)  # a malformed handle is the caller's error
                 if source.request.num_blocks * source.block_size < n:
                     raise ValueError(f"the KV handle holds {source.request.num_blocks} blocks of "
                                      f"{source.block_size}, fewer than the prompt's {n} tokens")
@@ -87,7 +88,7 @@ class VllmDecodeService(pb_grpc.DecodeServiceServicer):
             kv["remote_num_tokens"] = n  # load the prompt; the first token is computed here
             params = sampling_to_vllm(request.sampling, kv, max_tokens=request.sampling.max_tokens - 1,
                                       min_tokens=max(0, request.sampling.min_tokens - 1))
-        except (ValueError, json.JSONDecodeError) as e:
+        except ValueError as e:  # json.JSONDecodeError included
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         prompt = {"prompt_token_ids": [*request.prompt_token_ids, request.first_token.token_id]}
         t0 = time.perf_counter()

@@ -34,7 +34,7 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from collections.abc import Callable, Collection, Iterable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, TypeVar
 
 from cluster.nodes import NodeState, ReplicaLoad
@@ -273,16 +273,16 @@ class Router:
         readable = {e for e in set(engines.values())
                     if any(c.eligible and can_read(e, engines[c.node_id]) for c in dec)}
         pre = [c if not c.eligible or engines[c.node_id] in readable or not readable else
-               PrefillCandidate(c.node_id, c.address, c.dp_rank, c.pcp, c.queued_tokens, math.inf, False,
-                                f"no eligible decode rank can read a {engines[c.node_id]} node's KV")
+               replace(c, cost=math.inf, eligible=False,
+                       reason=f"no eligible decode rank can read a {engines[c.node_id]} node's KV")
                for c in pre]
         p = pick(pre, _prefill_key, self._turn)
         # A prefill node that has left the view: assume the strictest (only vLLM decode reads both).
         source = engines.get(prefill_node, "vllm") if prefill_node else engines[p.node_id] if p else None
         if source is not None:
             dec = [c if not c.eligible or can_read(source, engines[c.node_id]) else
-                   DecodeCandidate(c.node_id, c.address, c.dp_rank, c.running, c.free_blocks, c.needed_blocks,
-                                   False, f"a {engines[c.node_id]} decode node cannot read a {source} node's KV")
+                   replace(c, eligible=False, reason=f"a {engines[c.node_id]} decode node cannot read a {source} "
+                                                     "node's KV")
                    for c in dec]
         d = pick(dec, _decode_key, self._turn)
         if p is not None:
