@@ -107,8 +107,9 @@ class VllmDecodeService(pb_grpc.DecodeServiceServicer):
                 tokens = tokens_pb(completion)
                 seen += len(completion.token_ids)
                 reason = finish_reason(completion) if out.finished else ""
-                if out.finished and not reason:  # vLLM aborted it (e.g. a failed KV load it gave up on)
-                    raise RuntimeError(f"vLLM ended the request: {completion.finish_reason}")
+                if out.finished and not reason:  # vLLM ended it: a failed KV load ends a request this way
+                    raise RuntimeError(f"vLLM ended the request ({completion.finish_reason}); a failed KV "
+                                       "load does this, and this node's log says why")
                 if tokens or reason:
                     yield pb.DecodeEvent(tokens=pb.Tokens(tokens=tokens, finish_reason=reason))
             self.worker.done += 1

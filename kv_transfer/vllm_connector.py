@@ -99,6 +99,7 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 logger = init_logger(__name__)
+SLOW_PULL_S = 1.0  # pulls slower than this are logged as warnings
 _REQUIRED = ("remote_engine_id", "remote_request_id", "remote_block_ids", "remote_host", "remote_port")
 
 
@@ -446,8 +447,10 @@ class PdKVConnector(KVConnectorBase_V1):
         batches = {sources[r].endpoint: segs for r, segs in plan.pull_segments().items()}
         t0 = time.perf_counter()
         self._transport.read_all(batches, timeout_s)
-        logger.debug("PdKVConnector: %s: %d bytes from %d sources in %.3fs", job.request_id, plan.total_bytes,
-                     len(batches), time.perf_counter() - t0)
+        took = time.perf_counter() - t0
+        log = logger.warning if took > SLOW_PULL_S else logger.debug
+        log("PdKVConnector: %s: %d bytes from %d sources in %.3fs", job.request_id, plan.total_bytes,
+            len(batches), took)
 
     def _on_notify(self, req: dict[str, Any]) -> dict[str, Any]:
         if req.get("op") != "done":

