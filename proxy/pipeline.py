@@ -18,9 +18,11 @@ Lifecycle (every exit path goes through ``Generation.close``, which is idempoten
    the decode node) and ``Abort`` on the prefill node, in the background.
 
 A node that refuses a connection (UNAVAILABLE) is marked unreachable in the proxy's view at once,
-so new requests avoid it before its registry heartbeat expires; a decode node that fails that way
-before sending anything gets the decode leg moved to another decode rank once (the prefill node
-still holds the KV under its lease, so nothing is lost).
+so new requests avoid it before its registry heartbeat expires. A decode node that fails that way
+before sending anything, or that has no room for the request (RESOURCE_EXHAUSTED: its blocks went
+to requests its last heartbeat did not show yet), gets the decode leg moved to another decode rank
+once; the prefill node still holds the KV under its lease, so nothing is lost. A full node stays
+in the view: only this request avoids that rank.
 """
 
 from __future__ import annotations
@@ -45,7 +47,9 @@ from proxy.router import LocalLoad, NoRoute, Route, Router
 log = logging.getLogger(__name__)
 
 PREFILL_ATTEMPTS = 2  # one retry on another replica when a prefill node is UNAVAILABLE
-DECODE_ATTEMPTS = 2  # one retry on another decode rank when a decode node is UNAVAILABLE before any event
+DECODE_ATTEMPTS = 2  # one retry on another decode rank when a decode node fails before any event
+# Decode failures before any event that move the decode leg to another rank.
+MOVABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
 
 
 @dataclass(frozen=True)
@@ -162,13 +166,15 @@ class Pipeline:
         if self.view is not None:
             self.view.mark_unreachable(node_id)
 
-    def other_decode(self, req: GenerationRequest, route: Route) -> Route | None:
-        """Another decode rank for a request whose decode node is unreachable (None if there is none)."""
+    def other_decode(self, req: GenerationRequest, route: Route, whole_node: bool) -> Route | None:
+        """Another decode rank for a request its decode rank failed before any event (None if there
+        is none): on another node when ``whole_node`` (it is unreachable), else on another rank."""
         if self.view is None:
             return None
+        failed = (route.decode.node_id, route.decode.dp_rank)
         plan = self.router.plan(self.view.snapshot(), len(req.prompt_token_ids), req.sampling.max_tokens,
-                                prefill_node=route.prefill.node_id)
-        if plan.decode is None or plan.decode.node_id == route.decode.node_id:
+                                prefill_node=route.prefill.node_id, exclude_decode=[failed])
+        if plan.decode is None or (whole_node and plan.decode.node_id == route.decode.node_id):
             return None
         self.metrics.routing.labels("decode", plan.decode.node_id).inc()
         return Route(route.prefill, plan.decode)
@@ -263,14 +269,17 @@ class Generation:
                     503, f"decode timed out: no token for {self._p.token_timeout_s:g}s", code="token_timeout",
                     cause="token_timeout")) from None
             except grpc.aio.AioRpcError as e:
-                if e.code() != grpc.StatusCode.UNAVAILABLE:
+                if e.code() not in MOVABLE:
                     raise GenerationError(rpc_error("decode", e)) from None
-                self._p.unreachable(self.route.decode.node_id)
-                other = self._p.other_decode(self.request, self.route) if self._events == 0 else None
+                gone = e.code() == grpc.StatusCode.UNAVAILABLE
+                if gone:
+                    self._p.unreachable(self.route.decode.node_id)
+                other = self._p.other_decode(self.request, self.route, gone) if self._events == 0 else None
                 if other is None or self._decode_attempts >= DECODE_ATTEMPTS:
                     raise GenerationError(rpc_error("decode", e)) from None
-                log.warning("decode of %s on %s unavailable (%s); moving it to %s", self.request.request_id,
-                            self.route.decode.node_id, e.details(), other.decode.node_id)
+                log.warning("decode of %s on %s rank %d failed (%s: %s); moving it to %s rank %d",
+                            self.request.request_id, self.route.decode.node_id, self.route.decode.dp_rank,
+                            e.code().name, e.details(), other.decode.node_id, other.decode.dp_rank)
                 self._decode_attempts += 1
                 self._counted.move_decode(other)
                 self.route = other

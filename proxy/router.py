@@ -202,8 +202,10 @@ def prefill_candidates(nodes: Iterable[NodeState], model: str, prompt_tokens: in
 
 
 def decode_candidates(nodes: Iterable[NodeState], model: str, total_tokens: int,
-                      local: LocalLoad) -> list[DecodeCandidate]:
-    """Every decode rank with its load, for a request of ``total_tokens`` (prompt + output)."""
+                      local: LocalLoad, exclude: Collection[tuple[str, int]] = ()) -> list[DecodeCandidate]:
+    """Every decode rank with its load, for a request of ``total_tokens`` (prompt + output).
+
+    ``exclude``: (node id, DP rank) pairs that refused this request already."""
     out = []
     for node, dp in _replicas(nodes, "decode"):
         info = node.info
@@ -212,6 +214,8 @@ def decode_candidates(nodes: Iterable[NodeState], model: str, total_tokens: int,
         published = None if load is None else load.free_blocks
         needed = blocks_for(total_tokens, info.block_size)
         bad = _ineligible_reason(node, model, total_tokens)
+        if bad is None and (info.node_id, dp) in exclude:
+            bad = "refused this request already"
         if bad is None and needed > info.num_blocks:
             bad = f"needs {needed} KV blocks, has {info.num_blocks} in all"
         # Eligibility trusts the node's own count; the blocks this proxy sent since only lower the
@@ -259,17 +263,18 @@ class Router:
         self._turn = 0
 
     def plan(self, nodes: Sequence[NodeState], prompt_tokens: int, max_tokens: int,
-             exclude_prefill: Collection[str] = (), prefill_node: str | None = None) -> RoutePlan:
+             exclude_prefill: Collection[str] = (), prefill_node: str | None = None,
+             exclude_decode: Collection[tuple[str, int]] = ()) -> RoutePlan:
         """Judge every candidate and choose, without changing any state.
 
         ``prefill_node``: the request was prefilled there already; choose only a decode rank that
-        can read its KV.
+        can read its KV. ``exclude_decode``: (node id, DP rank) pairs not to choose.
         """
         total = prompt_tokens + max_tokens
         engines = {n.info.node_id: n.info.engine for n in nodes}
         pre = prefill_candidates(nodes, self.model, prompt_tokens, total, self.load, self.long_prompt_tokens,
                                  exclude_prefill)
-        dec = decode_candidates(nodes, self.model, total, self.load)
+        dec = decode_candidates(nodes, self.model, total, self.load, exclude_decode)
         readable = {e for e in set(engines.values())
                     if any(c.eligible and can_read(e, engines[c.node_id]) for c in dec)}
         pre = [c if not c.eligible or engines[c.node_id] in readable or not readable else

@@ -4,8 +4,9 @@ The fakes speak the real ``pdcluster.v1`` contract and generate a scripted outpu
 ``i`` is ``script[i]``, then EOS. Fault knobs live here, never in the proxy:
 
 - prefill: ``fail`` (a status code to answer with), ``stall_s`` (wait before answering);
-- decode: ``fail_after`` (abort with UNAVAILABLE after that many token events), ``stall_after``
-  (stop sending after that many token events), ``delay_s`` (between events).
+- decode: ``fail_after`` (abort with UNAVAILABLE after that many token events), ``refuse`` (a
+  status code to answer before any event, while ``refusals`` lasts), ``stall_after`` (stop sending
+  after that many token events), ``delay_s`` (between events).
 
 What the fakes assume of the real nodes: Prefill answers the first output token and, unless that
 token ended the request (``max_tokens`` 1, or EOS), a KV handle that it holds until Release or
@@ -118,6 +119,8 @@ class FakeDecode(pb_grpc.DecodeServiceServicer):
 
     def reset(self) -> None:
         self.fail_after: int | None = None
+        self.refuse: grpc.StatusCode | None = None  # answer this before any event ...
+        self.refusals = [0]  # ... while this count (a list: fakes may share it) is above 0
         self.stall_after: int | None = None
         self.delay_s = 0.0
         self.tokens_per_event = 2
@@ -130,6 +133,9 @@ class FakeDecode(pb_grpc.DecodeServiceServicer):
         rid, sampling = request.request_id, request.sampling
         if request.first_token.token_id != self.script.token_at(0) or not request.kv.prefill_address:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "first token or KV handle missing")
+        if self.refuse is not None and self.refusals[0] > 0:
+            self.refusals[0] -= 1
+            await context.abort(self.refuse, f"injected {self.refuse.name}")
         ended = False  # finished, or failed on purpose; anything else is the client cancelling
         try:
             async with grpc.aio.insecure_channel(request.kv.prefill_address) as ch:  # "the KV is here"

@@ -1,0 +1,104 @@
+"""A decode leg that fails before its first event moves to another decode rank, once.
+
+One proxy and fake nodes (one prefill node, two decode nodes): a decode node that is full
+(RESOURCE_EXHAUSTED) or unreachable (UNAVAILABLE) before it sends anything costs the client nothing
+while another decode rank can take the request; the prefill node's KV is released either way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import httpx
+import pytest
+from proxy_fakes import FakeDecode, FakeNodes, FakePrefill, ProxyServer, Script, node_state, wait_until
+
+from cluster.config import ProxyConfig
+from engine.tokenizer import Tokenizer
+from proxy.app import create_app
+from proxy.discovery import StaticNodeSource
+
+MODEL = "tiny-test"
+BODY = {"model": MODEL, "prompt": "x", "max_tokens": 6}
+
+
+@dataclass
+class Nodes:
+    url: str
+    text: str  # the scripted completion of BODY
+    p0: FakePrefill
+    d0: FakeDecode
+    d1: FakeDecode
+    app: object
+
+
+@pytest.fixture(scope="module")
+def nodes(tiny_model: Path) -> Iterator[Nodes]:
+    tok = Tokenizer(tiny_model)
+    script = Script(tok.encode("Moved decode legs still answer in full.", add_special_tokens=False),
+                    tok.eos_token_id)
+    fakes = FakeNodes()
+    try:
+        p0, d0, d1 = FakePrefill("p0", script), FakeDecode("d0", script), FakeDecode("d1", script)
+        source = StaticNodeSource([
+            node_state("p0", "prefill", fakes.serve(p0), model=MODEL, max_model_len=512),
+            node_state("d0", "decode", fakes.serve(d0), model=MODEL, max_model_len=512),
+            node_state("d1", "decode", fakes.serve(d1), model=MODEL, max_model_len=512),
+        ])
+        config = ProxyConfig(model=str(tiny_model), served_model_name=MODEL, prefill_timeout_s=2.0,
+                             token_timeout_s=2.0)
+        app = create_app(config, tok, source, max_model_len=4096)
+        server = ProxyServer(app)
+        server.start()
+        try:
+            yield Nodes(server.url, tok.decode([script.token_at(i) for i in range(6)]), p0, d0, d1, app)
+        finally:
+            server.stop()
+    finally:
+        fakes.stop()
+
+
+@pytest.fixture
+def n(nodes: Nodes) -> Iterator[Nodes]:
+    for fake in (nodes.p0, nodes.d0, nodes.d1):
+        fake.reset()
+    nodes.app.state.proxy.view.clear_unreachable()
+    yield nodes
+    load = nodes.app.state.proxy.router.load
+    assert wait_until(lambda: all(load.requests(x) == 0 for x in ("p0", "d0", "d1")), 3)
+    assert wait_until(lambda: not nodes.p0.held, 3), "prefill KV left held"
+
+
+def _refuse_once(n: Nodes, code: grpc.StatusCode) -> None:
+    """Whichever decode node the request goes to first answers ``code``; the next one serves it."""
+    shared = [1]
+    for d in (n.d0, n.d1):
+        d.refuse, d.refusals = code, shared
+
+
+@pytest.mark.parametrize("code", [grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE])
+def test_a_refused_decode_leg_moves_to_the_other_decode_node(n: Nodes, code: grpc.StatusCode) -> None:
+    _refuse_once(n, code)
+    r = httpx.post(f"{n.url}/v1/completions", json=BODY, timeout=10)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == n.text
+    first, second = sorted((n.d0, n.d1), key=lambda d: len(d.finished))
+    assert len(first.requests) == 1 and first.finished == []  # the refusing node
+    assert len(second.requests) == 1 and len(second.finished) == 1
+    assert first.requests[0].request_id == second.requests[0].request_id
+    # A full node stays routable for other requests; an unreachable one is avoided at once.
+    healthy = {s.info.node_id for s in n.app.state.proxy.view.snapshot() if s.healthy}
+    assert (first.node_id in healthy) == (code == grpc.StatusCode.RESOURCE_EXHAUSTED)
+
+
+def test_when_every_decode_node_is_full_the_client_gets_503_and_the_kv_is_freed(n: Nodes) -> None:
+    for d in (n.d0, n.d1):
+        d.refuse, d.refusals = grpc.StatusCode.RESOURCE_EXHAUSTED, [5]
+    r = httpx.post(f"{n.url}/v1/completions", json=BODY, timeout=10)
+    assert r.status_code == 503 and r.json()["error"]["code"] == "overloaded", r.text
+    assert len(n.d0.requests) + len(n.d1.requests) == 2  # the first choice and one move, no more
+    rid = n.p0.requests[0].request_id
+    assert wait_until(lambda: rid in n.p0.aborts)
