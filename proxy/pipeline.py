@@ -274,8 +274,9 @@ class Generation:
                 gone = e.code() == grpc.StatusCode.UNAVAILABLE
                 if gone:
                     self._p.unreachable(self.route.decode.node_id)
-                other = self._p.other_decode(self.request, self.route, gone) if self._events == 0 else None
-                if other is None or self._decode_attempts >= DECODE_ATTEMPTS:
+                movable = self._events == 0 and self._decode_attempts < DECODE_ATTEMPTS
+                other = self._p.other_decode(self.request, self.route, gone) if movable else None
+                if other is None:
                     raise GenerationError(rpc_error("decode", e)) from None
                 log.warning("decode of %s on %s rank %d failed (%s: %s); moving it to %s rank %d",
                             self.request.request_id, self.route.decode.node_id, self.route.decode.dp_rank,

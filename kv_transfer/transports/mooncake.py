@@ -12,16 +12,16 @@ A failed batch is submitted again (``RETRIES`` times, within the timeout) before
 this engine's TCP lanes fail transfers for passing reasons (a lane whose idle socket the peer
 closed fails its next transfer, then reconnects; a lane queue that stays full past the admission
 timeout rejects slices), and copying the same bytes again is harmless. The lane limits get roomier
-defaults than the engine's own (``TCP_LANE_DEFAULTS``; environment variables set by the user win).
+defaults than the engine's own (``cluster.envs.MOONCAKE_TCP_DEFAULTS``; the user's settings win).
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import time
 from typing import Any
 
+from cluster import envs
 from kv_transfer.layout import CacheLayout
 from kv_transfer.transport import Segment, TransferError, Transport
 
@@ -32,14 +32,6 @@ _PENDING, _DONE = 1, 0
 MAX_BATCH = 512
 MAX_IN_FLIGHT = 1024
 RETRIES = 2  # further submissions of a failed batch
-# The engine's defaults are 1,024 queued and 1,024 pending transfers per peer and a 1 s wait for
-# room in a lane's queue: a peer slowed for a second (a busy host) then fails transfers outright.
-# Our own deadline (the caller's timeout) is what should end a slow transfer.
-TCP_LANE_DEFAULTS = {
-    "MC_TCP_ADMISSION_TIMEOUT_MS": "30000",
-    "MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER": "8192",
-    "MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER": "8192",
-}
 
 log = logging.getLogger("pdcluster.transfer")
 
@@ -58,8 +50,7 @@ def _engine_class() -> Any:
 
 class MooncakeTransport(Transport):
     def __init__(self, host: str = "127.0.0.1", protocol: str = "tcp", device: str = "") -> None:
-        for name, value in TCP_LANE_DEFAULTS.items():  # read by the engine's TCP transport at start
-            os.environ.setdefault(name, value)
+        envs.set_mooncake_tcp_defaults()  # read by the engine's TCP transport as it starts
         self._engine = _engine_class()()
         rc = self._engine.initialize(host, "P2PHANDSHAKE", protocol, device)
         if rc != 0:
@@ -98,6 +89,8 @@ class MooncakeTransport(Transport):
                 if status == _PENDING:
                     continue
                 del pending[batch]
+                # A failed batch may still have slices in the engine, so a resubmission can briefly
+                # put up to MAX_IN_FLIGHT + MAX_BATCH segments in flight: still under ~2,048.
                 in_flight -= len(part)
                 pause = 5e-5
                 if status == _DONE:

@@ -40,8 +40,10 @@ def cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory,
         yield Cluster(state.proxy_url, run_dir, tiny_model, admin)
     finally:
         admin.close()
-        down(run_dir, grace_s=10)
-        cluster_run_dirs.remove(run_dir)
+        try:
+            down(run_dir, grace_s=10)
+        finally:
+            cluster_run_dirs.remove(run_dir)
     left = [p for p in psutil.Process().children(recursive=True) if p.pid not in before and p.is_running()
             and p.status() != psutil.STATUS_ZOMBIE]
     for p in left:

@@ -3,6 +3,8 @@
 One proxy and fake nodes (one prefill node, two decode nodes): a decode node that is full
 (RESOURCE_EXHAUSTED) or unreachable (UNAVAILABLE) before it sends anything costs the client nothing
 while another decode rank can take the request; the prefill node's KV is released either way.
+``d1`` publishes 5 running requests, so the router prefers ``d0`` until ``d0`` refuses this request
+(even counting the request on ``d0``).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import pytest
 from proxy_fakes import FakeDecode, FakeNodes, FakePrefill, ProxyServer, Script, node_state, wait_until
 
 from cluster.config import ProxyConfig
+from cluster.nodes import ReplicaLoad
 from engine.tokenizer import Tokenizer
 from proxy.app import create_app
 from proxy.discovery import StaticNodeSource
@@ -46,7 +49,8 @@ def nodes(tiny_model: Path) -> Iterator[Nodes]:
         source = StaticNodeSource([
             node_state("p0", "prefill", fakes.serve(p0), model=MODEL, max_model_len=512),
             node_state("d0", "decode", fakes.serve(d0), model=MODEL, max_model_len=512),
-            node_state("d1", "decode", fakes.serve(d1), model=MODEL, max_model_len=512),
+            node_state("d1", "decode", fakes.serve(d1), model=MODEL, max_model_len=512,
+                       replicas=(ReplicaLoad(dp_rank=0, running=5, free_blocks=1000),)),
         ])
         config = ProxyConfig(model=str(tiny_model), served_model_name=MODEL, prefill_timeout_s=2.0,
                              token_timeout_s=2.0)
@@ -72,26 +76,18 @@ def n(nodes: Nodes) -> Iterator[Nodes]:
     assert wait_until(lambda: not nodes.p0.held, 3), "prefill KV left held"
 
 
-def _refuse_once(n: Nodes, code: grpc.StatusCode) -> None:
-    """Whichever decode node the request goes to first answers ``code``; the next one serves it."""
-    shared = [1]
-    for d in (n.d0, n.d1):
-        d.refuse, d.refusals = code, shared
-
-
 @pytest.mark.parametrize("code", [grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE])
 def test_a_refused_decode_leg_moves_to_the_other_decode_node(n: Nodes, code: grpc.StatusCode) -> None:
-    _refuse_once(n, code)
+    n.d0.refuse, n.d0.refusals = code, [1]
     r = httpx.post(f"{n.url}/v1/completions", json=BODY, timeout=10)
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["text"] == n.text
-    first, second = sorted((n.d0, n.d1), key=lambda d: len(d.finished))
-    assert len(first.requests) == 1 and first.finished == []  # the refusing node
-    assert len(second.requests) == 1 and len(second.finished) == 1
-    assert first.requests[0].request_id == second.requests[0].request_id
+    assert len(n.d0.requests) == 1 and n.d0.finished == []  # refused
+    assert len(n.d1.requests) == 1 and len(n.d1.finished) == 1
+    assert n.d0.requests[0].request_id == n.d1.requests[0].request_id
     # A full node stays routable for other requests; an unreachable one is avoided at once.
     healthy = {s.info.node_id for s in n.app.state.proxy.view.snapshot() if s.healthy}
-    assert (first.node_id in healthy) == (code == grpc.StatusCode.RESOURCE_EXHAUSTED)
+    assert ("d0" in healthy) == (code == grpc.StatusCode.RESOURCE_EXHAUSTED)
 
 
 def test_when_every_decode_node_is_full_the_client_gets_503_and_the_kv_is_freed(n: Nodes) -> None:

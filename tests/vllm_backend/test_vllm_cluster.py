@@ -47,8 +47,10 @@ def proxy_url(mla_model: Path, tmp_path_factory: pytest.TempPathFactory,
     try:
         yield state.proxy_url
     finally:
-        down(run_dir, grace_s=10)
-        cluster_run_dirs.remove(run_dir)
+        try:
+            down(run_dir, grace_s=10)
+        finally:
+            cluster_run_dirs.remove(run_dir)
     left = [p for p in psutil.Process().children(recursive=True) if p.pid not in before and p.is_running()
             and p.status() != psutil.STATUS_ZOMBIE]
     assert not left, f"processes left after down: {[(p.pid, p.name()) for p in left]}"
