@@ -21,7 +21,8 @@ import asyncio
 import math
 import threading
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterator
+from contextlib import contextmanager
 from typing import Any, TypeVar
 
 import grpc
@@ -31,6 +32,7 @@ from cluster.net import free_port
 from cluster.nodes import NodeInfo, NodeState, ReplicaLoad
 from cluster.proto_gen import pdcluster_v1_pb2 as pb
 from cluster.proto_gen import pdcluster_v1_pb2_grpc as pb_grpc
+from proxy.app import create_app
 
 T = TypeVar("T")
 
@@ -240,6 +242,18 @@ class ProxyServer:
     def stop(self) -> None:
         self._server.should_exit = True
         self._thread.join(timeout=10)
+
+
+@contextmanager
+def running_proxy(config: Any, tokenizer: Any, source: Any) -> Iterator[tuple[str, Any]]:
+    """The proxy app over ``source``'s nodes, served in a thread: (its URL, the app)."""
+    app = create_app(config, tokenizer, source, max_model_len=4096)
+    server = ProxyServer(app)
+    server.start()
+    try:
+        yield server.url, app
+    finally:
+        server.stop()
 
 
 def wait_until(predicate: Callable[[], bool], timeout_s: float = 5.0) -> bool:

@@ -16,12 +16,11 @@ from pathlib import Path
 import grpc
 import httpx
 import pytest
-from proxy_fakes import FakeDecode, FakeNodes, FakePrefill, ProxyServer, Script, node_state, wait_until
+from proxy_fakes import FakeDecode, FakeNodes, FakePrefill, Script, node_state, running_proxy, wait_until
 
 from cluster.config import ProxyConfig
 from cluster.nodes import ReplicaLoad
 from engine.tokenizer import Tokenizer
-from proxy.app import create_app
 from proxy.discovery import StaticNodeSource
 
 MODEL = "tiny-test"
@@ -54,13 +53,8 @@ def nodes(tiny_model: Path) -> Iterator[Nodes]:
         ])
         config = ProxyConfig(model=str(tiny_model), served_model_name=MODEL, prefill_timeout_s=2.0,
                              token_timeout_s=2.0)
-        app = create_app(config, tok, source, max_model_len=4096)
-        server = ProxyServer(app)
-        server.start()
-        try:
-            yield Nodes(server.url, tok.decode([script.token_at(i) for i in range(6)]), p0, d0, d1, app)
-        finally:
-            server.stop()
+        with running_proxy(config, tok, source) as (url, app):
+            yield Nodes(url, tok.decode([script.token_at(i) for i in range(6)]), p0, d0, d1, app)
     finally:
         fakes.stop()
 

@@ -17,11 +17,10 @@ import grpc
 import httpx
 import openai
 import pytest
-from proxy_fakes import FakeDecode, FakeNodes, FakePrefill, ProxyServer, Script, node_state, wait_until
+from proxy_fakes import FakeDecode, FakeNodes, FakePrefill, Script, node_state, running_proxy, wait_until
 
 from cluster.config import ProxyConfig
 from engine.tokenizer import Tokenizer
-from proxy.app import create_app
 from proxy.discovery import StaticNodeSource
 
 MODEL = "tiny-test"
@@ -76,13 +75,8 @@ def cluster(tiny_model: Path) -> Iterator[Cluster]:
         ])
         config = ProxyConfig(model=str(tiny_model), served_model_name=MODEL, api_key=API_KEY, admin_key=ADMIN_KEY,
                              prefill_timeout_s=1.0, token_timeout_s=0.5)
-        app = create_app(config, tok, source, max_model_len=4096)
-        server = ProxyServer(app)
-        server.start()
-        try:
-            yield Cluster(server.url, tok, script, p0, p1, d0, source, app)
-        finally:
-            server.stop()
+        with running_proxy(config, tok, source) as (url, app):
+            yield Cluster(url, tok, script, p0, p1, d0, source, app)
     finally:
         fakes.stop()
 
