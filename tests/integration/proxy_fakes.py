@@ -256,6 +256,20 @@ def running_proxy(config: Any, tokenizer: Any, source: Any) -> Iterator[tuple[st
         server.stop()
 
 
+@contextmanager
+def settled(app: Any, prefills: list[FakePrefill], decodes: list[FakeDecode]) -> Iterator[None]:
+    """Around one test: fresh fakes and no unreachable marks before; after, whatever the test did,
+    nothing in flight in the proxy and no KV held on the fake prefill nodes."""
+    for fake in (*prefills, *decodes):
+        fake.reset()
+    app.state.proxy.view.clear_unreachable()  # a fake that failed in the last test is back
+    yield
+    load = app.state.proxy.router.load
+    ids = [f.node_id for f in (*prefills, *decodes)]
+    assert wait_until(lambda: all(load.requests(i) == 0 for i in ids), 3)
+    assert wait_until(lambda: not any(f.held for f in prefills), 3), "prefill KV left held"
+
+
 def wait_until(predicate: Callable[[], bool], timeout_s: float = 5.0) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

@@ -16,7 +16,16 @@ from pathlib import Path
 import grpc
 import httpx
 import pytest
-from proxy_fakes import FakeDecode, FakeNodes, FakePrefill, Script, node_state, running_proxy, wait_until
+from proxy_fakes import (
+    FakeDecode,
+    FakeNodes,
+    FakePrefill,
+    Script,
+    node_state,
+    running_proxy,
+    settled,
+    wait_until,
+)
 
 from cluster.config import ProxyConfig
 from cluster.nodes import ReplicaLoad
@@ -61,13 +70,8 @@ def nodes(tiny_model: Path) -> Iterator[Nodes]:
 
 @pytest.fixture
 def n(nodes: Nodes) -> Iterator[Nodes]:
-    for fake in (nodes.p0, nodes.d0, nodes.d1):
-        fake.reset()
-    nodes.app.state.proxy.view.clear_unreachable()
-    yield nodes
-    load = nodes.app.state.proxy.router.load
-    assert wait_until(lambda: all(load.requests(x) == 0 for x in ("p0", "d0", "d1")), 3)
-    assert wait_until(lambda: not nodes.p0.held, 3), "prefill KV left held"
+    with settled(nodes.app, [nodes.p0], [nodes.d0, nodes.d1]):
+        yield nodes
 
 
 @pytest.mark.parametrize("code", [grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE])

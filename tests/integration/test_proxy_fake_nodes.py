@@ -17,7 +17,16 @@ import grpc
 import httpx
 import openai
 import pytest
-from proxy_fakes import FakeDecode, FakeNodes, FakePrefill, Script, node_state, running_proxy, wait_until
+from proxy_fakes import (
+    FakeDecode,
+    FakeNodes,
+    FakePrefill,
+    Script,
+    node_state,
+    running_proxy,
+    settled,
+    wait_until,
+)
 
 from cluster.config import ProxyConfig
 from engine.tokenizer import Tokenizer
@@ -83,16 +92,10 @@ def cluster(tiny_model: Path) -> Iterator[Cluster]:
 
 @pytest.fixture
 def c(cluster: Cluster) -> Iterator[Cluster]:
-    for fake in (cluster.p0, cluster.p1, cluster.d0):
-        fake.reset()
     for node_id in ("p0", "p1", "d0"):
         cluster.source.set_draining(node_id, False)
-    cluster.app.state.proxy.view.clear_unreachable()  # a fake that failed in the last test is back
-    yield cluster
-    # Whatever a test did, the proxy must end with nothing in flight and nothing held on the fakes.
-    load = cluster.app.state.proxy.router.load
-    assert wait_until(lambda: all(load.requests(n) == 0 for n in ("p0", "p1", "d0")), 3)
-    assert wait_until(lambda: not cluster.p0.held and not cluster.p1.held, 3), "prefill KV left held"
+    with settled(cluster.app, cluster.prefills, [cluster.d0]):
+        yield cluster
 
 
 def sse_events(response: httpx.Response) -> list[str]:
