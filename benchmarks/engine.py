@@ -102,7 +102,7 @@ def main() -> None:
 
     tmp = Path(tempfile.mkdtemp(prefix="pdbench-"))
     if args.preset == "tiny":
-        from engine.tiny_model import make_tiny_model
+        from pdctl.tiny_model import make_tiny_model
 
         model_dir = make_tiny_model(tmp / "tiny", arch="v2", moe=True, seed=0)
         kw = dict(dtype="float32", max_model_len=4096, max_num_batched_tokens=4096, load_format="auto")

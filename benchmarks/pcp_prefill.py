@@ -81,7 +81,7 @@ def main() -> None:
 
     tmp = Path(tempfile.mkdtemp(prefix="pdbench-"))
     if args.preset == "tiny":
-        from engine.tiny_model import make_tiny_model
+        from pdctl.tiny_model import make_tiny_model
 
         n = args.tokens or 2048
         model_dir = make_tiny_model(tmp / "tiny", arch="v2", moe=True, seed=0)

@@ -37,9 +37,9 @@ sys.path.insert(0, str(ROOT / "tests" / "vllm_backend"))
 import openai  # noqa: E402
 from vllm_common import PROMPTS  # noqa: E402
 
-from cluster.launcher import down, up  # noqa: E402
-from cluster.topology import DecodeSpec, PrefillSpec, ProxySpec, RegistrySpec, Topology  # noqa: E402
-from engine.tiny_model import make_tiny_model  # noqa: E402
+from pdctl.launcher import down, up  # noqa: E402
+from pdctl.tiny_model import make_tiny_model  # noqa: E402
+from pdctl.topology import DecodeSpec, PrefillSpec, ProxySpec, RegistrySpec, Topology  # noqa: E402
 
 NODE = dict(dtype="float32", max_model_len=256)
 SLOW_PULL = re.compile(r"PdKVConnector: \S+: (\d+) bytes from \d+ sources in ([\d.]+)s")

@@ -51,7 +51,7 @@ class NodeConfig:
     lease_s: float = 30.0  # prefill: how long finished prefills keep their KV for the decode side
     transfer_timeout_s: float = 30.0  # decode: the longest a KV pull may take
     grace_s: float = 30.0  # on SIGTERM: how long in-flight requests may run before they are aborted
-    engine_backend: str = "native"  # "native" (engine/) or "vllm" (an in-process vLLM engine, cluster.vllm_engine)
+    engine_backend: str = "native"  # "native" (engine/) or "vllm" (an in-process vLLM engine, vllm_backend.engine)
     # vLLM nodes only (the native engine has neither): tensor parallel and decode context parallel
     # sizes of the node's vLLM engine (vLLM's MLA cache is replicated across TP, sharded across DCP).
     tp: int = 1

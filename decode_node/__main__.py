@@ -6,16 +6,17 @@ through Mooncake, serves ``DecodeService`` over gRPC and joins the Redis registr
 
 from __future__ import annotations
 
-from cluster import node_cli, node_runtime
 from cluster.proto_gen import pdcluster_v1_pb2_grpc as pb_grpc
 from decode_node.service import DecodeService
 from decode_node.worker import DecodeWorker
+from node_runtime import cli as node_cli
+from node_runtime import server as node_runtime
 
 
 async def main() -> int:
     config, served = node_cli.parse("decode")
     if config.engine_backend == "vllm":  # imported only here: vLLM is optional
-        from decode_node import vllm_worker
+        from vllm_backend import decode as vllm_worker
 
         return await vllm_worker.main(config, served)
     worker = DecodeWorker(config, node_runtime.transfer_host(config))

@@ -8,13 +8,13 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from cluster.node_runtime import NodeState
 from cluster.proto_gen import pdcluster_v1_pb2 as pb
 from cluster.proto_gen import pdcluster_v1_pb2_grpc as pb_grpc
 from cluster.wire import sampling_from_pb
 from decode_node.worker import DecodeJob, DecodeWorker, KVLost, NodeStopping
 from kv_transfer.handle import from_handle
 from kv_transfer.transport import TransferError
+from node_runtime.server import NodeState
 
 log = logging.getLogger("pdcluster.decode")
 

@@ -12,10 +12,11 @@ Request lifecycle (SGLang-style queues, one replica):
 3. **Run**: every step's new tokens go to the request's stream; the last event has the finish
    reason. Aborts (client gone, node stopping) free the blocks between steps.
 
-A pull that fails keeps its blocks allocated for one more timeout period (quarantine) before they
-are reused: Mooncake cannot cancel a batch, so after a timeout, or when one source failed while
-batches to the others were in flight, late bytes may still land. The pull's time limit counts from
-the request's arrival and is at most half of the prefill node's lease.
+The receiver side of the KV hand-off (pull limit, confirmation, ``KVLost``) is
+``kv_transfer.handoff``. A pull that fails keeps its blocks allocated for one more timeout period
+(quarantine) before they are reused: Mooncake cannot cancel a batch, so after a timeout, or when
+one source failed while batches to the others were in flight, late bytes may still land. Each
+replica's engine thread is a ``node_runtime.engine_loop.EngineLoop`` with the messages below.
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import queue
 import threading
 import time
 from collections.abc import Callable
@@ -42,16 +42,11 @@ from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
 from kv_transfer.handle import KVSource
-from kv_transfer.layout import describe_cache
-from kv_transfer.receiver import Receiver, TransferStats
-from kv_transfer.transport import TransferError, Transport
+from kv_transfer.handoff import KVLost, KVReceiver, TransferStats
+from kv_transfer.transport import TransferError, Transport, register_cache
+from node_runtime.engine_loop import EngineLoop
 
 log = logging.getLogger("pdcluster.decode")
-LEASE_SHARE = 0.5  # a pull may take at most this share of the prefill node's lease
-
-
-class KVLost(RuntimeError):
-    """The prefill node no longer held the request's blocks when the pull was confirmed."""
 
 
 class NodeStopping(RuntimeError):
@@ -78,69 +73,78 @@ class DecodeJob:
         self.loop.call_soon_threadsafe(self.events.put_nowait, item)
 
 
-class Replica:
+# -- a replica's engine-thread messages ------------------------------------------------------------
+@dataclass(frozen=True)
+class Start:
+    job: DecodeJob
+
+
+@dataclass(frozen=True)
+class Pulled:
+    """A pull ended (from a transfer thread): the block table, or why it failed."""
+
+    job: DecodeJob
+    table: list[int] | None
+    error: BaseException | None
+
+
+@dataclass(frozen=True)
+class Abort:
+    request_id: str
+
+
+@dataclass(frozen=True)
+class AbortAll:
+    why: str
+
+
+class Replica(EngineLoop):
     """One DP replica: an engine on its own thread (and device), and its pulls."""
 
     def __init__(self, index: int, config: EngineConfig, transport: Transport, stats: TransferStats,
                  timeout_s: float, pool: ThreadPoolExecutor, worker: DecodeWorker) -> None:
+        super().__init__(f"decode-engine-{index}")
         self.index = index
         self.engine = LLMEngine(config)
-        dest = describe_cache(transport.endpoint, self.engine.executor.cache.layers)
-        transport.register(dest)
-        self.receiver = Receiver(transport, dest, timeout_s=timeout_s, stats=stats)
+        dest = register_cache(transport, self.engine.executor.cache.layers)
+        self.receiver = KVReceiver(transport, dest, timeout_s=timeout_s, stats=stats)
         self.timeout_s = timeout_s
         self.pool = pool
         self.worker = worker
         self.jobs: dict[str, DecodeJob] = {}  # transferring or running
         self.quarantine: list[tuple[float, str]] = []  # (free after, request id)
-        self.inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
-        self.wake = threading.Event()
-        self.stop = False
         self.load = ReplicaLoad(dp_rank=index, free_blocks=self.engine.scheduler.allocator.num_free)
-        self.thread = threading.Thread(target=self._run, name=f"decode-engine-{index}", daemon=True)
-        self.thread.start()
-
-    def send(self, kind: str, arg: Any) -> None:
-        self.inbox.put((kind, arg))
-        self.wake.set()
+        self.start()
 
     # -- the engine thread ---------------------------------------------------------------------
-    def _run(self) -> None:
-        try:
-            while not self.stop:
-                self._handle_inbox()
-                self._free_quarantined()
-                scheduled = 0
-                if self.engine.has_unfinished():
-                    scheduled = self.engine.launch_step()
-                    self.engine.finish_step()
-                    self._emit_tokens()
-                self._publish_load()
-                if not scheduled:  # idle, or waiting for blocks held by pulls or in quarantine
-                    self.wake.wait(0.05)
-                    self.wake.clear()
-        except BaseException as e:
-            log.exception("decode replica %d failed", self.index)
-            self.worker.fail(f"replica {self.index}: {type(e).__name__}: {e}")
-            for job in self.jobs.values():
-                job.emit(RuntimeError("the decode engine failed"))
-            self.jobs.clear()
-
-    def _handle_inbox(self) -> None:
-        while True:
-            try:
-                kind, arg = self.inbox.get_nowait()
-            except queue.Empty:
-                return
-            if kind == "start":
-                self._start(arg)
-            elif kind == "pulled":
-                self._admit(*arg)
-            elif kind == "abort":
-                self._abort(arg)
-            elif kind == "abort_all":
+    def handle(self, message: object) -> None:
+        match message:
+            case Start(job):
+                self._start(job)
+            case Pulled(job, table, error):
+                self._admit(job, table, error)
+            case Abort(rid):
+                self._abort(rid)
+            case AbortAll(why):
                 for rid in list(self.jobs):
-                    self._abort(rid, NodeStopping(f"request {rid} aborted: {arg}"))
+                    self._abort(rid, NodeStopping(f"request {rid} aborted: {why}"))
+            case _:
+                raise TypeError(f"unknown message {message!r}")
+
+    def step(self) -> int:
+        self._free_quarantined()
+        if not self.engine.has_unfinished():
+            return 0
+        scheduled = self.engine.launch_step()
+        self.engine.finish_step()
+        self._emit_tokens()
+        return scheduled
+
+    def on_failure(self, error: BaseException) -> None:
+        self.worker.fail(f"replica {self.index}: {type(error).__name__}: {error}")
+        for job in self.jobs.values():
+            job.emit(RuntimeError("the decode engine failed"))
+        self.jobs.clear()
 
     def _start(self, job: DecodeJob) -> None:
         try:
@@ -155,20 +159,15 @@ class Replica:
 
         def pull() -> None:
             try:
-                # The prefill node frees the blocks when its lease runs out, even mid-pull; the pull
-                # must end well before that, counting from the request's arrival here.
-                limit = None
-                if source.lease_s > 0:
-                    limit = LEASE_SHARE * source.lease_s - (time.monotonic() - job.t_submit)
-                    if limit <= 0:
-                        raise TransferError("timeout", "the prefill node's lease ran out before the pull started")
+                # The prefill node frees the blocks when its lease runs out, even mid-pull.
+                limit = self.receiver.limit(source.lease_s, job.t_submit)
                 table = self.receiver.fill(job.request_id, source.request, source.layouts, limit)(blocks)
                 if not self.worker.confirm(source.prefill_address, job.request_id):
                     raise KVLost(f"{source.prefill_node_id} no longer held the KV of {job.request_id} "
                                  "(lease expired or aborted during the pull)")
-                self.send("pulled", (job, table, None))
+                self.send(Pulled(job, table, None))
             except BaseException as e:
-                self.send("pulled", (job, None, e))
+                self.send(Pulled(job, None, e))
 
         self.pool.submit(pull)
 
@@ -244,7 +243,7 @@ class Replica:
                 keep.append((until, rid))
         self.quarantine = keep
 
-    def _publish_load(self) -> None:
+    def publish(self) -> None:
         s = self.engine.scheduler
         self.load = ReplicaLoad(dp_rank=self.index, waiting=len(s.waiting), running=len(s.running),
                                 used_blocks=self.engine.num_used_blocks, free_blocks=s.allocator.num_free)
@@ -258,7 +257,7 @@ class DecodeWorker:
         """``confirm(prefill_address, request_id)``: the Release call after a pull (default: gRPC)."""
         self.config = config
         if confirm is None:
-            from decode_node.confirm import PrefillConfirmer
+            from node_runtime.confirm import PrefillConfirmer
 
             confirm = PrefillConfirmer()
         self.confirm = confirm
@@ -291,7 +290,7 @@ class DecodeWorker:
 
     def submit(self, job: DecodeJob, dp_rank: int) -> None:
         d = dp_rank if dp_rank >= 0 else min(range(len(self.replicas)), key=self._cost)
-        self.replicas[d].send("start", job)
+        self.replicas[d].send(Start(job))
 
     def _cost(self, d: int) -> tuple[int, int, int]:
         r = self.replicas[d].load
@@ -299,7 +298,7 @@ class DecodeWorker:
 
     def abort(self, request_id: str) -> None:
         for r in self.replicas:
-            r.send("abort", request_id)
+            r.send(Abort(request_id))
 
     def fail(self, why: str) -> None:
         self.failure = why
@@ -313,7 +312,7 @@ class DecodeWorker:
 
     def abort_all(self, why: str) -> None:
         for r in self.replicas:
-            r.send("abort_all", why)
+            r.send(AbortAll(why))
 
     def stats_pb(self) -> tuple[list[pb.ReplicaStats], pb.TransferTotals]:
         reps = [pb.ReplicaStats(dp_rank=r.load.dp_rank, waiting=r.load.waiting, running=r.load.running,
@@ -323,10 +322,7 @@ class DecodeWorker:
 
     def shutdown(self) -> None:
         for r in self.replicas:
-            r.stop = True
-            r.wake.set()
-        for r in self.replicas:
-            r.thread.join(timeout=30)
+            r.stop()
         self.pool.shutdown(wait=True, cancel_futures=True)
         self.transport.close()
         close = getattr(self.confirm, "close", None)

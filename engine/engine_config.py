@@ -42,9 +42,6 @@ class EngineConfig:
     dist_host: str = "127.0.0.1"  # torch.distributed rendezvous of the rank processes
     dist_port: int | None = None  # default: a free port
     rank_timeout_s: float = 600.0  # longest wait for a rank's answer (startup, one step) before failing
-    # "mooncake": each rank process registers its KV cache with a Mooncake Transfer Engine (endpoint
-    # on dist_host), so kv_transfer can read its blocks; None: no transport.
-    kv_transport: str | None = None
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:
@@ -65,8 +62,6 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.cpu_threads <= 0:
             raise ValueError(f"cpu_threads must be > 0, got {self.cpu_threads}")
-        if self.kv_transport not in (None, "mooncake"):
-            raise ValueError(f"kv_transport must be None or 'mooncake', got {self.kv_transport!r}")
         if self.rank_timeout_s <= 0:
             raise ValueError(f"rank_timeout_s must be > 0, got {self.rank_timeout_s}")
         self.parallel().interleave(self.block_size)  # validates the topology and the interleave

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from engine.cache_export import CacheExporter
 from engine.config import ModelConfig
 from engine.engine_config import EngineConfig
 from engine.llm_engine import LLMEngine, resolve_max_model_len
@@ -61,26 +62,34 @@ class LLM:
         LLM(model=DIR, pcp=2, pp=2, dp=1, kv_layout="sharded")
     """
 
-    def __init__(self, model: str, **kwargs: Any) -> None:
-        self._start(EngineConfig(model=model, **kwargs))
+    def __init__(self, model: str, cache_exporter: CacheExporter | None = None, **kwargs: Any) -> None:
+        """``cache_exporter``: registers every rank's KV cache with a node's transport (see
+        ``engine.cache_export``); its answers are ``cache_exports`` (rank -> answer)."""
+        self._start(EngineConfig(model=model, **kwargs), cache_exporter)
 
     @classmethod
-    def from_config(cls, config: EngineConfig) -> LLM:
+    def from_config(cls, config: EngineConfig, cache_exporter: CacheExporter | None = None) -> LLM:
         llm = cls.__new__(cls)
-        llm._start(config)
+        llm._start(config, cache_exporter)
         return llm
 
-    def _start(self, config: EngineConfig) -> None:
+    def _start(self, config: EngineConfig, exporter: CacheExporter | None) -> None:
         par = config.parallel()
         self.node: ParallelNode | None = None
+        self._exporter: CacheExporter | None = None  # the in-process cache's, closed at shutdown
+        self.cache_exports: dict[int, object] = {}
         if par.world_size == 1:
             self.engines = [LLMEngine(config)]
+            if exporter is not None:
+                self.cache_exports = {0: exporter.export(self.engines[0].executor.cache.layers)}
+                self._exporter = exporter
         else:
             mc = ModelConfig.from_pretrained(config.model)
             # The driver only schedules and samples on the host: small tensors, for which torch's
             # OpenMP pool costs more in wake-ups than it saves (measured: plan building 5x slower).
             torch.set_num_threads(config.cpu_threads)
-            self.node = ParallelNode(config, resolve_max_model_len(config, mc))
+            self.node = ParallelNode(config, resolve_max_model_len(config, mc), exporter)
+            self.cache_exports = dict(self.node.cache_exports)
             try:
                 self.engines = [LLMEngine(config, self.node.replica(d)) for d in range(par.dp)]
             except BaseException:
@@ -157,6 +166,10 @@ class LLM:
         if node is not None:
             node.shutdown()
             self.node = None
+        exporter = getattr(self, "_exporter", None)
+        if exporter is not None:
+            exporter.close()
+            self._exporter = None
         if getattr(self, "engine", None) is not None:
             del self.engine
             self.engines = []

@@ -1,9 +1,11 @@
 """The transport interface: registered memory, and batches of byte copies to or from a peer.
 
-A transport instance belongs to one rank. It registers the rank's cache regions, then reads from
-(or writes to) registered memory of a peer named by its endpoint. Implementations:
-``transports.fake`` (in-process, with fault injection, for tests) and Mooncake Transfer Engine
-(next). Every batch has a timeout; failures raise ``TransferError`` with a cause for metrics.
+A transport instance belongs to one process. It registers that process's cache regions, then reads
+from registered memory of a peer named by its endpoint (the decode side pulls; nothing pushes).
+Implementations: ``transports.fake`` (in-process, with fault injection, for tests) and
+``transports.mooncake``. Every batch has a timeout; failures raise ``TransferError`` with a cause
+for metrics. ``register_cache`` is how a node (or a rank, through ``engine.cache_export``) makes a
+live cache readable.
 """
 
 from __future__ import annotations
@@ -12,7 +14,9 @@ import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
-from kv_transfer.layout import CacheLayout
+import torch
+
+from kv_transfer.layout import CacheLayout, describe_cache
 
 CAUSES = ("timeout", "peer_gone", "not_registered", "refused")
 
@@ -45,10 +49,6 @@ class Transport(ABC):
     def read(self, peer: str, segments: list[Segment], timeout_s: float) -> None:
         """Copy each remote range of ``peer`` into the local range; all or raise TransferError."""
 
-    @abstractmethod
-    def write(self, peer: str, segments: list[Segment], timeout_s: float) -> None:
-        """Copy each local range into the remote range of ``peer``; all or raise TransferError."""
-
     def read_all(self, batches: dict[str, list[Segment]], timeout_s: float) -> None:
         """Reads from several peers (one request's fan-in), all within ``timeout_s``.
 
@@ -61,3 +61,11 @@ class Transport(ABC):
     @abstractmethod
     def close(self) -> None:
         """Unregister everything; peers see this endpoint as gone."""
+
+
+def register_cache(transport: Transport, layers: dict[int, torch.Tensor]) -> CacheLayout:
+    """Register a live cache (global layer index -> [num_blocks, block_size, L + R]) with
+    ``transport``; returns its layout, which goes into KV handles."""
+    layout = describe_cache(transport.endpoint, layers)
+    transport.register(layout)
+    return layout

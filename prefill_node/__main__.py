@@ -6,8 +6,9 @@ over gRPC and joins the Redis registry. Flags: ``--help`` (defaults from ``clust
 
 from __future__ import annotations
 
-from cluster import node_cli, node_runtime
 from cluster.proto_gen import pdcluster_v1_pb2_grpc as pb_grpc
+from node_runtime import cli as node_cli
+from node_runtime import server as node_runtime
 from prefill_node.service import PrefillService
 from prefill_node.worker import PrefillWorker
 
@@ -15,7 +16,7 @@ from prefill_node.worker import PrefillWorker
 async def main() -> int:
     config, served = node_cli.parse("prefill")
     if config.engine_backend == "vllm":  # imported only here: vLLM is optional
-        from prefill_node import vllm_worker
+        from vllm_backend import prefill as vllm_worker
 
         return await vllm_worker.main(config, served)
     worker = PrefillWorker(config, node_runtime.transfer_host(config))

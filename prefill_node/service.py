@@ -8,10 +8,10 @@ from collections.abc import Callable
 
 import grpc
 
-from cluster.node_runtime import NodeState
 from cluster.proto_gen import pdcluster_v1_pb2 as pb
 from cluster.proto_gen import pdcluster_v1_pb2_grpc as pb_grpc
 from cluster.wire import sampling_from_pb
+from node_runtime.server import NodeState
 from prefill_node.worker import Aborted, NodeFailed, PrefillJob, PrefillWorker
 
 log = logging.getLogger("pdcluster.prefill")

@@ -11,7 +11,8 @@ Request lifecycle here:
    and where each rank's registered cache is.
 3. ``release`` (the decode side has the KV), ``abort``, or the lease running out frees them.
 
-Every engine call happens on the engine thread; other threads talk to it through the inbox.
+Every engine call happens on the engine thread (``node_runtime.engine_loop``); other threads send
+it the messages below. The sender side of the KV hand-off is ``kv_transfer.handoff.KVSender``.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ import asyncio
 import dataclasses
 import logging
 import math
-import queue
 import threading
 import time
 from collections.abc import Callable
@@ -36,8 +36,10 @@ from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
 from kv_transfer.handle import to_handle
-from kv_transfer.layout import CacheLayout, describe_cache
-from kv_transfer.lease import LeaseTable
+from kv_transfer.handoff import KVSender
+from kv_transfer.layout import CacheLayout
+from kv_transfer.transports.mooncake import MooncakeExporter
+from node_runtime.engine_loop import EngineLoop
 
 log = logging.getLogger("pdcluster.prefill")
 
@@ -75,57 +77,62 @@ class PrefillJob:
         self.loop.call_soon_threadsafe(set_)
 
 
-class PrefillWorker:
+# -- the engine thread's messages ------------------------------------------------------------------
+@dataclass(frozen=True)
+class Submit:
+    job: PrefillJob
+
+
+@dataclass(frozen=True)
+class Abort:
+    request_id: str
+    done: Callable[[bool], None] | None  # done(found), once the blocks are free
+
+
+@dataclass(frozen=True)
+class Release:
+    request_id: str
+    done: Callable[[bool], None]  # done(found): False when the lease had already ended
+
+
+@dataclass(frozen=True)
+class AbortAll:
+    why: str
+
+
+class PrefillWorker(EngineLoop):
     def __init__(self, config: NodeConfig, transfer_host: str) -> None:
+        super().__init__("prefill-engine")
         self.config = config
         ec = config.engine
-        par = ec.parallel()
-        self.layouts: dict[int, CacheLayout]
-        self._transport = None
-        if par.world_size > 1:
-            # The ranks register their caches with Mooncake themselves, on the advertised host.
-            self.llm = LLM.from_config(dataclasses.replace(ec, kv_transport="mooncake", dist_host=transfer_host))
-            assert self.llm.node is not None
-            self.layouts = dict(self.llm.node.cache_layouts)
-        else:
-            from kv_transfer.transports.mooncake import MooncakeTransport
-
-            self.llm = LLM.from_config(ec)
-            self._transport = MooncakeTransport(host=transfer_host)
-            layout = describe_cache(self._transport.endpoint, self.llm.engine.executor.cache.layers)
-            self._transport.register(layout)
-            self.layouts = {0: layout}
+        # Every rank (or this process, at world size 1) registers its cache with Mooncake on the
+        # advertised host; the rendezvous of the ranks uses that host too.
+        self.llm = LLM.from_config(dataclasses.replace(ec, dist_host=transfer_host), MooncakeExporter(transfer_host))
+        self.layouts: dict[int, CacheLayout] = {r: _layout(x) for r, x in self.llm.cache_exports.items()}
         self.engines: list[LLMEngine] = self.llm.engines
         self.max_model_len = self.engines[0].max_model_len
         self.num_blocks = self.engines[0].scheduler.allocator.num_free
         self.block_size = ec.block_size
         self.address = ""  # set once the server listens (goes into KV handles)
-        self.leases = LeaseTable(self._release_held, lease_s=config.lease_s)
+        self.leases = KVSender(self._release_held, lease_s=config.lease_s)
         self.held_on: dict[str, int] = {}  # request id -> replica holding its blocks
         self.jobs: dict[str, PrefillJob] = {}  # submitted, not answered
         self.failed = threading.Event()
         self.failure: str | None = None
-        self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
-        self._wake = threading.Event()
-        self._stop = False
         self._load = [ReplicaLoad(dp_rank=d, free_blocks=self.num_blocks) for d in range(len(self.engines))]
-        # Answers wait here until the load they changed is published, so a Stats call made after an
-        # answer always sees its effect.
-        self._answers: list[Callable[[], None]] = []
-        self._thread = threading.Thread(target=self._run, name="prefill-engine", daemon=True)
-        self._thread.start()
+        self.start()
 
     # -- called from other threads -------------------------------------------------------------
     def submit(self, job: PrefillJob) -> None:
-        self._send("prefill", job)
+        self.send(Submit(job))
 
     def abort(self, request_id: str, done: Callable[[bool], None] | None = None) -> None:
         """Free whatever the request holds (queued, prefilling, or held under a lease); ``done(found)``
         is called from the engine thread once it is free."""
-        self._send("abort", (request_id, done))
+        self.send(Abort(request_id, done))
 
     def release(self, request_id: str, done: Callable[[bool], None]) -> None:
-        self._send("release", (request_id, done))
+        self.send(Release(request_id, done))
 
     def load(self) -> list[ReplicaLoad]:
         return list(self._load)
@@ -134,15 +141,11 @@ class PrefillWorker:
         return len(self.jobs) + len(self.leases)
 
     def abort_all(self, why: str) -> None:
-        self._send("abort_all", why)
+        self.send(AbortAll(why))
 
     def shutdown(self) -> None:
-        self._stop = True
-        self._wake.set()
-        self._thread.join(timeout=30)
+        self.stop()
         self.llm.shutdown()
-        if self._transport is not None:
-            self._transport.close()
 
     def stats(self) -> tuple[list[pb.ReplicaStats], pb.TransferTotals]:
         reps = [pb.ReplicaStats(dp_rank=r.dp_rank, waiting=r.waiting, running=r.running,
@@ -153,62 +156,44 @@ class PrefillWorker:
     def _held_count(self, d: int) -> int:
         return sum(1 for v in list(self.held_on.values()) if v == d)
 
-    def _send(self, kind: str, arg: Any) -> None:
-        self._inbox.put((kind, arg))
-        self._wake.set()
-
     # -- the engine thread ---------------------------------------------------------------------
-    def _run(self) -> None:
-        try:
-            while not self._stop:
-                self._handle_inbox()
-                self.leases.expire()
-                busy = [(d, e) for d, e in enumerate(self.engines) if e.has_unfinished()]
-                scheduled = 0
-                if busy:
-                    for _, e in busy:
-                        scheduled += e.launch_step()
-                    for d, e in busy:
-                        for seq in e.finish_step():
-                            self._finished(d, seq)
-                self._publish_load()
-                answers, self._answers = self._answers, []
-                for answer in answers:
-                    answer()
-                if not scheduled:  # idle, or waiting for held blocks to be released
-                    self._wake.wait(0.05)
-                    self._wake.clear()
-        except BaseException as e:  # a rank died or the engine broke: nothing more can be served
-            log.exception("prefill engine failed")
-            self.failure = f"{type(e).__name__}: {e}"
-            self.failed.set()
-            for job in list(self.jobs.values()):
-                job.resolve(error=NodeFailed(self.failure))
-            self.jobs.clear()
-
-    def _handle_inbox(self) -> None:
-        while True:
-            try:
-                kind, arg = self._inbox.get_nowait()
-            except queue.Empty:
-                return
-            if kind == "prefill":
-                self._start(arg)
-            elif kind == "abort":
-                rid, done = arg
+    def handle(self, message: object) -> None:
+        match message:
+            case Submit(job):
+                self._start(job)
+            case Abort(rid, done):
                 found = self._abort(rid)
                 if done is not None:
-                    self._answers.append(lambda done=done, found=found: done(found))
-            elif kind == "release":
-                rid, done = arg
+                    self.answer(lambda done=done, found=found: done(found))
+            case Release(rid, done):
                 found = self.leases.confirm(rid)
-                self._answers.append(lambda done=done, found=found: done(found))
-            elif kind == "abort_all":
+                self.answer(lambda done=done, found=found: done(found))
+            case AbortAll(why):
                 for rid in list(self.jobs) + list(self.held_on):
-                    self._abort(rid, NodeFailed(f"aborted: {arg}"))
+                    self._abort(rid, NodeFailed(f"aborted: {why}"))
+            case _:
+                raise TypeError(f"unknown message {message!r}")
+
+    def step(self) -> int:
+        self.leases.expire()
+        busy = [(d, e) for d, e in enumerate(self.engines) if e.has_unfinished()]
+        scheduled = 0
+        for _, e in busy:  # replicas compute concurrently: launch all, then collect
+            scheduled += e.launch_step()
+        for d, e in busy:
+            for seq in e.finish_step():
+                self._finished(d, seq)
+        return scheduled
+
+    def on_failure(self, error: BaseException) -> None:
+        self.failure = f"{type(error).__name__}: {error}"
+        self.failed.set()
+        for job in list(self.jobs.values()):
+            job.resolve(error=NodeFailed(self.failure))
+        self.jobs.clear()
 
     def _start(self, job: PrefillJob) -> None:
-        if self._stop or self.failed.is_set():
+        if self.stopping or self.failed.is_set():
             job.resolve(error=NodeFailed("the node is stopping"))
             return
         if job.request_id in self.jobs or job.request_id in self.held_on:
@@ -241,7 +226,7 @@ class PrefillWorker:
             return
         if seq.finish_reason == "abort" or not seq.output_token_ids:
             eng.release(seq.request_id)
-            self._answers.append(lambda: job.resolve(error=Aborted(seq.request_id)))
+            self.answer(lambda: job.resolve(error=Aborted(seq.request_id)))
             return
         token = seq.output_token_ids[0]
         want_lp = job.params.logprobs is not None
@@ -266,7 +251,7 @@ class PrefillWorker:
                 eng.kv_ownership(seq.request_id), len(held.block_ids), self.layouts, node_id=self.config.node_id,
                 address=self.address, dp_rank=d, block_size=self.block_size, lease_s=self.config.lease_s,
             ))
-        self._answers.append(lambda: job.resolve(resp))
+        self.answer(lambda: job.resolve(resp))
 
     def _release_held(self, request_id: str) -> bool:
         d = self.held_on.pop(request_id, None)
@@ -280,10 +265,10 @@ class PrefillWorker:
             return False
         self.engines[job.replica].abort(request_id)
         error = why or Aborted(request_id)
-        self._answers.append(lambda: job.resolve(error=error))
+        self.answer(lambda: job.resolve(error=error))
         return True
 
-    def _publish_load(self) -> None:
+    def publish(self) -> None:
         out = []
         for d, e in enumerate(self.engines):
             s = e.scheduler
@@ -292,3 +277,9 @@ class PrefillWorker:
                                    running=len(s.running), used_blocks=e.num_used_blocks,
                                    free_blocks=s.allocator.num_free))
         self._load = out
+
+
+def _layout(export: object) -> CacheLayout:
+    if not isinstance(export, CacheLayout):
+        raise TypeError(f"a rank's cache was not registered (got {export!r})")
+    return export

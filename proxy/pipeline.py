@@ -224,8 +224,12 @@ class Generation:
     def _open_decode(self) -> None:
         req, reply = self.request, self._reply
         decode = pb.DecodeRequest(request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
-                                  sampling=req.sampling, first_token=reply.first_token, kv=reply.kv,
-                                  dp_rank=self.route.decode.dp_rank, vllm_kv_params_json=reply.vllm_kv_params_json)
+                                  sampling=req.sampling, first_token=reply.first_token,
+                                  dp_rank=self.route.decode.dp_rank)
+        if reply.WhichOneof("kv_source") == "kv":
+            decode.kv.CopyFrom(reply.kv)
+        elif reply.WhichOneof("kv_source") == "vllm_kv_params_json":
+            decode.vllm_kv_params_json = reply.vllm_kv_params_json
         self._call = self._p.clients.decode(self.route.decode.address).Decode(decode)
 
     @property

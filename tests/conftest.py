@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.tiny_model import make_tiny_model
+from pdctl.tiny_model import make_tiny_model
 
 CLUSTER_RUN_DIRS = pytest.StashKey[list[Path]]()
 LOG_TAIL_LINES = 40

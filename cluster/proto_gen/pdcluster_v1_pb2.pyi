@@ -122,24 +122,24 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., dp_rank: _Optional[int] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("request_id", "dp_rank", "first_token", "finish_reason", "kv", "queue_s", "prefill_s", "vllm_kv_params_json")
+    __slots__ = ("request_id", "dp_rank", "first_token", "finish_reason", "queue_s", "prefill_s", "kv", "vllm_kv_params_json")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     DP_RANK_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
-    KV_FIELD_NUMBER: _ClassVar[int]
     QUEUE_S_FIELD_NUMBER: _ClassVar[int]
     PREFILL_S_FIELD_NUMBER: _ClassVar[int]
+    KV_FIELD_NUMBER: _ClassVar[int]
     VLLM_KV_PARAMS_JSON_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     dp_rank: int
     first_token: Token
     finish_reason: str
-    kv: KVHandle
     queue_s: float
     prefill_s: float
+    kv: KVHandle
     vllm_kv_params_json: str
-    def __init__(self, request_id: _Optional[str] = ..., dp_rank: _Optional[int] = ..., first_token: _Optional[_Union[Token, _Mapping]] = ..., finish_reason: _Optional[str] = ..., kv: _Optional[_Union[KVHandle, _Mapping]] = ..., queue_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., vllm_kv_params_json: _Optional[str] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., dp_rank: _Optional[int] = ..., first_token: _Optional[_Union[Token, _Mapping]] = ..., finish_reason: _Optional[str] = ..., queue_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., kv: _Optional[_Union[KVHandle, _Mapping]] = ..., vllm_kv_params_json: _Optional[str] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)
@@ -166,22 +166,22 @@ class ReleaseResponse(_message.Message):
     def __init__(self, found: _Optional[bool] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "first_token", "kv", "dp_rank", "vllm_kv_params_json")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "first_token", "dp_rank", "kv", "vllm_kv_params_json")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
-    KV_FIELD_NUMBER: _ClassVar[int]
     DP_RANK_FIELD_NUMBER: _ClassVar[int]
+    KV_FIELD_NUMBER: _ClassVar[int]
     VLLM_KV_PARAMS_JSON_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
     first_token: Token
-    kv: KVHandle
     dp_rank: int
+    kv: KVHandle
     vllm_kv_params_json: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., first_token: _Optional[_Union[Token, _Mapping]] = ..., kv: _Optional[_Union[KVHandle, _Mapping]] = ..., dp_rank: _Optional[int] = ..., vllm_kv_params_json: _Optional[str] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., first_token: _Optional[_Union[Token, _Mapping]] = ..., dp_rank: _Optional[int] = ..., kv: _Optional[_Union[KVHandle, _Mapping]] = ..., vllm_kv_params_json: _Optional[str] = ...) -> None: ...
 
 class Admitted(_message.Message):
     __slots__ = ("dp_rank", "transfer_bytes", "transfer_s")

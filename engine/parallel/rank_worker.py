@@ -1,13 +1,7 @@
 """The body of one rank process: its PP stage's layers, its KV cache, and the step loop.
 
-Protocol with the driver (over the rank's pipe, after the launcher's ``ready``):
-
-- rank -> ``("loaded", capacity_blocks)``; driver -> ``("cache", n)`` (the minimum over all ranks);
-  rank -> ``("cache_ready", rank, CacheLayout | None)`` (the layout when ``kv_transport`` is set).
-- driver -> ``("step", StepPlan)``: every rank of the replica runs it; the last stage's PCP rank 0
-  answers ``("logits", tensor | None)`` with the plan's logits rows in plan order.
-- driver -> ``("read", physical_ids)``: the rank answers ``("blocks", {layer: [n, bs, L+R]})``.
-- driver -> ``("stop",)``: the rank returns (the launcher tears the process group down).
+The protocol with the driver is in ``rank_messages.py``. With a ``CacheExporter`` (the node's KV
+transport), the rank registers its cache through it and hands the answer to the driver.
 """
 
 from __future__ import annotations
@@ -16,29 +10,37 @@ import os
 import sys
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from engine import envs
+from engine.cache_export import CacheExporter
 from engine.config import ModelConfig
 from engine.engine_config import EngineConfig
 from engine.executor import kv_blocks_for_memory, load_model
 from engine.kv_cache import KVCache
 from engine.parallel.collectives import gather_padded
 from engine.parallel.grid import ParallelConfig, stage_layers
-from engine.parallel.launcher import RankContext
+from engine.parallel.rank_group import RankContext
+from engine.parallel.rank_messages import (
+    Blocks,
+    CacheReady,
+    Loaded,
+    ReadBlocks,
+    RunStep,
+    SizeCache,
+    StepOutput,
+    Stop,
+)
 from engine.parallel.step_plan import StepPlan, build_rank_batch
-
-if TYPE_CHECKING:
-    from kv_transfer.layout import CacheLayout
 
 
 @dataclass(frozen=True)
 class RankSpec:
     config: EngineConfig
     max_model_len: int
+    exporter: CacheExporter | None = None  # registers the rank's cache with the node's KV transport
 
 
 def rank_device(config: EngineConfig, rank: int) -> torch.device:
@@ -76,7 +78,7 @@ class RankWorker:
         self.next_rank = stages[pp + 1] if pp + 1 < len(stages) else None
         self.reports = self.next_rank is None and self.coord.pcp == 0
         self.cache: KVCache | None = None
-        self.transport: Any = None  # a kv_transfer Transport when config.kv_transport is set
+        self.exporter = spec.exporter
         self.rank = rank
         self.timing = envs.step_timing()
         self.profile_step = envs.profile_step()
@@ -88,18 +90,14 @@ class RankWorker:
             self.config, self.mc, self.max_model_len, self.dtype, self.device, len(self.layers)
         )
 
-    def init_cache(self, num_blocks: int) -> CacheLayout | None:
-        """Allocate the cache; with a KV transport, register it and return its layout for the driver."""
+    def init_cache(self, num_blocks: int) -> object:
+        """Allocate the cache; with an exporter, register it and return its answer for the driver."""
         self.cache = KVCache(self.mc, self.layers, num_blocks, self.config.block_size, self.dtype, self.device)
-        if self.config.kv_transport != "mooncake":
-            return None
-        from kv_transfer.layout import describe_cache
-        from kv_transfer.transports.mooncake import MooncakeTransport
+        return self.exporter.export(self.cache.layers) if self.exporter is not None else None
 
-        self.transport = MooncakeTransport(host=self.config.dist_host)
-        layout = describe_cache(self.transport.endpoint, self.cache.layers)
-        self.transport.register(layout)
-        return layout
+    def close(self) -> None:
+        if self.exporter is not None and self.cache is not None:
+            self.exporter.close()
 
     def _mark(self, what: str) -> None:
         """With PDCLUSTER_STEP_TIMING=1, print how long each phase of a step took (synchronising)."""
@@ -162,23 +160,27 @@ class RankWorker:
 
 
 def serve_rank(ctx: RankContext) -> None:
-    """Launcher target: load, size the cache with the driver, then serve steps until ``stop``."""
+    """RankGroup target: load, size the cache with the driver, then serve steps until ``Stop``."""
     worker = RankWorker(ctx.payload, ctx.rank)
-    ctx.conn.send(("loaded", worker.capacity_blocks()))
-    msg: Any = ctx.conn.recv()
-    if msg[0] == "stop":
+    ctx.conn.send(Loaded(worker.capacity_blocks()))
+    msg = ctx.conn.recv()
+    if isinstance(msg, Stop):
         return
-    layout = worker.init_cache(int(msg[1]))
-    ctx.conn.send(("cache_ready", ctx.rank, layout))
-    while True:
-        msg = ctx.conn.recv()
-        if msg[0] == "stop":
-            return
-        if msg[0] == "step":
-            out = worker.execute(msg[1])
-            if worker.reports:
-                ctx.conn.send(("logits", out))
-        elif msg[0] == "read":
-            ctx.conn.send(("blocks", worker.read_blocks(msg[1])))
-        else:
-            raise ValueError(f"rank {ctx.rank}: unknown message {msg[0]!r}")
+    if not isinstance(msg, SizeCache):
+        raise ValueError(f"rank {ctx.rank}: expected SizeCache, got {msg!r}")
+    try:
+        ctx.conn.send(CacheReady(ctx.rank, worker.init_cache(msg.num_blocks)))
+        while True:
+            match ctx.conn.recv():
+                case Stop():
+                    return
+                case RunStep(plan):
+                    out = worker.execute(plan)
+                    if worker.reports:
+                        ctx.conn.send(StepOutput(out))
+                case ReadBlocks(physical):
+                    ctx.conn.send(Blocks(worker.read_blocks(physical)))
+                case other:
+                    raise ValueError(f"rank {ctx.rank}: unknown message {other!r}")
+    finally:
+        worker.close()

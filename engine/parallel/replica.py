@@ -10,9 +10,11 @@ driver launches a step on each before collecting any, so they compute concurrent
 from __future__ import annotations
 
 import logging
+from typing import TypeVar
 
 import torch
 
+from engine.cache_export import CacheExporter
 from engine.config import ModelConfig
 from engine.engine_config import EngineConfig
 from engine.executor import check_kv_capacity
@@ -20,18 +22,20 @@ from engine.kv_cache import BlockAllocator, BlockSpace
 from engine.model_runner import StepLogits, logits_span
 from engine.parallel.grid import ParallelConfig
 from engine.parallel.kv_layout import RankBlocks, ShardedBlockAllocator, kv_ownership, max_blocks_per_rank
-from engine.parallel.launcher import RankFailure, RankGroup
+from engine.parallel.rank_group import RankFailure, RankGroup
+from engine.parallel.rank_messages import Blocks, CacheReady, Loaded, ReadBlocks, RunStep, SizeCache, StepOutput
 from engine.parallel.rank_worker import RankSpec, serve_rank
 from engine.parallel.step_plan import PlanRow, StepPlan, int_tensor, local_token_counts
 from engine.scheduler import Scheduled
 
 log = logging.getLogger(__name__)
+M = TypeVar("M")
 
 
 class ParallelNode:
     """Starts every rank of the node, sizes the KV cache (the minimum any rank can hold), and stops them."""
 
-    def __init__(self, config: EngineConfig, max_model_len: int) -> None:
+    def __init__(self, config: EngineConfig, max_model_len: int, exporter: CacheExporter | None = None) -> None:
         self.config = config
         self.par: ParallelConfig = config.parallel()
         self.num_layers = ModelConfig.from_pretrained(config.model).num_hidden_layers
@@ -45,33 +49,33 @@ class ParallelNode:
             )
         backend = "nccl" if on_gpu else "gloo"
         self.group = RankGroup(
-            serve_rank, ws, [RankSpec(config, max_model_len)] * ws, backend=backend,
+            serve_rank, ws, [RankSpec(config, max_model_len, exporter)] * ws, backend=backend,
             host=config.dist_host, port=config.dist_port, collective_timeout_s=config.rank_timeout_s,
         )
         t = config.rank_timeout_s
         self.group.start(ready_timeout_s=t)
         try:
-            caps = [self._expect(r, "loaded", t)[1] for r in range(ws)]
+            caps = [self._expect(r, Loaded, t).capacity_blocks for r in range(ws)]
             self.num_blocks = int(min(caps))
             bs = config.block_size
             need = None  # replicated: every rank holds the whole request
             if self.par.kv_layout == "sharded":  # the busiest rank's share (interleave runs can be uneven)
                 need = max_blocks_per_rank(max_model_len, bs, self.par.pcp, self.par.interleave(bs))
             check_kv_capacity(self.num_blocks, bs, max_model_len, need)
-            self.group.broadcast(("cache", self.num_blocks))
-            # With a KV transport, each rank's registered cache (kv_transfer.layout.CacheLayout).
-            self.cache_layouts = {r: self._expect(r, "cache_ready", t)[2] for r in range(ws)}
+            self.group.broadcast(SizeCache(self.num_blocks))
+            # What the exporter answered for each rank's cache (None without one).
+            self.cache_exports = {r: self._expect(r, CacheReady, t).export for r in range(ws)}
         except BaseException:
             self.group.shutdown()
             raise
         log.info("%d ranks up (dp=%d pcp=%d pp=%d, %s KV, %d blocks per rank)", ws, self.par.dp,
                  self.par.pcp, self.par.pp, self.par.kv_layout, self.num_blocks)
 
-    def _expect(self, rank: int, kind: str, timeout_s: float) -> tuple:
+    def _expect(self, rank: int, kind: type[M], timeout_s: float) -> M:
         msg = self.group.recv(rank, timeout_s)
-        if not (isinstance(msg, tuple) and msg and msg[0] == kind):
+        if not isinstance(msg, kind):
             self.group.shutdown()
-            raise RankFailure(f"rank {rank} sent {msg!r}, expected {kind!r}")
+            raise RankFailure(f"rank {rank} sent {str(msg)[:80]}, expected {kind.__name__}")
         return msg
 
     def replica(self, dp: int) -> ReplicaExecutor:
@@ -115,17 +119,17 @@ class ReplicaExecutor:
         ])
         self.local_counts = local_token_counts(plan, self.par.pcp)
         for r in self.ranks:
-            self.node.group.send(r, ("step", plan))
+            self.node.group.send(r, RunStep(plan))
         self._pending = plan
 
     def collect(self) -> list[StepLogits | None]:
         assert self._pending is not None, "collect() without launch()"
         plan, self._pending = self._pending, None
         msg = self.node.group.recv(self.reporter, self.node.config.rank_timeout_s)
-        if not (isinstance(msg, tuple) and msg and msg[0] == "logits"):
+        if not isinstance(msg, StepOutput):
             self.node.shutdown()
-            raise RankFailure(f"rank {self.reporter} sent {msg!r} instead of a step's logits")
-        logits: torch.Tensor | None = msg[1]
+            raise RankFailure(f"rank {self.reporter} sent {str(msg)[:80]} instead of a step's logits")
+        logits = msg.logits
         out: list[StepLogits | None] = []
         pos = 0
         for row in plan.rows:
@@ -145,12 +149,12 @@ class ReplicaExecutor:
         if self._pending is not None:
             raise RuntimeError("cannot read KV blocks while a step is running on the replica")
         rank = self.par.rank(self.dp, pp, pcp)
-        self.node.group.send(rank, ("read", physical))
+        self.node.group.send(rank, ReadBlocks(physical))
         msg = self.node.group.recv(rank, self.node.config.rank_timeout_s)
-        if not (isinstance(msg, tuple) and msg and msg[0] == "blocks"):
+        if not isinstance(msg, Blocks):
             self.node.shutdown(why=f"rank {rank} answered a block read with {str(msg)[:80]}")
             raise RankFailure(f"rank {rank} sent {str(msg)[:80]!r} instead of KV blocks")
-        return msg[1]
+        return msg.layers
 
     def shutdown(self) -> None:
         self.node.shutdown()

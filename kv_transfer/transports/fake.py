@@ -53,7 +53,7 @@ class FakeTransport(Transport):
         if t is None or not any(a <= addr and addr + n <= b for a, b in t._regions):
             raise TransferError("not_registered", f"[{addr:#x}, +{n}) is not registered memory of {who}")
 
-    def _batch(self, peer: str, segments: list[Segment], timeout_s: float, read: bool) -> None:
+    def _batch(self, peer: str, segments: list[Segment], timeout_s: float) -> None:
         f = self.fabric
         for who in (self.endpoint, peer):
             if who in f.dead or who not in f.endpoints:
@@ -68,15 +68,11 @@ class FakeTransport(Transport):
             self._check(s.local_addr, s.nbytes, self.endpoint)
             self._check(s.remote_addr, s.nbytes, peer)
         for s in segments:
-            dst, src = (s.local_addr, s.remote_addr) if read else (s.remote_addr, s.local_addr)
-            ctypes.memmove(dst, src, s.nbytes)
+            ctypes.memmove(s.local_addr, s.remote_addr, s.nbytes)
             f.bytes_moved += s.nbytes
 
     def read(self, peer: str, segments: list[Segment], timeout_s: float) -> None:
-        self._batch(peer, segments, timeout_s, read=True)
-
-    def write(self, peer: str, segments: list[Segment], timeout_s: float) -> None:
-        self._batch(peer, segments, timeout_s, read=False)
+        self._batch(peer, segments, timeout_s)
 
     def close(self) -> None:
         self._regions = []

@@ -23,7 +23,7 @@ from typing import Any
 
 from cluster import envs
 from kv_transfer.layout import CacheLayout
-from kv_transfer.transport import Segment, TransferError, Transport
+from kv_transfer.transport import Segment, TransferError, Transport, register_cache
 
 _PENDING, _DONE = 1, 0
 # Measured limit of this engine (tcp, non-cuda 0.3.13.post1): with more than about 2,048 segments
@@ -65,10 +65,10 @@ class MooncakeTransport(Transport):
                 raise RuntimeError(f"Mooncake could not register layer {r.layer} ({rc})")
             self._registered.append(r.base)
 
-    def _run(self, batches: dict[str, list[Segment]], timeout_s: float, read: bool) -> None:
+    def _run(self, batches: dict[str, list[Segment]], timeout_s: float) -> None:
         """All peers' segments, MAX_BATCH per batch, at most MAX_IN_FLIGHT outstanding, within the
         timeout; a failed batch is submitted again up to RETRIES times."""
-        submit = self._engine.batch_transfer_async_read if read else self._engine.batch_transfer_async_write
+        submit = self._engine.batch_transfer_async_read
         todo = [(peer, segments[i : i + MAX_BATCH], 0) for peer, segments in batches.items()
                 for i in range(0, len(segments), MAX_BATCH)]
         deadline = time.monotonic() + timeout_s
@@ -111,15 +111,33 @@ class MooncakeTransport(Transport):
 
     def read_all(self, batches: dict[str, list[Segment]], timeout_s: float) -> None:
         """Every peer's segments in flight together (the fan-in of one request), then waited for."""
-        self._run(batches, timeout_s, read=True)
+        self._run(batches, timeout_s)
 
     def read(self, peer: str, segments: list[Segment], timeout_s: float) -> None:
-        self._run({peer: segments}, timeout_s, read=True)
-
-    def write(self, peer: str, segments: list[Segment], timeout_s: float) -> None:
-        self._run({peer: segments}, timeout_s, read=False)
+        self._run({peer: segments}, timeout_s)
 
     def close(self) -> None:
         for base in self._registered:
             self._engine.unregister_memory(base)
         self._registered = []
+
+
+class MooncakeExporter:
+    """An ``engine.cache_export.CacheExporter``: registers a cache with its own Mooncake transport on
+    ``host`` in the process that owns the cache (a rank process, or the node's), and answers its
+    ``CacheLayout``. Picklable until ``export`` runs."""
+
+    def __init__(self, host: str = "127.0.0.1") -> None:
+        self.host = host
+        self._transport: MooncakeTransport | None = None
+
+    def export(self, layers: dict[int, Any]) -> CacheLayout:
+        if self._transport is not None:
+            raise RuntimeError("this exporter already registered a cache")
+        self._transport = MooncakeTransport(host=self.host)
+        return register_cache(self._transport, layers)
+
+    def close(self) -> None:
+        if self._transport is not None:
+            self._transport.close()
+            self._transport = None

@@ -14,8 +14,8 @@ import psutil
 import pytest
 from e2e_cluster import ADMIN_KEY, Cluster
 
-from cluster.launcher import down, up
-from cluster.topology import Topology
+from pdctl.launcher import down, up
+from pdctl.topology import Topology
 
 
 @pytest.fixture(scope="module")

@@ -20,9 +20,9 @@ import openai
 import pytest
 from e2e_cluster import ADMIN_KEY, Cluster
 
-from cluster.launcher import read_state
 from engine import LLM, SamplingParams
 from engine.tokenizer import Tokenizer
+from pdctl.launcher import read_state
 
 MODEL = "tiny"
 KW = dict(dtype="float32", device="cpu", max_model_len=1024)
@@ -64,7 +64,7 @@ def routed(c: Cluster) -> dict[tuple[str, str], float]:
 
 def pdctl(c: Cluster, *args: str) -> str:
     env = {**os.environ, "COLUMNS": "200"}
-    r = subprocess.run([sys.executable, "-m", "cluster.cli", *args, "--proxy", c.url, "--admin-key", ADMIN_KEY],
+    r = subprocess.run([sys.executable, "-m", "pdctl.cli", *args, "--proxy", c.url, "--admin-key", ADMIN_KEY],
                        capture_output=True, text=True, timeout=60, env=env)
     assert r.returncode == 0, r.stderr + r.stdout
     return r.stdout

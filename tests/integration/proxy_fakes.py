@@ -18,6 +18,7 @@ token in ``max_tokens``. Logprobs are real numbers only when ``sampling.logprobs
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import threading
 import time
@@ -78,6 +79,7 @@ class FakePrefill(pb_grpc.PrefillServiceServicer):
         self.aborts: list[str] = []
         self.released: list[str] = []
         self.held: set[str] = set()
+        self.vllm_params = False  # answer vLLM's kv_transfer_params instead of a KV handle
 
     async def Prefill(self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext) -> pb.PrefillResponse:
         self.requests.append(request)
@@ -93,10 +95,12 @@ class FakePrefill(pb_grpc.PrefillServiceServicer):
                                    first_token=make_token(first, 0, request.sampling), finish_reason=finish)
         if not finish:
             self.held.add(request.request_id)
-            reply.kv.CopyFrom(pb.KVHandle(prefill_node_id=self.node_id, prefill_address=self.address,
-                                          dp_rank=reply.dp_rank, num_blocks=-(-len(request.token_ids) // 16),
-                                          block_size=16, transport="fake", lease_s=30.0))
-            reply.vllm_kv_params_json = f'{{"fake": "{request.request_id}"}}'  # as a vLLM prefill node's
+            if self.vllm_params:  # as a vLLM prefill node answers
+                reply.vllm_kv_params_json = json.dumps({"fake": request.request_id, "release_to": self.address})
+            else:
+                reply.kv.CopyFrom(pb.KVHandle(prefill_node_id=self.node_id, prefill_address=self.address,
+                                              dp_rank=reply.dp_rank, num_blocks=-(-len(request.token_ids) // 16),
+                                              block_size=16, transport="fake", lease_s=30.0))
         return reply
 
     async def Release(self, request: pb.ReleaseRequest, context: grpc.aio.ServicerContext) -> pb.ReleaseResponse:
@@ -133,14 +137,16 @@ class FakeDecode(pb_grpc.DecodeServiceServicer):
     async def Decode(self, request: pb.DecodeRequest, context: grpc.aio.ServicerContext) -> Any:
         self.requests.append(request)
         rid, sampling = request.request_id, request.sampling
-        if request.first_token.token_id != self.script.token_at(0) or not request.kv.prefill_address:
+        release_to = (json.loads(request.vllm_kv_params_json)["release_to"] if request.vllm_kv_params_json
+                      else request.kv.prefill_address)
+        if request.first_token.token_id != self.script.token_at(0) or not release_to:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "first token or KV handle missing")
         if self.refuse is not None and self.refusals[0] > 0:
             self.refusals[0] -= 1
             await context.abort(self.refuse, f"injected {self.refuse.name}")
         ended = False  # finished, or failed on purpose; anything else is the client cancelling
         try:
-            async with grpc.aio.insecure_channel(request.kv.prefill_address) as ch:  # "the KV is here"
+            async with grpc.aio.insecure_channel(release_to) as ch:  # "the KV is here"
                 await pb_grpc.PrefillServiceStub(ch).Release(pb.ReleaseRequest(request_id=rid), timeout=5)
             yield pb.DecodeEvent(admitted=pb.Admitted(dp_rank=max(0, request.dp_rank), transfer_bytes=4096,
                                                       transfer_s=0.002))

@@ -7,14 +7,15 @@ import os
 import torch
 import torch.distributed as dist
 
-from engine.parallel.launcher import RankContext
+from engine.parallel.rank_group import RankContext
+from engine.parallel.rank_messages import Stop
 
 
 def allreduce_server(ctx: RankContext) -> None:
-    """Serves ('sum', x): all-reduces x over the world; ('crash',): exits hard; ('stop',): returns."""
+    """Serves ('sum', x): all-reduces x over the world; ('crash',): exits hard; Stop: returns."""
     while True:
         msg = ctx.conn.recv()
-        if msg[0] == "stop":
+        if isinstance(msg, Stop):
             return
         if msg[0] == "crash":
             os._exit(3)

@@ -8,7 +8,7 @@ import sys
 
 def test_make_model_then_chat(tmp_path) -> None:
     model = tmp_path / "tiny"
-    made = subprocess.run([sys.executable, "-m", "cluster.cli", "make-model", str(model), "--seed", "0"],
+    made = subprocess.run([sys.executable, "-m", "pdctl.cli", "make-model", str(model), "--seed", "0"],
                           capture_output=True, text=True, timeout=120)
     assert made.returncode == 0, made.stderr
     chat = subprocess.run([sys.executable, "-m", "engine.chat", "--model", str(model), "--max-tokens", "8",

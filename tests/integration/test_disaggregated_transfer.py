@@ -15,11 +15,10 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.sequence import Sequence
-from kv_transfer.layout import RequestKV, describe_cache
-from kv_transfer.receiver import Receiver
-from kv_transfer.state import TransferState
-from kv_transfer.transport import TransferError
-from kv_transfer.transports.mooncake import MooncakeTransport
+from kv_transfer.handoff import KVReceiver
+from kv_transfer.layout import RequestKV
+from kv_transfer.transport import TransferError, register_cache
+from kv_transfer.transports.mooncake import MooncakeExporter, MooncakeTransport
 
 KW = dict(dtype="float32", device="cpu", max_model_len=1024)
 PROMPT = [(i * 7 + 3) % 1000 + 2 for i in range(607)]
@@ -34,12 +33,11 @@ def _prefill_held(prefill: LLM) -> tuple[Sequence, RequestKV]:
     return seq, RequestKV(pe.kv_ownership("r"), len(pe.held["r"].block_ids))
 
 
-def _receiver(decode: LLM, timeout_s: float) -> Receiver:
+def _receiver(decode: LLM, timeout_s: float) -> KVReceiver:
     """A Mooncake receiver with the decode engine's cache registered."""
     transport = MooncakeTransport()
-    dest = describe_cache(transport.endpoint, decode.engine.executor.cache.layers)
-    transport.register(dest)
-    return Receiver(transport, dest, timeout_s=timeout_s)
+    dest = register_cache(transport, decode.engine.executor.cache.layers)
+    return KVReceiver(transport, dest, timeout_s=timeout_s)
 
 
 @pytest.mark.parametrize("layout", ["sharded", "replicated"])
@@ -48,17 +46,17 @@ def test_pcp2_pp2_prefill_then_remote_decode_matches_colocated(tiny_model, layou
     with LLM(str(tiny_model), **KW) as colocated:
         want = colocated.generate([PROMPT], greedy)[0].token_ids
     with (
-        LLM(str(tiny_model), **KW, pcp=2, pp=2, kv_layout=layout, kv_transport="mooncake",
+        LLM(str(tiny_model), **KW, pcp=2, pp=2, kv_layout=layout, cache_exporter=MooncakeExporter(),
             max_num_batched_tokens=128) as prefill,
         LLM(str(tiny_model), **KW) as decode,
     ):
         pe, de = prefill.engine, decode.engine
         seq, request = _prefill_held(prefill)
         receiver = _receiver(decode, timeout_s=30)
-        fill = receiver.fill("r", request, prefill.node.cache_layouts)
+        fill = receiver.fill("r", request, prefill.cache_exports)
         dseq = de.add_prefilled(PROMPT, seq.output_token_ids[0], greedy, fill, request_id="r")
         record = receiver.stats.recent[-1]
-        assert record.state == TransferState.DONE
+        assert record.ok
         assert record.sources == 4  # every (pcp, pp) rank sends: shards fan in, replicas share the bytes
         sent, got = pe.read_kv("r"), de.read_kv("r")
         assert sorted(sent) == sorted(got) == [0, 1, 2]
@@ -74,13 +72,13 @@ def test_pcp2_pp2_prefill_then_remote_decode_matches_colocated(tiny_model, layou
 
 def test_a_killed_prefill_rank_fails_the_pull_and_leaves_no_blocks(tiny_model) -> None:
     with (
-        LLM(str(tiny_model), **KW, pcp=2, kv_transport="mooncake") as prefill,
+        LLM(str(tiny_model), **KW, pcp=2, cache_exporter=MooncakeExporter()) as prefill,
         LLM(str(tiny_model), **KW) as decode,
     ):
         pe, de = prefill.engine, decode.engine
         seq, request = _prefill_held(prefill)
         receiver = _receiver(decode, timeout_s=5.0)
-        fill = receiver.fill("r", request, prefill.node.cache_layouts)
+        fill = receiver.fill("r", request, prefill.cache_exports)
         os.kill(prefill.node.pids()[1], signal.SIGKILL)  # one shard's process dies before the pull
         t0 = time.monotonic()
         with pytest.raises(TransferError):
@@ -96,13 +94,13 @@ def test_a_prefill_rank_killed_in_the_middle_of_a_large_pull(tmp_path) -> None:
     """About 800 MB in flight from two rank processes when one is SIGKILLed: the pull fails within
     the receiver's timeout and the decode side ends with zero used blocks."""
     from engine.parallel.kv_layout import RankBlocks
-    from engine.tiny_model import make_tiny_model
+    from pdctl.tiny_model import make_tiny_model
 
     model = make_tiny_model(tmp_path / "m", moe=False, seed=0, overrides={"max_position_embeddings": 131072})
     nblk = 7200  # 7,200 blocks x 3 layers x 16 tokens x 576 x 4 B: 796 MB
     kw = dict(dtype="float32", device="cpu", max_model_len=nblk * 16, num_kv_blocks=nblk + 64)
     with (
-        LLM(str(model), **kw, pcp=2, kv_transport="mooncake") as prefill,
+        LLM(str(model), **kw, pcp=2, cache_exporter=MooncakeExporter()) as prefill,
         LLM(str(model), **kw) as decode,
     ):
         # The blocks' contents do not matter here, only that they are registered memory of the ranks.
@@ -110,7 +108,7 @@ def test_a_prefill_rank_killed_in_the_middle_of_a_large_pull(tmp_path) -> None:
         holders = [RankBlocks(dp=0, pcp=q, pp=0, rank=q, layers=range(0, 3), logical=list(range(q, nblk, 2)),
                               physical=list(range(half))) for q in (0, 1)]
         receiver = _receiver(decode, timeout_s=20.0)
-        fill = receiver.fill("big", RequestKV(holders, nblk), prefill.node.cache_layouts)
+        fill = receiver.fill("big", RequestKV(holders, nblk), prefill.cache_exports)
         de = decode.engine
         import threading
 

@@ -17,10 +17,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from cluster import launcher
-from cluster.launcher import ClusterRunning, LaunchError
-from cluster.process_group import is_running, record_of, spawn, stop_groups
-from cluster.topology import DecodeSpec, PrefillSpec, ProxySpec, Topology
+from pdctl import launcher
+from pdctl.launcher import ClusterRunning, LaunchError
+from pdctl.process_group import is_running, record_of, spawn, stop_groups
+from pdctl.topology import DecodeSpec, PrefillSpec, ProxySpec, Topology
 
 SLEEPER = [sys.executable, "-c", "import time; time.sleep(60)"]
 # Ignores SIGTERM, like a rank stuck in a collective.
@@ -161,7 +161,7 @@ def test_up_then_down(run_dir, fake_python, model) -> None:
 
 def test_down_from_another_process(run_dir, fake_python, model) -> None:
     state = launcher.up(small_topology(model), run_dir, timeout_s=30, python=fake_python)
-    down = subprocess.run([sys.executable, "-m", "cluster.cli", "down", "--run-dir", str(run_dir), "--grace", "5"],
+    down = subprocess.run([sys.executable, "-m", "pdctl.cli", "down", "--run-dir", str(run_dir), "--grace", "5"],
                           capture_output=True, text=True, timeout=60, cwd=Path(launcher.__file__).parent.parent)
     assert down.returncode == 0, down.stderr
     assert "stopped cluster pdcluster" in down.stdout

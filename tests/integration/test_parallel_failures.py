@@ -13,7 +13,7 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from engine import LLM, SamplingParams
-from engine.parallel.launcher import RankFailure
+from engine.parallel.rank_group import RankFailure
 
 KW = dict(dtype="float32", device="cpu", max_model_len=1024)
 PROMPTS = [[(i * 7 + 3) % 1000 + 2 for i in range(607)], [5, 9, 17, 33, 65, 129, 257]]

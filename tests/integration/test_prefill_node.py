@@ -17,8 +17,8 @@ import pytest
 from cluster.config import RegistryConfig
 from cluster.proto_gen import pdcluster_v1_pb2 as pb
 from cluster.proto_gen import pdcluster_v1_pb2_grpc as pb_grpc
-from cluster.redis_server import start_redis
 from cluster.registry import Registry
+from pdctl.redis_server import start_redis
 
 PROMPT = [(i * 7 + 3) % 1000 + 2 for i in range(100)]  # 7 blocks of 16
 

@@ -115,7 +115,18 @@ def test_completion_length_and_usage(c: Cluster) -> None:
     sent = c.d0.requests[-1]
     assert sent.sampling.max_tokens == 5 and sent.sampling.temperature == 0
     assert list(sent.prompt_token_ids) == c.tokenizer.encode("The cluster")
-    assert sent.vllm_kv_params_json == f'{{"fake": "{sent.request_id}"}}'  # copied from the Prefill answer
+    (prefill,) = [p for p in (c.p0, c.p1) if any(r.request_id == sent.request_id for r in p.requests)]
+    assert sent.kv.prefill_address == prefill.address  # copied from the Prefill answer
+
+
+def test_vllm_kv_params_are_copied_to_the_decode_request(c: Cluster) -> None:
+    c.p0.vllm_params = c.p1.vllm_params = True  # as vLLM prefill nodes answer (the fixture resets them)
+    r = c.client().completions.create(model=MODEL, prompt="The cluster", max_tokens=5, temperature=0)
+    assert r.choices[0].text == c.text(5)
+    sent = c.d0.requests[-1]
+    (prefill,) = [p for p in (c.p0, c.p1) if any(r.request_id == sent.request_id for r in p.requests)]
+    assert not sent.HasField("kv")  # one KV source, as the Prefill answer had
+    assert json.loads(sent.vllm_kv_params_json) == {"fake": sent.request_id, "release_to": prefill.address}
 
 
 def test_completion_runs_to_eos(c: Cluster) -> None:
@@ -438,7 +449,7 @@ def test_admin_route_explains(c: Cluster) -> None:
 
 
 def test_pdctl_admin_client_understands_the_admin_api(c: Cluster) -> None:
-    from cluster.admin_client import AdminClient
+    from pdctl.admin_client import AdminClient
 
     admin = AdminClient(c.url, ADMIN_KEY)
     try:

@@ -21,9 +21,9 @@ from proxy_fakes import FakeDecode, FakeNodes, FakePrefill, Script, node_state, 
 
 from cluster.config import RegistryConfig
 from cluster.net import free_port
-from cluster.redis_server import start_redis
 from cluster.registry import Registry
 from engine.tokenizer import Tokenizer
+from pdctl.redis_server import start_redis
 
 MODEL = "tiny-main"
 ADMIN_KEY = "adm"

@@ -8,7 +8,7 @@ import pytest
 from procs import rank_children
 from rank_targets import allreduce_server
 
-from engine.parallel.launcher import RankFailure, RankGroup
+from engine.parallel.rank_group import RankFailure, RankGroup
 
 
 def test_ranks_start_reduce_and_stop() -> None:

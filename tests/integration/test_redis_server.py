@@ -7,8 +7,8 @@ import shutil
 import pytest
 import redis
 
-from cluster import redis_server
-from cluster.redis_server import RedisServerError, start_redis
+from pdctl import redis_server
+from pdctl.redis_server import RedisServerError, start_redis
 
 
 def test_start_ping_stop(tmp_path) -> None:

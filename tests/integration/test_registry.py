@@ -12,8 +12,8 @@ import redis
 from cluster.config import RegistryConfig
 from cluster.net import free_port
 from cluster.nodes import NodeInfo, NodeState, ReplicaLoad
-from cluster.redis_server import RedisServer, start_redis
 from cluster.registry import Registry, RegistryError, RegistryView
+from pdctl.redis_server import RedisServer, start_redis
 
 _clusters = itertools.count()
 

@@ -9,9 +9,9 @@ import torch
 from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
-from cluster.cli import app
 from engine import LLM
 from engine.config import ModelConfig
+from pdctl.cli import app
 
 PROMPT = [[5, 17, 99, 250, 3, 800, 41, 12]]
 

@@ -12,8 +12,8 @@ from urllib.parse import parse_qs, urlsplit
 import pytest
 from typer.testing import CliRunner
 
-from cluster import cli, launcher
 from cluster.net import free_port
+from pdctl import cli, launcher
 
 ADMIN_KEY = "sesame"
 

@@ -1,4 +1,4 @@
-"""Tests for engine.tiny_model: determinism, config, tensor names, transformers/tokenizer loading."""
+"""Tests for pdctl.tiny_model: determinism, config, tensor names, transformers/tokenizer loading."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 from safetensors import safe_open
 from tokenizers import Tokenizer
 
-from engine.tiny_model import ASSISTANT_TOKEN, BOS_TOKEN, EOS_TOKEN, USER_TOKEN, make_tiny_model
+from pdctl.tiny_model import ASSISTANT_TOKEN, BOS_TOKEN, EOS_TOKEN, USER_TOKEN, make_tiny_model
 
 FILES = ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
 VARIANTS = {"v2": ("v2", True), "v3": ("v3", True), "v2_dense": ("v2", False)}

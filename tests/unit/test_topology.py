@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from cluster.launcher import cluster_commands, decode_command, prefill_command, proxy_command
-from cluster.topology import DecodeSpec, PrefillSpec, ProxySpec, RegistrySpec, Topology, load_topology
+from pdctl.launcher import cluster_commands, decode_command, prefill_command, proxy_command
+from pdctl.topology import DecodeSpec, PrefillSpec, ProxySpec, RegistrySpec, Topology, load_topology
 
 EXAMPLE = """
 model: ./tiny
@@ -143,7 +143,7 @@ def test_cluster_commands_order_and_ids() -> None:
 
 def test_command_lines_parse_with_the_real_parsers(tmp_path) -> None:
     """The contract with the node and proxy entry points: what we start, they accept."""
-    node_cli = pytest.importorskip("cluster.node_cli")
+    node_cli = pytest.importorskip("node_runtime.cli")
     proxy_main = pytest.importorskip("proxy.__main__")
     (tmp_path / "tiny").mkdir()
     (tmp_path / "tiny" / "config.json").write_text("{}")
@@ -183,7 +183,7 @@ def test_vllm_engine_nodes(tmp_path, monkeypatch) -> None:
     # vLLM's parallel sizes travel to the node's flags and back into its config.
     t = Topology(model="/m", engine="vllm", prefill=(PrefillSpec(pcp=2, tp=2, dcp=2, pp=2),),
                  decode=(DecodeSpec(tp=2),))
-    node_cli = pytest.importorskip("cluster.node_cli")
+    node_cli = pytest.importorskip("node_runtime.cli")
     (tmp_path / "config.json").write_text("{}")
     pre, dec = cluster_commands(t, URL, proxy_port=8000)[:2]
     node, _ = node_cli.parse("prefill", [str(tmp_path) if a == "/m" else a for a in pre.argv[3:]])
@@ -218,7 +218,7 @@ def test_mixed_engines_per_node(monkeypatch) -> None:
 
 def test_vllm_node_device_range(monkeypatch) -> None:
     """``cuda:K`` gives a vLLM node's workers GPUs K.. of those visible."""
-    from cluster.vllm_engine import place_devices
+    from vllm_backend.engine import place_devices
 
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     place_devices("cuda:2", 2)

@@ -1,4 +1,4 @@
-"""A plan moved by the fake transport (real byte copies), its faults, transfer state, and leases."""
+"""A plan moved by the fake transport (real byte copies), its faults, and leases."""
 
 from __future__ import annotations
 
@@ -9,10 +9,9 @@ from transfer_helpers import BS, DIM, marked_caches
 from engine import LLM, SamplingParams
 from engine.parallel.grid import ParallelConfig
 from engine.parallel.kv_layout import ShardedBlockAllocator, kv_ownership
+from kv_transfer.handoff import KVSender
 from kv_transfer.layout import RequestKV, describe_cache
-from kv_transfer.lease import LeaseTable
 from kv_transfer.planner import plan_transfer
-from kv_transfer.state import TransferState, agree
 from kv_transfer.transport import Segment, TransferError
 from kv_transfer.transports.fake import Fabric
 
@@ -77,14 +76,6 @@ def test_faults_raise_with_their_cause_and_copy_nothing_out_of_bounds(setup) -> 
     assert e.value.cause == "peer_gone"
 
 
-def test_transfer_state_agreement_lets_any_failure_win() -> None:
-    assert agree([TransferState.DONE, TransferState.DONE]) == TransferState.DONE
-    assert agree([TransferState.DONE, TransferState.TRANSFERRING]) == TransferState.TRANSFERRING
-    assert agree([TransferState.DONE, TransferState.FAILED, TransferState.WAITING]) == TransferState.FAILED
-    with pytest.raises(ValueError):
-        agree([])
-
-
 def test_leases_free_held_blocks_on_confirm_abort_and_expiry(tiny_model) -> None:
     now = [0.0]
     with LLM(str(tiny_model), dtype="float32", device="cpu", max_model_len=256) as llm:
@@ -95,7 +86,7 @@ def test_leases_free_held_blocks_on_confirm_abort_and_expiry(tiny_model) -> None
             eng.step()
         held = eng.num_used_blocks
         assert held > 0 and sorted(eng.held) == ["a", "b", "c"]
-        leases = LeaseTable(eng.release, lease_s=30.0, clock=lambda: now[0])
+        leases = KVSender(eng.release, lease_s=30.0, clock=lambda: now[0])
         for rid in ("a", "b", "c"):
             leases.hold(rid)
         assert leases.confirm("a") and not leases.confirm("a")

@@ -14,7 +14,7 @@ import torch
 
 from kv_transfer.layout import describe_cache
 from kv_transfer.planner import TransferPlan, plan_transfer
-from kv_transfer.vllm_layout import (
+from vllm_backend.layout import (
     VllmKVLayout,
     holders,
     restrict,
@@ -203,7 +203,7 @@ def test_native_prefill_holders_into_vllm(native, dst):
     """A native DP x PCP x PP prefill (the node's own ``kv_ownership``) read into a vLLM cache."""
     from engine.parallel.grid import ParallelConfig
     from engine.parallel.kv_layout import kv_ownership, local_block_ids
-    from kv_transfer.vllm_layout import native_units
+    from vllm_backend.layout import native_units
 
     bs, n, layers = 4, 21, set(range(LAYERS))
     par = ParallelConfig(dp=1, **native)

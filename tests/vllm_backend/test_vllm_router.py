@@ -31,7 +31,7 @@ START_S = 400.0
 
 
 def _server(model: Path, port: int, role: str, log: Path) -> subprocess.Popen:
-    kv = {"kv_connector": "PdKVConnector", "kv_connector_module_path": "kv_transfer.vllm_connector",
+    kv = {"kv_connector": "PdKVConnector", "kv_connector_module_path": "vllm_backend.connector",
           "kv_role": role, "kv_connector_extra_config": {"side_channel_port": free_port()}}
     argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
             "--host", "127.0.0.1", "--port", str(port), "--served-model-name", "tiny", "--dtype", "float32",

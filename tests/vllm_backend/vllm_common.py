@@ -30,7 +30,7 @@ def _llm(model: Path, role: str | None = None, port: int = 0, **extra):
     if role is not None:
         kw["kv_transfer_config"] = {
             "kv_connector": "PdKVConnector",
-            "kv_connector_module_path": "kv_transfer.vllm_connector",
+            "kv_connector_module_path": "vllm_backend.connector",
             "kv_role": role,
             "kv_connector_extra_config": {"side_channel_port": port, "lease_s": 60.0},
         }

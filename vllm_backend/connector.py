@@ -3,7 +3,7 @@
 Load it with::
 
     kv_transfer_config={"kv_connector": "PdKVConnector",
-                        "kv_connector_module_path": "kv_transfer.vllm_connector",
+                        "kv_connector_module_path": "vllm_backend.connector",
                         "kv_role": "kv_producer" | "kv_consumer" | "kv_both",
                         "kv_connector_extra_config": {"side_channel_port": 5701, ...}}
 
@@ -38,14 +38,14 @@ Consumer
   S ``build_connector_meta``    the loads to start; W ``start_load_kv`` queues them on a pull thread.
   W (pull thread)               fetch the producer's table from the side channel (cached), map
                                 vLLM's PCP/DCP layouts on both sides to planner holders
-                                (``kv_transfer.vllm_layout``), ``plan_transfer``, Mooncake
+                                (``vllm_backend.layout``), ``plan_transfer``, Mooncake
                                 ``read_all`` from every source, then notify every producer worker.
   W ``get_transfer_results``    finished receives (failed ones too, with their blocks reported by
                                 ``get_block_ids_with_load_errors`` so vLLM recomputes them).
   S ``request_finished``        a request aborted before its load still notifies the producer.
 
 A native prefill node is a producer too: params carrying its ``KVHandle`` (``pd_handle``,
-``kv_transfer.vllm.handle_params``) name every holder rank's blocks and cache directly, so the
+``vllm_backend.handle_params``) name every holder rank's blocks and cache directly, so the
 pull thread plans from those (any native DP x PCP x PP, sharded or replicated) with no side channel
 and no notification (the decode node releases the request on the prefill node).
 
@@ -76,9 +76,8 @@ from vllm.logger import init_logger
 from engine.parallel.kv_layout import RankBlocks
 from kv_transfer.layout import CacheLayout, LayerRegion
 from kv_transfer.planner import plan_transfer
-from kv_transfer.vllm import handle_params, side_channel
-from kv_transfer.vllm.side_channel import WorkerInfo
-from kv_transfer.vllm_layout import (
+from vllm_backend import handle_params, side_channel
+from vllm_backend.layout import (
     VllmKVLayout,
     holders,
     native_units,
@@ -88,6 +87,7 @@ from kv_transfer.vllm_layout import (
     unit_layout,
     units_of,
 )
+from vllm_backend.side_channel import WorkerInfo
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

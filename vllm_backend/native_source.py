@@ -8,7 +8,7 @@ same ``kv_transfer_params``. When every consumer worker has said "done" the requ
 freed through ``release`` (the engine's, or the node's lease), exactly once.
 
 A native prefill *node* (any DP x PCP x PP) needs none of this: its ``KVHandle`` names the holders
-per request and travels in the params (``kv_transfer.vllm.handle_params``). This class is for an
+per request and travels in the params (``vllm_backend.handle_params``). This class is for an
 ``engine.LLM`` used directly as a producer.
 """
 
@@ -21,7 +21,7 @@ from dataclasses import asdict
 from typing import Any
 
 from kv_transfer.layout import CacheLayout
-from kv_transfer.vllm.side_channel import SideChannelServer, WorkerInfo
+from vllm_backend.side_channel import SideChannelServer, WorkerInfo
 
 
 class NativeKVSource:

@@ -30,9 +30,9 @@ import cluster
 from cluster import envs
 from cluster.config import DOWN_GRACE_S
 from cluster.net import dial_host, free_port
-from cluster.process_group import ProcessRecord, is_running, record_of, spawn, stop_groups
-from cluster.redis_server import RedisServerError, start_redis
-from cluster.topology import DecodeSpec, PrefillSpec, Topology
+from pdctl.process_group import ProcessRecord, is_running, record_of, spawn, stop_groups
+from pdctl.redis_server import RedisServerError, start_redis
+from pdctl.topology import DecodeSpec, PrefillSpec, Topology
 
 STATE_FILE = "state.json"
 REDIS = "redis"

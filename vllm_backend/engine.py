@@ -2,7 +2,7 @@
 
 Both roles share this: the engine (vLLM's EngineCore runs in its own process; the ``AsyncLLM``
 front end lives on the node's asyncio loop, next to the gRPC server), the wire -> vLLM sampling
-conversion, and ``VllmWorker``, the ``NodeWorker`` that ``cluster.node_runtime.serve`` drives.
+conversion, and ``VllmWorker``, the ``NodeWorker`` that ``node_runtime.server.serve`` drives.
 vLLM is imported lazily (inside functions): the default test suite imports nothing of it.
 
 One engine per node (DP 1; more replicas = more nodes), with the node's PP x PCP x TP workers
@@ -29,7 +29,7 @@ from cluster.proto_gen import pdcluster_v1_pb2 as pb
 log = logging.getLogger("pdcluster.vllm")
 
 CONNECTOR = "PdKVConnector"
-CONNECTOR_MODULE = "kv_transfer.vllm_connector"
+CONNECTOR_MODULE = "vllm_backend.connector"
 ROLES = {"prefill": "kv_producer", "decode": "kv_consumer"}
 
 
@@ -37,7 +37,7 @@ def engine_args(config: NodeConfig, transfer_host: str) -> Any:
     """vLLM ``AsyncEngineArgs`` for this node's role, with our connector."""
     from vllm.engine.arg_utils import AsyncEngineArgs
 
-    from kv_transfer.vllm_layout import VllmKVLayout
+    from vllm_backend.layout import VllmKVLayout
 
     ec = config.engine
     if ec.dp != 1:

@@ -13,9 +13,9 @@ import threading
 
 import grpc
 
-from cluster.node_runtime import GRPC_OPTIONS
 from cluster.proto_gen import pdcluster_v1_pb2 as pb
 from cluster.proto_gen import pdcluster_v1_pb2_grpc as pb_grpc
+from node_runtime.server import GRPC_OPTIONS
 
 log = logging.getLogger("pdcluster.decode")
 TIMEOUT_S = 5.0

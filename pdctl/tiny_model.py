@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-from engine.tiny_corpus import CORPUS
+from pdctl.tiny_corpus import CORPUS
 
 __all__ = [
     "ASSISTANT_TOKEN",

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import socket
 import time
 import traceback
 from collections.abc import Callable
@@ -19,6 +18,9 @@ from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.connection import Connection, wait
 from typing import Any
+
+from engine.net import free_port
+from engine.parallel.rank_messages import RankError, Ready, Stop
 
 
 class RankFailure(RuntimeError):
@@ -31,12 +33,6 @@ class RankContext:
     world_size: int
     payload: Any
     conn: Connection
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 def _rank_main(
@@ -59,11 +55,11 @@ def _rank_main(
         dist.init_process_group(
             backend, init_method=init_method, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s)
         )
-        conn.send(("ready", rank))
+        conn.send(Ready(rank))
         target(RankContext(rank, world_size, payload, conn))
     except BaseException:  # report anything, then exit non-zero
         try:
-            conn.send(("error", f"rank {rank}: {traceback.format_exc()}"))
+            conn.send(RankError(f"rank {rank}: {traceback.format_exc()}"))
         except (OSError, EOFError):
             pass
         os._exit(1)
@@ -114,7 +110,7 @@ class RankGroup:
             self._conns.append(parent)
         for rank in range(self.world_size):
             msg = self.recv(rank, ready_timeout_s)
-            if msg != ("ready", rank):
+            if msg != Ready(rank):
                 self.shutdown()
                 raise RankFailure(f"rank {rank} sent {msg!r} instead of its ready acknowledgement")
 
@@ -149,8 +145,8 @@ class RankGroup:
                     msg = conn.recv()
                 except (EOFError, OSError):
                     self._fail(f"rank {rank} closed its pipe")
-                if isinstance(msg, tuple) and msg and msg[0] == "error":
-                    self._fail(str(msg[1]))
+                if isinstance(msg, RankError):
+                    self._fail(msg.text)
                 return msg
             for s in ready:
                 if s in sentinels:
@@ -163,8 +159,8 @@ class RankGroup:
         try:
             while conn.poll():
                 msg = conn.recv()
-                if isinstance(msg, tuple) and msg and msg[0] == "error":
-                    return str(msg[1])
+                if isinstance(msg, RankError):
+                    return msg.text
         except (EOFError, OSError):
             pass
         return None
@@ -184,7 +180,7 @@ class RankGroup:
         """Ask every rank to stop, then terminate, then kill: returns within ~2 × grace_s."""
         for c in self._conns:
             try:
-                c.send(("stop",))
+                c.send(Stop())
             except (OSError, EOFError, ValueError):
                 pass
         deadline = time.monotonic() + grace_s

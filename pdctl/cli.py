@@ -1,10 +1,10 @@
 """``pdctl``: the admin CLI.
 
 - ``make-model``: write a tiny random model.
-- ``up`` / ``down``: start / stop a whole local cluster (``cluster.launcher``) from a topology
+- ``up`` / ``down``: start / stop a whole local cluster (``pdctl.launcher``) from a topology
   file or flags; ``up`` leaves a state file in the run directory that the other commands read.
 - ``status``, ``nodes``, ``drain``, ``undrain``, ``route``: the proxy's admin API
-  (``cluster.admin_client``); the proxy is ``--proxy URL`` or the one ``up`` started.
+  (``pdctl.admin_client``); the proxy is ``--proxy URL`` or the one ``up`` started.
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from cluster.admin_client import AdminClient, AdminError, AdminNode
 from cluster.config import DOWN_GRACE_S
-from cluster.topology import DecodeSpec, PrefillSpec, ProxySpec, RegistrySpec, Topology, load_topology
+from pdctl.admin_client import AdminClient, AdminError, AdminNode
+from pdctl.topology import DecodeSpec, PrefillSpec, ProxySpec, RegistrySpec, Topology, load_topology
 
 app = typer.Typer(help="pdcluster admin CLI", no_args_is_help=True, add_completion=False)
 console = Console()
@@ -50,7 +50,7 @@ def make_model(
     layers: int = typer.Option(3, min=1, help="number of decoder layers"),
 ) -> None:
     """Write a tiny random DeepSeek-format model (config, safetensors, tokenizer, chat template)."""
-    from engine.tiny_model import make_tiny_model
+    from pdctl.tiny_model import make_tiny_model
 
     if arch not in ("v2", "v3"):
         raise typer.BadParameter("arch must be v2 or v3", param_hint="--arch")
@@ -95,7 +95,7 @@ def up(
     timeout_s: float = typer.Option(300.0, "--timeout", help="seconds to wait for the proxy's /health"),
 ) -> None:
     """Start a local cluster (Redis, prefill and decode nodes, proxy); returns once it is healthy."""
-    from cluster import launcher
+    from pdctl import launcher
 
     flags = {
         "--model": model, "--served-model-name": served_model_name, "--proxy-host": proxy_host,
@@ -155,7 +155,7 @@ def down(
     grace_s: float = typer.Option(DOWN_GRACE_S, "--grace", help="seconds each process may take to stop before SIGKILL"),
 ) -> None:
     """Stop the cluster that `pdctl up` started (idempotent)."""
-    from cluster import launcher
+    from pdctl import launcher
 
     run_dir = run_dir or launcher.default_run_dir(cluster)
     with console.status("stopping the cluster") as status:
@@ -260,7 +260,7 @@ def route(prompt_tokens: int = typer.Option(..., "--prompt-tokens", min=1, help=
 def _admin(proxy: str | None, admin_key: str | None, run_dir: Path | None, cluster: str,
            call: Callable[[AdminClient], T]) -> T:
     """Run ``call`` against the proxy (``--proxy``, else the state file of `pdctl up`); errors end the command."""
-    from cluster import launcher
+    from pdctl import launcher
 
     if proxy is None:
         run_dir = run_dir or launcher.default_run_dir(cluster)

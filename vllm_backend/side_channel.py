@@ -25,7 +25,7 @@ class WorkerInfo:
     rank: int  # in its replica: ((pp · PCP) + pcp) · TP + tp
     endpoint: str  # Mooncake session "host:rpc_port"
     notify: str  # its notify server "host:port" (``op: done``)
-    layout: dict[str, int]  # kv_transfer.vllm_layout.VllmKVLayout fields
+    layout: dict[str, int]  # vllm_backend.layout.VllmKVLayout fields
     regions: dict[str, list[int]]  # layer -> [base, num_blocks, block_bytes]
 
 

@@ -15,11 +15,11 @@ import time
 
 import grpc
 
-from cluster import node_runtime
 from cluster.config import NodeConfig
 from cluster.proto_gen import pdcluster_v1_pb2 as pb
 from cluster.proto_gen import pdcluster_v1_pb2_grpc as pb_grpc
-from cluster.vllm_engine import VllmWorker, finish_reason, sampling_to_vllm, tokens_pb
+from node_runtime import server as node_runtime
+from vllm_backend.engine import VllmWorker, finish_reason, sampling_to_vllm, tokens_pb
 
 log = logging.getLogger("pdcluster.prefill")
 _RECENT = 4096  # prefilled request ids remembered for Release

@@ -9,7 +9,7 @@ gets ``max_tokens - 1`` and ``min_tokens - 1``. Admitted is sent with the first 
 has arrived by then). A cancelled stream aborts in vLLM.
 
 The params come from a vLLM prefill node (``DecodeRequest.vllm_kv_params_json``) or are built from
-a native prefill node's ``KVHandle`` (``kv_transfer.vllm.handle_params``). In the second case the
+a native prefill node's ``KVHandle`` (``vllm_backend.handle_params``). In the second case the
 node releases the request on the prefill node (``Release``, as native decode nodes confirm) at the
 first output, when the KV has been read; ``found=False`` means the prefill node's lease ran out
 first, and the request fails with FAILED_PRECONDITION, as on native nodes. A stream that ends
@@ -28,14 +28,14 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from cluster import node_runtime
 from cluster.config import NodeConfig
 from cluster.proto_gen import pdcluster_v1_pb2 as pb
 from cluster.proto_gen import pdcluster_v1_pb2_grpc as pb_grpc
-from cluster.vllm_engine import VllmWorker, finish_reason, sampling_to_vllm, tokens_pb
-from decode_node.confirm import PrefillConfirmer
 from kv_transfer.handle import from_handle
-from kv_transfer.vllm import handle_params
+from node_runtime import server as node_runtime
+from node_runtime.confirm import PrefillConfirmer
+from vllm_backend import handle_params
+from vllm_backend.engine import VllmWorker, finish_reason, sampling_to_vllm, tokens_pb
 
 log = logging.getLogger("pdcluster.decode")
 
