@@ -106,7 +106,7 @@ class Replica(EngineLoop):
         super().__init__(f"decode-engine-{index}")
         self.index = index
         self.engine = LLMEngine(config)
-        dest = register_cache(transport, self.engine.executor.cache.layers)
+        dest = register_cache(transport, self.engine.cache_layers)
         self.receiver = KVReceiver(transport, dest, timeout_s=timeout_s, stats=stats)
         self.timeout_s = timeout_s
         self.pool = pool

@@ -16,6 +16,7 @@ import torch
 from engine.config import ModelConfig
 from engine.engine_config import EngineConfig
 from engine.kv_cache import BlockSpace, KVCache, bytes_per_block
+from engine.model import DeepseekForCausalLM
 from engine.model_runner import ModelRunner, StepLogits
 from engine.parallel.grid import ParallelConfig
 from engine.parallel.kv_layout import RankBlocks, kv_ownership
@@ -71,7 +72,7 @@ def check_kv_capacity(num_blocks: int, block_size: int, max_model_len: int, need
 
 def load_model(
     config: EngineConfig, mc: ModelConfig, dtype: torch.dtype, device: torch.device, layers: range | None = None
-) -> torch.nn.Module:
+) -> DeepseekForCausalLM:
     t0 = time.perf_counter()
     model = build_empty_model(mc, dtype, device, layers)
     if config.load_format == "dummy":
@@ -95,7 +96,7 @@ class LocalExecutor:
         n = kv_blocks_for_memory(config, mc, max_model_len, self.dtype, self.device, self.num_layers)
         check_kv_capacity(n, config.block_size, max_model_len)
         self.cache = KVCache(mc, range(self.num_layers), n, config.block_size, self.dtype, self.device)
-        self.runner = ModelRunner(self.model, self.cache, self.device)  # type: ignore[arg-type]
+        self.runner = ModelRunner(self.model, self.cache, self.device)
         self.allocator: BlockSpace = self.cache.allocator
         self.block_size = config.block_size
         self._pending: list[StepLogits | None] | None = None

@@ -81,7 +81,7 @@ class LLM:
         if par.world_size == 1:
             self.engines = [LLMEngine(config)]
             if exporter is not None:
-                self.cache_exports = {0: exporter.export(self.engines[0].executor.cache.layers)}
+                self.cache_exports = {0: exporter.export(self.engines[0].cache_layers)}
                 self._exporter = exporter
         else:
             mc = ModelConfig.from_pretrained(config.model)
@@ -104,8 +104,8 @@ class LLM:
     ) -> list[RequestOutput]:
         """Run all prompts to completion; outputs come back in the prompts' order."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
-        prompts = list(prompts)  # type: ignore[arg-type]
+            prompts = [prompts]
+        prompts = list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
         params = (

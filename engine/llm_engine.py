@@ -64,6 +64,15 @@ class LLMEngine:
             raise AttributeError("the model runs on rank processes, not in this process")
         return model
 
+    @property
+    def cache_layers(self) -> dict[int, torch.Tensor]:
+        """The in-process KV cache (local executor only): global layer index -> [num_blocks,
+        block_size, L + R]; what a node registers with its KV transport."""
+        cache = getattr(self.executor, "cache", None)
+        if cache is None:
+            raise AttributeError("the KV cache lives on rank processes, not in this process")
+        return cache.layers
+
     # -- requests ------------------------------------------------------------------------------
     def add_request(
         self,

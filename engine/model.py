@@ -65,7 +65,9 @@ class DeepseekForCausalLM(nn.Module):
         if form not in ("absorbed", "decompressed"):
             raise ValueError(f"decode form must be 'absorbed' or 'decompressed', got {form!r}")
         for layer in self.model.layers.values():
-            layer.self_attn.decode_form = form
+            attn = layer.self_attn
+            assert isinstance(attn, MLAttention)
+            attn.decode_form = form
 
     def forward(
         self, batch: ForwardBatch, kv_caches: dict[int, torch.Tensor], hidden: torch.Tensor | None = None

@@ -65,6 +65,6 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], default_generator: torch.
         top = None
         if seq.params.logprobs is not None:
             n = seq.params.logprobs
-            top = dict(list(tops[i].items())[:n]) if n else {}
+            top = dict(list((tops[i] or {}).items())[:n]) if n else {}
         out.append(Sample(token=tok, logprob=chosen[i], top=top))
     return out

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -123,7 +123,7 @@ def _copy(param: torch.Tensor, t: torch.Tensor, name: str, expert: int | None, p
 
 
 def _check_complete(
-    model: DeepseekForCausalLM, params: dict[str, torch.Tensor], filled: set[tuple[str, int | None, str | None]]
+    model: DeepseekForCausalLM, params: Mapping[str, torch.Tensor], filled: set[tuple[str, int | None, str | None]]
 ) -> None:
     missing = []
     for pname, p in params.items():

@@ -265,6 +265,7 @@ def make_tiny_model(
 
     tok = _build_tokenizer()
     bos_id, eos_id = tok.token_to_id(BOS_TOKEN), tok.token_to_id(EOS_TOKEN)
+    assert bos_id is not None and eos_id is not None  # both are special tokens of the trained vocabulary
     cfg = _build_config(arch, moe, num_layers, tok.get_vocab_size(), bos_id, eos_id)
     cfg.update(overrides or {})
 

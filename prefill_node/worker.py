@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import math
 import threading
@@ -164,10 +165,10 @@ class PrefillWorker(EngineLoop):
             case Abort(rid, done):
                 found = self._abort(rid)
                 if done is not None:
-                    self.answer(lambda done=done, found=found: done(found))
+                    self.answer(functools.partial(done, found))
             case Release(rid, done):
                 found = self.leases.confirm(rid)
-                self.answer(lambda done=done, found=found: done(found))
+                self.answer(functools.partial(done, found))
             case AbortAll(why):
                 for rid in list(self.jobs) + list(self.held_on):
                     self._abort(rid, NodeFailed(f"aborted: {why}"))

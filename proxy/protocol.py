@@ -124,6 +124,11 @@ class CompletionRequest(_Sampling):
     best_of: int | None = None
     suffix: str | None = None
 
+    def prompt_ids(self) -> list[int]:
+        """The prompt as token ids (``_one_prompt`` left one prompt: text, or a list of ids)."""
+        assert isinstance(self.prompt, list) and all(isinstance(t, int) for t in self.prompt)
+        return [int(t) for t in self.prompt]  # type: ignore[arg-type]
+
     @field_validator("prompt")
     @classmethod
     def _one_prompt(cls, v: Any) -> str | list[int]:

@@ -56,7 +56,7 @@ class Serving:
         body = await _json_body(request)
         req = _validate(CompletionRequest, body)
         self._check_model(req.model)
-        ids = req.prompt if isinstance(req.prompt, list) else self.tokenizer.encode(req.prompt)
+        ids = req.prompt_ids() if isinstance(req.prompt, list) else self.tokenizer.encode(req.prompt)
         return await self._generate(request, req, ids, "completions", "cmpl", "prompt", arrival)
 
     async def chat(self, request: Request) -> Response:

@@ -135,6 +135,7 @@ def _decode(
     kv = gather_latents(batch.decode_block_tables, pos, flat_cache, block_size)
     out_lat, lse = attn.absorbed_attention(q_nope, q_pe, kv, st.dec_mask)
     if st.sharded:
+        assert lse is not None  # asked for (want_lse defaults to True)
         b, h, lat = out_lat.shape
         both = torch.cat((out_lat, lse.unsqueeze(-1)), dim=-1).view(b, h * (lat + 1))
         parts = gather_padded(both, [b] * st.size, st.group).view(st.size, b, h, lat + 1)

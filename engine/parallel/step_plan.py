@@ -178,7 +178,10 @@ def build_rank_batch(
         [_cat([new_off[s] + zig[q][s] for s in range(len(prefills))]) for q in range(P)], new_counts, n_new
     )
     segments: list[SegmentView] = []
-    write_src, write_slots, ctx_parts_by_rank, read_slots = [], [], [[] for _ in range(P)], []
+    write_src: list[torch.Tensor] = []
+    write_slots: list[torch.Tensor] = []
+    read_slots: list[torch.Tensor] = []
+    ctx_parts_by_rank: list[list[torch.Tensor]] = [[] for _ in range(P)]
     row0 = nd
     for s, row in enumerate(prefills):
         table = local[nd + s]
@@ -245,27 +248,28 @@ def build_rank_batch(
         "logits_index": logits_index, "input_ids": _cat(ids), "positions": _cat(positions),
         "dec_tables": dec_tables, "dec_lens": dec_lens, "logits_rows": _cat(my_rows),
     }
-    d = dict(zip(host, _to_device([t.long() for t in host.values()], device)))
+    on_dev = dict(zip(host, _to_device([t.long() for t in host.values()], device)))
     step = PCPStep(
         size=P, rank=r, group=group, sharded=sharded, num_decode=nd,
-        dec_write_rows=d["dec_write_rows"], dec_write_slots=d["dec_write_slots"], dec_mask=dec_mask.to(device),
-        segments=segments, num_new=n_new, new_counts=new_counts, new_index=d["new_index"],
-        new_write_src=d["new_write_src"], new_write_slots=d["new_write_slots"],
-        num_ctx=n_ctx, ctx_counts=ctx_counts, ctx_read_slots=d["ctx_read_slots"],
-        ctx_index=d["ctx_index"] if ctx_index is not None else None,
-        logits_counts=logits_counts, logits_index=d["logits_index"],
+        dec_write_rows=on_dev["dec_write_rows"], dec_write_slots=on_dev["dec_write_slots"],
+        dec_mask=dec_mask.to(device),
+        segments=segments, num_new=n_new, new_counts=new_counts, new_index=on_dev["new_index"],
+        new_write_src=on_dev["new_write_src"], new_write_slots=on_dev["new_write_slots"],
+        num_ctx=n_ctx, ctx_counts=ctx_counts, ctx_read_slots=on_dev["ctx_read_slots"],
+        ctx_index=on_dev["ctx_index"] if ctx_index is not None else None,
+        logits_counts=logits_counts, logits_index=on_dev["logits_index"],
     )
     empty = torch.zeros(0, dtype=torch.long, device=device)
     return ForwardBatch(
-        input_ids=d["input_ids"],
-        positions=d["positions"],
+        input_ids=on_dev["input_ids"],
+        positions=on_dev["positions"],
         slot_mapping=empty,
         num_decode=nd,
-        decode_block_tables=d["dec_tables"],
-        decode_seq_lens=d["dec_lens"],
+        decode_block_tables=on_dev["dec_tables"],
+        decode_seq_lens=on_dev["dec_lens"],
         decode_max_len=max_len,
         prefills=[],
-        logits_rows=d["logits_rows"],
+        logits_rows=on_dev["logits_rows"],
         pcp=step,
     )
 
