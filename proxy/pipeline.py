@@ -1,5 +1,9 @@
 """One request's trip through the cluster: route, prefill, then the decode stream.
 
+``Pipeline`` routes and runs the prefill leg; ``Generation`` runs the decode leg and hands out the
+tokens. Both use one ``Legs`` (node clients, the routing view, metrics, timeouts, background
+cleanup); neither reaches into the other.
+
 Lifecycle (every exit path goes through ``Generation.close``, which is idempotent):
 
 1. ``Pipeline.start``: route, count the request on the chosen replicas (``LocalLoad``), call
@@ -102,8 +106,9 @@ class _Counted:
                               requests=1)
 
 
-class Pipeline:
-    """Starts generations; owns the background cleanup calls so none is lost or left running."""
+class Legs:
+    """What both legs of every request use: the node clients, the routing view, metrics, timeouts,
+    and the background cleanup calls (so none is lost or left running)."""
 
     def __init__(self, clients: NodeClients, router: Router, metrics: ProxyMetrics, prefill_timeout_s: float,
                  token_timeout_s: float, view: NodeView | None = None) -> None:
@@ -114,53 +119,6 @@ class Pipeline:
         self.prefill_timeout_s = prefill_timeout_s
         self.token_timeout_s = token_timeout_s
         self._background: set[asyncio.Task[Any]] = set()
-
-    async def start(self, req: GenerationRequest, nodes: list[NodeState]) -> Generation:
-        """Route and prefill; raises ``APIError`` (nothing is left held when it does).
-
-        A prefill node that answers UNAVAILABLE (dead, or draining/stopping before the registry
-        says so) costs the client nothing: the request is tried once more on another replica.
-        """
-        failed: list[str] = []
-        last_error: grpc.aio.AioRpcError | None = None
-        while True:
-            try:
-                route = self.router.route(nodes, len(req.prompt_token_ids), req.sampling.max_tokens, failed)
-            except NoRoute as e:
-                if last_error is not None:  # no other replica to retry on: the node's error it is
-                    raise rpc_error("prefill", last_error) from None
-                raise APIError(503, e.message, code=e.code, cause="no_route") from None
-            try:
-                reply, counted = await self._prefill(req, route)
-            except grpc.aio.AioRpcError as e:
-                if e.code() != grpc.StatusCode.UNAVAILABLE or len(failed) + 1 >= PREFILL_ATTEMPTS:
-                    raise rpc_error("prefill", e) from None
-                log.warning("prefill of %s on %s unavailable (%s); trying another replica", req.request_id,
-                            route.prefill.node_id, e.details())
-                self.unreachable(route.prefill.node_id)
-                failed.append(route.prefill.node_id)
-                last_error = e
-                continue
-            self.metrics.ttft.labels(req.endpoint).observe(time.perf_counter() - req.arrival)
-            return Generation(self, req, route, reply, counted)
-
-    async def _prefill(self, req: GenerationRequest, route: Route) -> tuple[pb.PrefillResponse, _Counted]:
-        n = len(req.prompt_token_ids)
-        self.metrics.routing.labels("prefill", route.prefill.node_id).inc()
-        self.metrics.routing.labels("decode", route.decode.node_id).inc()
-        self.metrics.prompt_tokens.inc(n)
-        counted = _Counted(self.router.load, route, n, route.decode.needed_blocks)
-        prefill = pb.PrefillRequest(request_id=req.request_id, token_ids=req.prompt_token_ids, sampling=req.sampling,
-                                    dp_rank=route.prefill.dp_rank)
-        try:
-            reply = await self.clients.prefill(route.prefill.address).Prefill(prefill, timeout=self.prefill_timeout_s)
-        except BaseException:  # an RPC error, or cancelled because the client left
-            # The node may have finished the prefill and hold the KV: free it there.
-            self.spawn(self.clients.abort_prefill(route.prefill.address, req.request_id))
-            counted.release()
-            raise
-        counted.prefill_answered()
-        return reply, counted
 
     def unreachable(self, node_id: str) -> None:
         if self.view is not None:
@@ -191,6 +149,67 @@ class Pipeline:
             await asyncio.wait(list(self._background), timeout=timeout_s)
 
 
+class Pipeline:
+    """Starts generations: routes each request and runs its prefill leg; ``Generation`` runs the rest."""
+
+    def __init__(self, clients: NodeClients, router: Router, metrics: ProxyMetrics, prefill_timeout_s: float,
+                 token_timeout_s: float, view: NodeView | None = None) -> None:
+        self.legs = Legs(clients, router, metrics, prefill_timeout_s, token_timeout_s, view)
+
+    async def start(self, req: GenerationRequest, nodes: list[NodeState]) -> Generation:
+        """Route and prefill; raises ``APIError`` (nothing is left held when it does).
+
+        A prefill node that answers UNAVAILABLE (dead, or draining/stopping before the registry
+        says so) costs the client nothing: the request is tried once more on another replica.
+        """
+        legs = self.legs
+        failed: list[str] = []
+        last_error: grpc.aio.AioRpcError | None = None
+        while True:
+            try:
+                route = legs.router.route(nodes, len(req.prompt_token_ids), req.sampling.max_tokens, failed)
+            except NoRoute as e:
+                if last_error is not None:  # no other replica to retry on: the node's error it is
+                    raise rpc_error("prefill", last_error) from None
+                raise APIError(503, e.message, code=e.code, cause="no_route") from None
+            try:
+                reply, counted = await self._prefill(req, route)
+            except grpc.aio.AioRpcError as e:
+                if e.code() != grpc.StatusCode.UNAVAILABLE or len(failed) + 1 >= PREFILL_ATTEMPTS:
+                    raise rpc_error("prefill", e) from None
+                log.warning("prefill of %s on %s unavailable (%s); trying another replica", req.request_id,
+                            route.prefill.node_id, e.details())
+                legs.unreachable(route.prefill.node_id)
+                failed.append(route.prefill.node_id)
+                last_error = e
+                continue
+            legs.metrics.ttft.labels(req.endpoint).observe(time.perf_counter() - req.arrival)
+            return Generation(legs, req, route, reply, counted)
+
+    async def _prefill(self, req: GenerationRequest, route: Route) -> tuple[pb.PrefillResponse, _Counted]:
+        legs = self.legs
+        n = len(req.prompt_token_ids)
+        legs.metrics.routing.labels("prefill", route.prefill.node_id).inc()
+        legs.metrics.routing.labels("decode", route.decode.node_id).inc()
+        legs.metrics.prompt_tokens.inc(n)
+        counted = _Counted(legs.router.load, route, n, route.decode.needed_blocks)
+        prefill = pb.PrefillRequest(request_id=req.request_id, token_ids=req.prompt_token_ids, sampling=req.sampling,
+                                    dp_rank=route.prefill.dp_rank)
+        try:
+            reply = await legs.clients.prefill(route.prefill.address).Prefill(prefill, timeout=legs.prefill_timeout_s)
+        except BaseException:  # an RPC error, or cancelled because the client left
+            # The node may have finished the prefill and hold the KV: free it there.
+            legs.spawn(legs.clients.abort_prefill(route.prefill.address, req.request_id))
+            counted.release()
+            raise
+        counted.prefill_answered()
+        return reply, counted
+
+    async def drain_background(self, timeout_s: float = 5.0) -> None:
+        """Let pending cleanup calls finish (at shutdown)."""
+        await self.legs.drain_background(timeout_s)
+
+
 class GenerationError(Exception):
     """The decode leg failed after the response may have started; carries the client's error."""
 
@@ -202,9 +221,9 @@ class GenerationError(Exception):
 class Generation:
     """A prefilled request: its first token, then the decode node's tokens."""
 
-    def __init__(self, pipeline: Pipeline, req: GenerationRequest, route: Route, reply: pb.PrefillResponse,
+    def __init__(self, legs: Legs, req: GenerationRequest, route: Route, reply: pb.PrefillResponse,
                  counted: _Counted) -> None:
-        self._p = pipeline
+        self._legs = legs
         self.request = req
         self.route = route
         self._reply = reply
@@ -230,7 +249,7 @@ class Generation:
             decode.kv.CopyFrom(reply.kv)
         elif reply.WhichOneof("kv_source") == "vllm_kv_params_json":
             decode.vllm_kv_params_json = reply.vllm_kv_params_json
-        self._call = self._p.clients.decode(self.route.decode.address).Decode(decode)
+        self._call = self._legs.clients.decode(self.route.decode.address).Decode(decode)
 
     @property
     def finished(self) -> bool:
@@ -244,7 +263,7 @@ class Generation:
         """
         if not self._first_taken:
             self._first_taken = True
-            self._p.metrics.generation_tokens.inc()
+            self._legs.metrics.generation_tokens.inc()
             return [self._reply.first_token], self._reply.finish_reason
         if self._finished or self._call is None:
             raise RuntimeError("the generation is already finished")
@@ -252,8 +271,8 @@ class Generation:
             event = await self._read()
             kind = event.WhichOneof("event")
             if kind == "admitted":
-                self._p.metrics.kv_transfer_s.observe(event.admitted.transfer_s)
-                self._p.metrics.kv_transfer_bytes.inc(event.admitted.transfer_bytes)
+                self._legs.metrics.kv_transfer_s.observe(event.admitted.transfer_s)
+                self._legs.metrics.kv_transfer_bytes.inc(event.admitted.transfer_bytes)
                 self._counted.prefill_released()
             elif kind == "tokens" and (event.tokens.tokens or event.tokens.finish_reason):
                 tokens = list(event.tokens.tokens)
@@ -266,20 +285,20 @@ class Generation:
     async def _read(self) -> pb.DecodeEvent:
         while True:
             try:
-                event = await asyncio.wait_for(self._call.read(), self._p.token_timeout_s)
+                event = await asyncio.wait_for(self._call.read(), self._legs.token_timeout_s)
                 break
             except asyncio.TimeoutError:
                 raise GenerationError(APIError(
-                    503, f"decode timed out: no token for {self._p.token_timeout_s:g}s", code="token_timeout",
+                    503, f"decode timed out: no token for {self._legs.token_timeout_s:g}s", code="token_timeout",
                     cause="token_timeout")) from None
             except grpc.aio.AioRpcError as e:
                 if e.code() not in MOVABLE:
                     raise GenerationError(rpc_error("decode", e)) from None
                 gone = e.code() == grpc.StatusCode.UNAVAILABLE
                 if gone:
-                    self._p.unreachable(self.route.decode.node_id)
+                    self._legs.unreachable(self.route.decode.node_id)
                 movable = self._events == 0 and self._decode_attempts < DECODE_ATTEMPTS
-                other = self._p.other_decode(self.request, self.route, gone) if movable else None
+                other = self._legs.other_decode(self.request, self.route, gone) if movable else None
                 if other is None:
                     raise GenerationError(rpc_error("decode", e)) from None
                 log.warning("decode of %s on %s rank %d failed (%s: %s); moving it to %s rank %d",
@@ -302,8 +321,8 @@ class Generation:
         gap = (now - self._last_token_at) / k  # tokens arrive in batches: spread the gap over them
         self._last_token_at = now
         for _ in range(k):
-            self._p.metrics.itl.observe(gap)
-        self._p.metrics.generation_tokens.inc(k)
+            self._legs.metrics.itl.observe(gap)
+        self._legs.metrics.generation_tokens.inc(k)
 
     def close(self) -> None:
         """End the request; idempotent. Unless the nodes finished it, cancel decode and abort prefill."""
@@ -313,6 +332,6 @@ class Generation:
         if not self._finished:
             if self._call is not None:
                 self._call.cancel()
-            self._p.spawn(self._p.clients.abort_prefill(self.route.prefill.address, self.request.request_id))
+            self._legs.spawn(self._legs.clients.abort_prefill(self.route.prefill.address, self.request.request_id))
         self._counted.release()
 
