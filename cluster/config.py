@@ -1,7 +1,10 @@
 """Configuration every cluster process shares: frozen dataclasses, validated on construction.
 
 Nodes compose an ``EngineConfig`` (the engine's knobs) with their service settings; the proxy has
-its own. CLI defaults come from these dataclasses, so a flag and its dataclass never disagree.
+its own. The processes' flags are generated from these dataclasses (``cluster.flags``): to add a
+knob, add a field to the dataclass, with its help in ``metadata``; it becomes a flag (and, for a
+node, a key of a ``pdctl up`` topology's nodes) with its default, so the two never disagree. Which
+fields are not node flags, which are one role's, and the historic flag names are below (NODE_*).
 """
 
 from __future__ import annotations
@@ -23,10 +26,12 @@ ENGINE_BACKENDS = ("native", "vllm")
 class RegistryConfig:
     """Where the Redis registry is and how fresh a node's heartbeat must be."""
 
-    url: str = "redis://127.0.0.1:6379/0"
-    cluster: str = "pdcluster"  # key prefix: two clusters can share one Redis
-    ttl_s: float = 5.0  # a node whose heartbeat is older than this is unhealthy (its key expires)
-    heartbeat_s: float = 1.0  # how often nodes publish their load
+    url: str = field(default="redis://127.0.0.1:6379/0", metadata={"help": "the Redis registry", "metavar": "URL"})
+    cluster: str = field(default="pdcluster", metadata={
+        "help": "key prefix: two clusters can share one Redis", "metavar": "NAME"})
+    ttl_s: float = field(default=5.0, metadata={
+        "help": "a node whose heartbeat is older than this is unhealthy (its key expires)"})
+    heartbeat_s: float = field(default=1.0, metadata={"help": "how often nodes publish their load"})
 
     def __post_init__(self) -> None:
         if not self.url.startswith(("redis://", "rediss://", "unix://")):
@@ -42,20 +47,25 @@ class NodeConfig:
     """A prefill or decode node: its engine, where it listens, and the registry it joins."""
 
     role: str
-    node_id: str
+    node_id: str = field(metadata={"help": "unique within the cluster, e.g. prefill-0", "metavar": "ID"})
     engine: EngineConfig
-    host: str = "127.0.0.1"  # gRPC listen address
-    port: int = 0  # 0 = a free port, published in the registry
-    advertise_host: str | None = None  # the host others dial (default: host)
+    host: str = field(default="127.0.0.1", metadata={"help": "gRPC listen address"})
+    port: int = field(default=0, metadata={"help": "gRPC port; 0 = a free one, published in the registry"})
+    advertise_host: str | None = field(default=None, metadata={
+        "help": "the host name others dial, for gRPC and the KV transport (default: --host)", "metavar": "HOST"})
     registry: RegistryConfig = field(default_factory=RegistryConfig)
-    lease_s: float = 30.0  # prefill: how long finished prefills keep their KV for the decode side
-    transfer_timeout_s: float = 30.0  # decode: the longest a KV pull may take
-    grace_s: float = 30.0  # on SIGTERM: how long in-flight requests may run before they are aborted
-    engine_backend: str = "native"  # "native" (engine/) or "vllm" (an in-process vLLM engine, vllm_backend.engine)
+    lease_s: float = field(default=30.0, metadata={
+        "help": "prefill: how long a finished prefill keeps its KV for the decode side"})
+    transfer_timeout_s: float = field(default=30.0, metadata={"help": "decode: the longest a KV pull may take"})
+    grace_s: float = field(default=30.0, metadata={
+        "help": "on SIGTERM: how long in-flight requests may run before they are aborted"})
+    engine_backend: str = field(default="native", metadata={
+        "help": "native: pdcluster's engine (engine/); vllm: an in-process vLLM engine with PdKVConnector "
+                "(needs vllm importable; DP 1, --tp/--dcp/--pcp/--pp)", "choices": ENGINE_BACKENDS})
     # vLLM nodes only (the native engine has neither): tensor parallel and decode context parallel
     # sizes of the node's vLLM engine (vLLM's MLA cache is replicated across TP, sharded across DCP).
-    tp: int = 1
-    dcp: int = 1
+    tp: int = field(default=1, metadata={"help": "tensor parallel size (--engine vllm only)"})
+    dcp: int = field(default=1, metadata={"help": "decode context parallel size (--engine vllm only)"})
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -89,16 +99,20 @@ class NodeConfig:
 class ProxyConfig:
     """The OpenAI-compatible HTTP front end."""
 
-    model: str  # model directory: tokenizer, chat template, config (context length)
-    served_model_name: str | None = None  # the name clients pass as "model" (default: the directory's name)
-    host: str = "127.0.0.1"
-    port: int = 8000
+    model: str = field(metadata={"help": "model directory (tokenizer, chat template, config.json)", "metavar": "DIR"})
+    served_model_name: str | None = field(default=None, metadata={
+        "help": 'the name clients pass as "model" (default: the directory\'s name)', "metavar": "NAME"})
+    host: str = field(default="127.0.0.1", metadata={"help": "HTTP listen address"})
+    port: int = field(default=8000, metadata={"help": "HTTP port"})
     registry: RegistryConfig = field(default_factory=RegistryConfig)
-    api_key: str | None = None  # when set, /v1/* needs "Authorization: Bearer <api_key>"
-    admin_key: str | None = None  # when set, /admin/* (drain, undrain, route, status) needs it
-    prefill_timeout_s: float = 300.0  # the longest wait for a prefill answer
-    token_timeout_s: float = 60.0  # the longest wait between two decode events
-    refresh_s: float = 0.5  # how often the proxy refreshes its view of the registry
+    api_key: str | None = field(default=None, metadata={
+        "help": "when set, /v1/* needs 'Authorization: Bearer KEY'", "metavar": "KEY"})
+    admin_key: str | None = field(default=None, metadata={
+        "help": "when set, /admin/* (drain, undrain, route, status) needs 'Authorization: Bearer KEY'",
+        "metavar": "KEY"})
+    prefill_timeout_s: float = field(default=300.0, metadata={"help": "the longest wait for a prefill answer"})
+    token_timeout_s: float = field(default=60.0, metadata={"help": "the longest wait between two decode events"})
+    refresh_s: float = field(default=0.5, metadata={"help": "how often the proxy refreshes its view of the registry"})
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -106,3 +120,30 @@ class ProxyConfig:
         for name in ("prefill_timeout_s", "token_timeout_s", "refresh_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+
+
+# --- the node processes' flags (node_runtime.cli) and a topology's node keys (pdctl.topology) ---
+# Every field of NodeConfig, RegistryConfig and EngineConfig is a flag of both node roles, named
+# --kebab-case of the field (or of its rename below), except these (with why):
+NODE_NOT_FLAGS = frozenset({
+    "role",  # the program: python -m prefill_node or python -m decode_node
+    "engine",  # composed from the EngineConfig flags
+    "registry",  # composed from the RegistryConfig flags
+    "dist_host", "dist_port",  # EngineConfig's rank rendezvous: the node sets them (its transfer host, a free port)
+    # EngineConfig's: a node uses the model directory's tokenizer, as the proxy does (the two must agree)
+    "tokenizer", "skip_tokenizer_init",
+})
+# One role's fields: flags of that role only.
+NODE_ROLE_ONLY = {
+    "prefill": frozenset({"pcp", "pp", "kv_layout", "kv_interleave", "lease_s"}),
+    "decode": frozenset({"transfer_timeout_s"}),
+}
+# Historic flag names (field -> key): --engine is NodeConfig.engine_backend, --registry-url RegistryConfig.url.
+NODE_RENAMES = {"engine_backend": "engine", "url": "registry_url"}
+
+
+def node_not_flags(role: str) -> frozenset[str]:
+    """The fields that are no flags of a ``role`` node: NODE_NOT_FLAGS and the other roles' own."""
+    if role not in ROLES:
+        raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+    return NODE_NOT_FLAGS.union(*(only for r, only in NODE_ROLE_ONLY.items() if r != role))

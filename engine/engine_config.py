@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from engine.parallel.grid import ParallelConfig
+from engine.parallel.grid import KV_LAYOUTS, ParallelConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
@@ -14,34 +14,46 @@ LOAD_FORMATS = ("auto", "safetensors", "dummy")
 
 @dataclass(frozen=True)
 class EngineConfig:
-    model: str
-    dtype: str = "auto"  # "auto" = the checkpoint's torch_dtype
-    device: str = "auto"  # "auto" = cuda if available, else cpu
-    max_model_len: int | None = None  # default: the model's max_position_embeddings
-    max_num_batched_tokens: int = 2048  # per-step token budget; longer prompts prefill in chunks
-    max_num_seqs: int = 256
-    block_size: int = 16
-    num_kv_blocks: int | None = None  # default: sized from memory (below)
-    cpu_kv_cache_gb: float = 0.5
-    gpu_memory_utilization: float = 0.9
-    load_format: str = "auto"  # "dummy" = random weights from config.json alone (benchmarks)
-    seed: int = 0
-    tokenizer: str | None = None  # default: the model directory
-    skip_tokenizer_init: bool = False
+    # Each field is a flag of the node processes and a key of a pdctl topology's nodes (cluster.flags):
+    # add a knob by adding a field, its help in metadata. Defaults and helps must be literals (pdctl
+    # reads them from this source: it does not import torch).
+    model: str = field(metadata={"help": "model directory (Hugging Face format)", "metavar": "DIR"})
+    dtype: str = field(default="auto", metadata={
+        "help": "auto = the checkpoint's torch_dtype", "choices": ("auto", *DTYPES)})
+    device: str = field(default="auto", metadata={"help": "cpu, cuda or cuda:N; auto = cuda if available, else cpu"})
+    max_model_len: int | None = field(default=None, metadata={
+        "help": "context limit (default: the model's max_position_embeddings)"})
+    max_num_batched_tokens: int = field(default=2048, metadata={
+        "help": "per-step token budget; longer prompts prefill in chunks"})
+    max_num_seqs: int = field(default=256, metadata={"help": "most sequences in one batch"})
+    block_size: int = field(default=16, metadata={"help": "tokens per KV cache block"})
+    num_kv_blocks: int | None = field(default=None, metadata={
+        "help": "KV cache blocks per rank (default: sized from memory: --gpu-memory-utilization, --cpu-kv-cache-gb)"})
+    cpu_kv_cache_gb: float = field(default=0.5, metadata={"help": "on CPU: the KV cache's size per rank in GiB"})
+    gpu_memory_utilization: float = field(default=0.9, metadata={
+        "help": "on GPU: the share of its memory the weights and the KV cache may use"})
+    load_format: str = field(default="auto", metadata={
+        "help": "dummy = random weights from config.json alone (benchmarks)", "choices": LOAD_FORMATS})
+    seed: int = field(default=0, metadata={"help": "seed of the sampler (and of dummy weights)"})
+    tokenizer: str | None = field(default=None, metadata={"help": "tokenizer directory (default: the model's)"})
+    skip_tokenizer_init: bool = field(default=False, metadata={"help": "load no tokenizer: token ids in and out"})
     # torch intra-op threads of the engine's processes. 1 by default: a node runs several rank
     # processes, and torch's OpenMP pool slows by 10-100x when processes oversubscribe the cores
     # (measured on 2 cores); on GPUs the host work (step plans, sampling) is small and ran 5x
     # faster with 1 thread than with 32 (H200 host).
-    cpu_threads: int = 1
+    cpu_threads: int = field(default=1, metadata={"help": "torch intra-op threads of each rank process"})
     # Topology (engine.parallel): DP replicas x PCP x PP rank processes; 1 x 1 x 1 runs in-process.
-    dp: int = 1
-    pcp: int = 1
-    pp: int = 1
-    kv_layout: str = "sharded"  # "sharded" (each block on one PCP rank) or "replicated" (all of them)
-    kv_interleave: int | None = None  # sharded: tokens per run on one PCP rank (default: one block)
-    dist_host: str = "127.0.0.1"  # torch.distributed rendezvous of the rank processes
-    dist_port: int | None = None  # default: a free port
-    rank_timeout_s: float = 600.0  # longest wait for a rank's answer (startup, one step) before failing
+    dp: int = field(default=1, metadata={"help": "data-parallel replicas"})
+    pcp: int = field(default=1, metadata={"help": "prefill context parallel size"})
+    pp: int = field(default=1, metadata={"help": "pipeline stages"})
+    kv_layout: str = field(default="sharded", metadata={
+        "help": "sharded: each KV block on one PCP rank; replicated: on all of them", "choices": KV_LAYOUTS})
+    kv_interleave: int | None = field(default=None, metadata={
+        "help": "sharded: tokens per run on one PCP rank (default: one block)"})
+    dist_host: str = field(default="127.0.0.1", metadata={"help": "torch.distributed rendezvous of the rank processes"})
+    dist_port: int | None = field(default=None, metadata={"help": "the rendezvous port (default: a free one)"})
+    rank_timeout_s: float = field(default=600.0, metadata={
+        "help": "longest wait for a rank's answer (startup, one step) before failing"})
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:

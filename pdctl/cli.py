@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from pathlib import Path
-from typing import NoReturn, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import typer
 from rich.console import Console
@@ -34,6 +34,7 @@ CLUSTER = typer.Option(RegistrySpec.cluster, "--cluster", help="cluster name (pi
 PROXY = typer.Option(None, "--proxy", help="the proxy's URL (default: the one `pdctl up` started)")
 ADMIN_KEY = typer.Option(None, "--admin-key", envvar="PDCLUSTER_ADMIN_KEY", show_envvar=True,
                          help="the proxy's admin key, if it has one")
+_PREFILL, _DECODE = PrefillSpec.default, DecodeSpec.default  # a node entry's defaults (for the help)
 
 
 @app.callback()
@@ -69,20 +70,20 @@ def up(
     proxy_host: str | None = typer.Option(None, help=f"proxy listen host (default: {ProxySpec.host})"),
     proxy_port: int | None = typer.Option(None, help=f"proxy port, 0 = free (default: {ProxySpec.port})"),
     prefill_nodes: int | None = typer.Option(None, min=1, help="number of prefill nodes (default: 1)"),
-    prefill_dp: int | None = typer.Option(None, min=1, help=f"DP replicas per node (default: {PrefillSpec.dp})"),
-    prefill_pcp: int | None = typer.Option(None, min=1, help=f"PCP ranks per replica (default: {PrefillSpec.pcp})"),
-    prefill_pp: int | None = typer.Option(None, min=1, help=f"PP stages per replica (default: {PrefillSpec.pp})"),
-    kv_layout: str | None = typer.Option(None, help=f"sharded or replicated (default: {PrefillSpec.kv_layout})"),
+    prefill_dp: int | None = typer.Option(None, min=1, help=f"DP replicas per node (default: {_PREFILL('dp')})"),
+    prefill_pcp: int | None = typer.Option(None, min=1, help=f"PCP ranks per replica (default: {_PREFILL('pcp')})"),
+    prefill_pp: int | None = typer.Option(None, min=1, help=f"PP stages per replica (default: {_PREFILL('pp')})"),
+    kv_layout: str | None = typer.Option(None, help=f"sharded or replicated (default: {_PREFILL('kv_layout')})"),
     kv_interleave: int | None = typer.Option(None, min=1, help="sharded: tokens per run on one PCP rank"),
     prefill_tp: int | None = typer.Option(None, min=1, help="engine vllm: TP size of each prefill node (default: 1)"),
     prefill_dcp: int | None = typer.Option(None, min=1, help="engine vllm: DCP size of each prefill node (default: 1)"),
     decode_nodes: int | None = typer.Option(None, min=1, help="number of decode nodes (default: 1)"),
-    decode_dp: int | None = typer.Option(None, min=1, help=f"DP ranks per decode node (default: {DecodeSpec.dp})"),
+    decode_dp: int | None = typer.Option(None, min=1, help=f"DP ranks per decode node (default: {_DECODE('dp')})"),
     decode_tp: int | None = typer.Option(None, min=1, help="engine vllm: TP size of each decode node (default: 1)"),
     decode_dcp: int | None = typer.Option(None, min=1, help="engine vllm: DCP size of each decode node (default: 1)"),
-    dtype: str | None = typer.Option(None, help=f"engine dtype of every node (default: {PrefillSpec.dtype})"),
-    device: str | None = typer.Option(None, help=f"device of every node (default: {PrefillSpec.device})"),
-    max_model_len: int | None = typer.Option(None, min=1, help=f"context (default: {PrefillSpec.max_model_len})"),
+    dtype: str | None = typer.Option(None, help=f"engine dtype of every node (default: {_PREFILL('dtype')})"),
+    device: str | None = typer.Option(None, help=f"device of every node (default: {_PREFILL('device')})"),
+    max_model_len: int | None = typer.Option(None, min=1, help=f"context (default: {_PREFILL('max_model_len')})"),
     registry_url: str | None = typer.Option(None, help="an external Redis (default: start a local redis-server)"),
     redis_port: int | None = typer.Option(None, help="the local redis-server's port (default: a free one)"),
     cluster: str | None = typer.Option(None, help=f"Redis key prefix (default: {RegistrySpec.cluster})"),
@@ -251,9 +252,9 @@ def route(prompt_tokens: int = typer.Option(..., "--prompt-tokens", min=1, help=
         table = Table(title="decode candidates")
         for column in ("node", "rank", "running", "free KV blocks", "eligible", "reason"):
             table.add_column(column)
-        for c in chosen.decode_candidates:
-            table.add_row(escape(c.node_id), str(c.dp_rank), str(c.running), str(c.free_blocks),
-                          "yes" if c.eligible else "no", escape(c.reason))
+        for dc in chosen.decode_candidates:
+            table.add_row(escape(dc.node_id), str(dc.dp_rank), str(dc.running), str(dc.free_blocks),
+                          "yes" if dc.eligible else "no", escape(dc.reason))
         console.print(table)
 
 
@@ -287,7 +288,7 @@ def _node_line(n: AdminNode) -> str:
             f"{s.info.kv_layout}  {' '.join(flags)}  inflight={n.inflight}")
 
 
-def _given(**values: object) -> dict[str, object]:
+def _given(**values: Any) -> dict[str, Any]:
     """The flags that were given: the rest keep their dataclass defaults."""
     return {k: v for k, v in values.items() if v is not None}
 

@@ -9,7 +9,8 @@ never the keys) is rewritten after every start, so ``down``, a separate process,
 nodes (which deregister), then Redis.
 
 The command lines are built by pure functions (``cluster_commands``) so they can be checked
-without starting anything.
+without starting anything. A node's engine overrides and settings become the flags they are named
+after, so a knob added to ``EngineConfig`` or ``NodeConfig`` needs no edit here.
 """
 
 from __future__ import annotations
@@ -28,11 +29,12 @@ import httpx
 
 import cluster
 from cluster import envs
-from cluster.config import DOWN_GRACE_S
+from cluster.config import DOWN_GRACE_S, NodeConfig
+from cluster.flags import to_argv
 from cluster.net import dial_host, free_port
 from pdctl.process_group import ProcessRecord, is_running, record_of, spawn, stop_groups
 from pdctl.redis_server import RedisServerError, start_redis
-from pdctl.topology import DecodeSpec, PrefillSpec, Topology
+from pdctl.topology import NodeSpec, Topology
 
 STATE_FILE = "state.json"
 REDIS = "redis"
@@ -103,30 +105,31 @@ def default_run_dir(cluster_name: str) -> Path:
 # --- command lines (pure) ---
 
 def prefill_command(topology: Topology, index: int, registry_url: str, python: str = sys.executable) -> ProcessSpec:
-    spec: PrefillSpec = topology.prefill[index]
-    node_id = f"prefill-{index}"
-    argv = [python, "-m", "prefill_node", *_node_args(topology, node_id, spec.port, registry_url),
-            "--dp", str(spec.dp), "--pcp", str(spec.pcp), "--pp", str(spec.pp), "--kv-layout", spec.kv_layout]
-    if spec.kv_interleave is not None:
-        argv += ["--kv-interleave", str(spec.kv_interleave)]
-    argv += ["--dtype", spec.dtype, "--device", spec.device, "--max-model-len", str(spec.max_model_len),
-             "--max-num-batched-tokens", str(spec.max_num_batched_tokens)]
-    if spec.num_kv_blocks is not None:
-        argv += ["--num-kv-blocks", str(spec.num_kv_blocks)]
-    argv += ["--lease-s", f"{spec.lease_s:g}", *_engine_args(topology, spec)]
-    return ProcessSpec(node_id, tuple(argv), spec.port or None)
+    return node_command(topology, "prefill", index, registry_url, python)
 
 
 def decode_command(topology: Topology, index: int, registry_url: str, python: str = sys.executable) -> ProcessSpec:
-    spec: DecodeSpec = topology.decode[index]
-    node_id = f"decode-{index}"
-    argv = [python, "-m", "decode_node", *_node_args(topology, node_id, spec.port, registry_url),
-            "--dp", str(spec.dp), "--dtype", spec.dtype, "--device", spec.device,
-            "--max-model-len", str(spec.max_model_len), "--max-num-seqs", str(spec.max_num_seqs)]
-    if spec.num_kv_blocks is not None:
-        argv += ["--num-kv-blocks", str(spec.num_kv_blocks)]
-    argv += ["--transfer-timeout-s", f"{spec.transfer_timeout_s:g}", *_engine_args(topology, spec)]
-    return ProcessSpec(node_id, tuple(argv), spec.port or None)
+    return node_command(topology, "decode", index, registry_url, python)
+
+
+def node_command(topology: Topology, role: str, index: int, registry_url: str,
+                 python: str = sys.executable) -> ProcessSpec:
+    """A node's command line: what the launcher sets, then the spec's engine overrides and node
+    settings as the flags they are named after (``cluster.flags.to_argv``)."""
+    spec: NodeSpec = (topology.prefill if role == "prefill" else topology.decode)[index]
+    node_id, port = f"{role}-{index}", spec.value("port")
+    args = ["--model", topology.model]
+    if topology.served_model_name is not None:
+        # Nodes publish the served name and the proxy routes only to nodes of its own name.
+        args += ["--served-model-name", topology.served_model_name]
+    args += ["--node-id", node_id, "--host", topology.node_host, "--port", str(port),
+             "--registry-url", registry_url, "--cluster", topology.cluster]
+    settings = {k: v for k, v in spec.settings.items() if k not in ("port", "engine")}
+    engine = topology.engine_of(spec)  # a node's own, else the topology's; left out when it is the node's default
+    if engine != NodeConfig.engine_backend:
+        settings["engine"] = engine
+    argv = [python, "-m", f"{role}_node", *args, *to_argv(spec.engine_config), *to_argv(settings)]
+    return ProcessSpec(node_id, tuple(argv), port or None)
 
 
 def proxy_command(topology: Topology, registry_url: str, port: int, python: str = sys.executable) -> ProcessSpec:
@@ -146,7 +149,7 @@ def proxy_command(topology: Topology, registry_url: str, port: int, python: str 
 def cluster_commands(topology: Topology, registry_url: str, proxy_port: int,
                      python: str = sys.executable) -> list[ProcessSpec]:
     """Every process of the cluster but Redis, in start order: prefill nodes, decode nodes, proxy."""
-    def py(spec: PrefillSpec | DecodeSpec) -> str:  # vLLM nodes run in the vLLM venv's Python
+    def py(spec: NodeSpec) -> str:  # vLLM nodes run in the vLLM venv's Python
         return topology.node_python(python, spec)
 
     return [
@@ -154,22 +157,6 @@ def cluster_commands(topology: Topology, registry_url: str, proxy_port: int,
         *(decode_command(topology, i, registry_url, py(s)) for i, s in enumerate(topology.decode)),
         proxy_command(topology, registry_url, proxy_port, python),
     ]
-
-
-def _engine_args(topology: Topology, spec: PrefillSpec | DecodeSpec) -> list[str]:
-    engine = topology.engine_of(spec)
-    if engine == "native":
-        return []
-    return ["--engine", engine, "--tp", str(spec.tp), "--dcp", str(spec.dcp)]
-
-
-def _node_args(topology: Topology, node_id: str, port: int, registry_url: str) -> list[str]:
-    args = ["--model", topology.model]
-    if topology.served_model_name is not None:
-        # Nodes publish the served name and the proxy routes only to nodes of its own name.
-        args += ["--served-model-name", topology.served_model_name]
-    return args + ["--node-id", node_id, "--host", topology.node_host, "--port", str(port),
-                   "--registry-url", registry_url, "--cluster", topology.cluster]
 
 
 # --- state file ---

@@ -18,82 +18,140 @@ A YAML topology (every key but ``model`` optional; relative paths are relative t
                                    #   tp and dcp keys on nodes, pcp/pp on prefill nodes)
     vllm_python: null              # engine vllm: the nodes' Python (default: $VLLM_VENV/bin/python)
 
-The defaults suit the tiny CPU model (float32 on CPU, 2048-token context). Only what the launcher
-needs is checked here, without importing the engine (``pdctl`` stays quick to start); each node
+A node's keys are its process's flags without the dashes (``max_num_seqs: 64`` is ``--max-num-seqs
+64``; ``python -m prefill_node --help`` lists them): engine overrides, the fields of ``EngineConfig``,
+and node settings, the fields of ``NodeConfig`` (``port``, ``lease_s``, ``engine``, ``tp``, ``dcp``,
+...), but for those the launcher sets (``model``, ``node_id``, ``host``, the registry's). Each role
+takes its own node flags (``lease_s`` is a prefill node's: ``cluster.config.NODE_ROLE_ONLY``). So a
+knob added to a dataclass is a topology key at once: add a knob by adding a field. Unknown keys are
+refused, naming the valid ones; ``null`` asks for the node's default.
+
+The defaults suit the tiny CPU model (``NODE_DEFAULTS``: float32 on CPU, 2048-token context). Only
+what the launcher needs is checked here, without importing the engine (``pdctl`` stays quick to
+start: EngineConfig's fields are read from its source, ``cluster.flags.source_knobs``); each node
 validates its full engine config again when it starts.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import functools
 import os
-from dataclasses import dataclass, field, fields
+import types
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import yaml
+
+from cluster import flags
+from cluster.config import NODE_RENAMES, ROLES, NodeConfig, node_not_flags
 
 KV_LAYOUTS = ("sharded", "replicated")  # as engine.parallel.grid.KV_LAYOUTS
 DTYPES = ("auto", "float32", "bfloat16", "float16")  # as engine.engine_config.DTYPES, plus "auto"
 ENGINES = ("native", "vllm")  # as cluster.config.ENGINE_BACKENDS
 DEFAULT_VLLM_VENV = "/opt/vllm-venv"  # scripts/test_vllm.sh's default
+NODE_DEFAULTS: Mapping[str, Any] = types.MappingProxyType(
+    {"dtype": "float32", "device": "cpu", "max_model_len": 2048})  # the tiny CPU model's, unlike EngineConfig's
+# Node flags the launcher sets from the topology (the RegistryConfig ones from its registry section).
+LAUNCHER_SET = frozenset({"model", "node_id", "host"})
 
 
-@dataclass(frozen=True)
-class PrefillSpec:
-    """One prefill node: DP replicas of PCP x PP ranks."""
-
-    dp: int = 1
-    pcp: int = 1
-    pp: int = 1
-    kv_layout: str = "sharded"
-    kv_interleave: int | None = None  # sharded: tokens per run on one PCP rank (default: one block)
-    tp: int = 1  # engine vllm: tensor parallel size (MLA's cache is replicated across TP)
-    dcp: int = 1  # engine vllm: decode context parallel size (shards the cache)
-    engine: str | None = None  # this node's engine (default: the topology's)
-    dtype: str = "float32"
-    device: str = "cpu"
-    max_model_len: int = 2048
-    max_num_batched_tokens: int = 2048
-    num_kv_blocks: int | None = None  # default: sized by the node from memory
-    lease_s: float = 30.0
-    port: int = 0  # 0 = the node picks a free port and publishes it in the registry
-
-    def __post_init__(self) -> None:
-        _positive_int(self, "dp", "pcp", "pp", "tp", "dcp", "max_model_len", "max_num_batched_tokens")
-        _positive(self, "lease_s")
-        _positive_or_none(self, "kv_interleave", "num_kv_blocks")
-        _choice(self, "kv_layout", KV_LAYOUTS)
-        _engine_placement(self)
-        _port(self, "port")
-        if self.engine is not None:
-            _choice(self, "engine", ENGINES)
+@functools.cache
+def role_keys(role: str) -> tuple[dict[str, flags.Knob], dict[str, flags.Knob]]:
+    """The keys a ``role`` node takes: (engine overrides, node settings), each key -> its field."""
+    skip = node_not_flags(role) | LAUNCHER_SET
+    engine = {k.name: k for k in flags.source_knobs("engine.engine_config", "EngineConfig") if k.name not in skip}
+    node = {flags.key(k.name, NODE_RENAMES): k for k in flags.knobs(NodeConfig) if k.name not in skip}
+    return engine, node
 
 
-@dataclass(frozen=True)
-class DecodeSpec:
-    """One decode node: DP ranks with continuous batching."""
+@dataclass(frozen=True, init=False, repr=False)
+class NodeSpec:
+    """One node: its engine overrides and node settings, built from a node entry's keys.
 
-    dp: int = 1
-    tp: int = 1  # engine vllm: tensor parallel size
-    dcp: int = 1  # engine vllm: decode context parallel size
-    engine: str | None = None  # this node's engine (default: the topology's)
-    dtype: str = "float32"
-    device: str = "cpu"
-    max_model_len: int = 2048
-    max_num_seqs: int = 256
-    num_kv_blocks: int | None = None
-    transfer_timeout_s: float = 30.0
-    port: int = 0
+    Both hold only what differs from the node process's own defaults, so the launcher passes exactly
+    them as flags, and two specs are equal when their nodes would run alike.
+    """
 
-    def __post_init__(self) -> None:
-        _positive_int(self, "dp", "tp", "dcp", "max_model_len", "max_num_seqs")
-        _positive(self, "transfer_timeout_s")
-        _positive_or_none(self, "num_kv_blocks")
-        _engine_placement(self)
-        _port(self, "port")
-        if self.engine is not None:
-            _choice(self, "engine", ENGINES)
+    role: ClassVar[str]
+    engine_config: Mapping[str, Any]  # EngineConfig field -> value
+    settings: Mapping[str, Any]  # node flag key -> value: NodeConfig's fields ("engine" is engine_backend)
+
+    def __init__(self, **keys: Any) -> None:
+        engine_keys, node_keys = role_keys(self.role)
+        known = {**engine_keys, **node_keys}
+        unknown = sorted(set(keys) - set(known))
+        if unknown:
+            elsewhere = [f"{k} is a {r} node's" for k in unknown for r in ROLES
+                         if r != self.role and any(k in keys_of for keys_of in role_keys(r))]
+            where = f" ({', '.join(elsewhere)})" if elsewhere else ""
+            raise ValueError(f"unknown keys {unknown}{where}; a {self.role} node takes the EngineConfig fields "
+                             f"{sorted(engine_keys)} and the node settings {sorted(node_keys)}")
+        values = {**NODE_DEFAULTS, **keys}
+        for key, value in values.items():
+            if key in _CHECKS:
+                _CHECKS[key](key, value)
+            problem = None if key == "engine" and value is None else flags.type_error(known[key], value)
+            if problem:
+                raise ValueError(f"{key} {problem}")
+
+        def differing(names: Mapping[str, flags.Knob]) -> Mapping[str, Any]:
+            return types.MappingProxyType({k: values[k] for k in names
+                                           if k in values and values[k] != self._node_default(k)})
+
+        object.__setattr__(self, "engine_config", differing(engine_keys))
+        object.__setattr__(self, "settings", differing(node_keys))
+
+    @classmethod
+    def _node_default(cls, key: str) -> Any:
+        """The node process's default for ``key``; an ``engine`` key's is the topology's (None)."""
+        if key == "engine":
+            return None
+        engine_keys, node_keys = role_keys(cls.role)
+        return (engine_keys.get(key) or node_keys[key]).default
+
+    @classmethod
+    def default(cls, key: str) -> Any:
+        """A node entry's default for ``key``: NODE_DEFAULTS, else the node process's."""
+        return NODE_DEFAULTS[key] if key in NODE_DEFAULTS else cls._node_default(key)
+
+    def value(self, key: str) -> Any:
+        """The value this node runs with for ``key`` (``engine``: None for the topology's)."""
+        if key in self.engine_config:
+            return self.engine_config[key]
+        return self.settings.get(key, self._node_default(key))
+
+    def to_dict(self) -> dict[str, Any]:
+        """The YAML form, a node entry: the overrides and settings (and NODE_DEFAULTS' keys, which apply
+        when left out)."""
+        engine = {k: self.value(k) for k in role_keys(self.role)[0] if k in self.engine_config or k in NODE_DEFAULTS}
+        return {**engine, **self.settings}
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({', '.join(f'{k}={v!r}' for k, v in self.to_dict().items())})"
+
+    def __hash__(self) -> int:
+        return hash((self.role, tuple(self.to_dict().items())))
+
+    def __reduce__(self) -> tuple[Any, ...]:  # copy and pickle: rebuilt from its keys
+        return _node_spec, (type(self), self.to_dict())
+
+
+def _node_spec(cls: type[NodeSpec], keys: dict[str, Any]) -> NodeSpec:
+    return cls(**keys)
+
+
+class PrefillSpec(NodeSpec):
+    """One prefill node: DP replicas of PCP x PP ranks (``PrefillSpec(pcp=2, lease_s=5)``)."""
+
+    role = "prefill"
+
+
+class DecodeSpec(NodeSpec):
+    """One decode node: DP ranks with continuous batching (``DecodeSpec(dp=2, max_num_seqs=64)``)."""
+
+    role = "decode"
 
 
 @dataclass(frozen=True)
@@ -150,9 +208,9 @@ class Topology:
         if self.vllm_python == "":
             raise ValueError("vllm_python must be non-empty when set")
         nodes = (*self.prefill, *self.decode)
-        if any(self.engine_of(s) == "vllm" and s.dp != 1 for s in nodes):
+        if any(self.engine_of(s) == "vllm" and s.value("dp") != 1 for s in nodes):
             raise ValueError("engine vllm runs one vLLM engine per node: dp must be 1 (add nodes for replicas)")
-        if any(self.engine_of(s) == "native" and (s.tp != 1 or s.dcp != 1) for s in nodes):
+        if any(self.engine_of(s) == "native" and (s.value("tp") != 1 or s.value("dcp") != 1) for s in nodes):
             raise ValueError("tp and dcp are for engine vllm; the native engine runs DP x PCP x PP")
         if not self.model:
             raise ValueError("model (the model directory) is required")
@@ -171,10 +229,10 @@ class Topology:
     def cluster(self) -> str:
         return self.registry.cluster
 
-    def engine_of(self, spec: PrefillSpec | DecodeSpec) -> str:
-        return spec.engine or self.engine
+    def engine_of(self, spec: NodeSpec) -> str:
+        return spec.value("engine") or self.engine
 
-    def node_python(self, default: str, spec: PrefillSpec | DecodeSpec) -> str:
+    def node_python(self, default: str, spec: NodeSpec) -> str:
         """The Python a node runs with: ``default`` for native nodes, a vLLM venv's for vLLM ones."""
         if self.engine_of(spec) != "vllm":
             return default
@@ -202,7 +260,10 @@ class Topology:
         return Topology(model=str(model), **kwargs)
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """The YAML form (``from_dict`` reads it back)."""
+        d = {f.name: getattr(self, f.name) for f in fields(self)}
+        return {**d, "prefill": [s.to_dict() for s in self.prefill], "decode": [s.to_dict() for s in self.decode],
+                "proxy": asdict(self.proxy), "registry": asdict(self.registry)}
 
 
 def load_topology(path: Path) -> Topology:
@@ -221,7 +282,8 @@ def load_topology(path: Path) -> Topology:
 def _spec(cls: type, value: object, where: str) -> Any:
     if not isinstance(value, dict):
         raise ValueError(f"topology {where}: expected a mapping, got {value!r}")
-    _known_keys(f"topology {where}", value, cls)
+    if not issubclass(cls, NodeSpec):  # a node spec checks its keys itself
+        _known_keys(f"topology {where}", value, cls)
     try:
         return cls(**value)
     except TypeError as e:  # a wrong type that the checks in __post_init__ tripped over
@@ -243,25 +305,48 @@ def _known_keys(where: str, d: dict[str, Any], cls: type) -> None:
         raise ValueError(f"{where}: unknown keys {unknown}; known: {sorted(f.name for f in fields(cls))}")
 
 
-def _positive_int(spec: object, *names: str) -> None:
-    for name in names:
-        value = getattr(spec, name)
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise ValueError(f"{name} must be an integer > 0, got {value!r}")
+def _positive_int(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name} must be an integer > 0, got {value!r}")
 
 
-def _positive(spec: object, *names: str) -> None:
-    for name in names:
-        value = getattr(spec, name)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-            raise ValueError(f"{name} must be a number > 0, got {value!r}")
+def _positive(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        raise ValueError(f"{name} must be a number > 0, got {value!r}")
 
 
-def _positive_or_none(spec: object, *names: str) -> None:
-    for name in names:
-        value = getattr(spec, name)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
-            raise ValueError(f"{name} must be an integer > 0 or null, got {value!r}")
+def _positive_int_or_none(name: str, value: Any) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+        raise ValueError(f"{name} must be an integer > 0 or null, got {value!r}")
+
+
+def _one_of(choices: tuple[Any, ...]) -> Callable[[str, Any], None]:
+    def check(name: str, value: Any) -> None:
+        if value not in choices:
+            raise ValueError(f"{name} must be one of {choices}, got {value!r}")
+    return check
+
+
+def _device(name: str, value: Any) -> None:
+    if not isinstance(value, str) or (value not in ("auto", "cpu", "cuda") and not value.startswith("cuda:")):
+        raise ValueError(f"{name} must be 'auto', 'cpu' or 'cuda[:N]', got {value!r}")
+
+
+def _port_value(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 65536:
+        raise ValueError(f"{name} must be a port in [0, 65536), got {value!r}")
+
+
+# Value checks of node keys, beyond their types (flags.type_error): what the launcher needs, and the
+# mistakes worth catching before anything starts. Each node validates its whole config again.
+_CHECKS: dict[str, Callable[[str, Any], None]] = {
+    **dict.fromkeys(("dp", "pcp", "pp", "tp", "dcp", "max_num_batched_tokens", "max_num_seqs", "block_size"),
+                    _positive_int),
+    **dict.fromkeys(("max_model_len", "num_kv_blocks", "kv_interleave"), _positive_int_or_none),
+    **dict.fromkeys(("lease_s", "transfer_timeout_s"), _positive),
+    "kv_layout": _one_of(KV_LAYOUTS), "dtype": _one_of(DTYPES), "device": _device, "port": _port_value,
+    "engine": lambda name, value: None if value is None else _one_of(ENGINES)(name, value),  # None: the topology's
+}
 
 
 def _choice(spec: object, name: str, choices: tuple[str, ...]) -> None:
@@ -269,14 +354,5 @@ def _choice(spec: object, name: str, choices: tuple[str, ...]) -> None:
         raise ValueError(f"{name} must be one of {choices}, got {getattr(spec, name)!r}")
 
 
-def _engine_placement(spec: PrefillSpec | DecodeSpec) -> None:
-    _choice(spec, "dtype", DTYPES)
-    if not isinstance(spec.device, str) or (spec.device not in ("auto", "cpu", "cuda")
-                                            and not spec.device.startswith("cuda:")):
-        raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {spec.device!r}")
-
-
 def _port(spec: object, name: str) -> None:
-    value = getattr(spec, name)
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 65536:
-        raise ValueError(f"{name} must be a port in [0, 65536), got {value!r}")
+    _port_value(name, getattr(spec, name))

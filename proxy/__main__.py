@@ -1,8 +1,8 @@
 """Run the proxy: ``python -m proxy --model DIR --registry-url redis://... --cluster NAME``.
 
 Loads the tokenizer and the model's context limit from ``--model``, starts a cached view of the
-Redis registry, serves the app with uvicorn, and stops the view on exit. Flag defaults come from
-``ProxyConfig`` and ``RegistryConfig``.
+Redis registry, serves the app with uvicorn, and stops the view on exit. The flags are generated
+from ``ProxyConfig`` and ``RegistryConfig`` (``cluster.flags``): add a knob by adding a field.
 """
 
 from __future__ import annotations
@@ -13,39 +13,37 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from cluster import envs
+from cluster import envs, flags
 from cluster.config import ProxyConfig, RegistryConfig
 from cluster.nodes import NodeState
 
 log = logging.getLogger("proxy")
 
 
+# The proxy's flags are ProxyConfig's and RegistryConfig's fields (cluster.flags): to add a knob, add a
+# field to the dataclass. Not flags (with why):
+_PROXY_NOT_FLAGS = frozenset({"registry"})  # composed from the RegistryConfig flags
+_REGISTRY_NOT_FLAGS = frozenset({"heartbeat_s", "ttl_s"})  # the nodes' heartbeat (records carry their TTL)
+_RENAMES = {"url": "registry_url"}  # the historic flag name: --registry-url
+
+
 def parse_args(argv: list[str] | None = None) -> tuple[ProxyConfig, str]:
     """The proxy's config and log level from the command line."""
-    d, r = ProxyConfig(model="."), RegistryConfig()
     ap = argparse.ArgumentParser(prog="python -m proxy", description="pdcluster's OpenAI-compatible proxy")
-    ap.add_argument("--model", required=True, help="model directory (tokenizer, chat template, config.json)")
-    ap.add_argument("--served-model-name", default=None, help="the name clients use (default: the directory's name)")
-    ap.add_argument("--host", default=d.host)
-    ap.add_argument("--port", type=int, default=d.port)
-    ap.add_argument("--registry-url", default=r.url)
-    ap.add_argument("--cluster", default=r.cluster, help="the registry's cluster name (key prefix)")
-    ap.add_argument("--api-key", default=envs.api_key(),
-                    help=f"require 'Authorization: Bearer KEY' on /v1/* (default: ${envs.API_KEY})")
-    ap.add_argument("--admin-key", default=envs.admin_key(),
-                    help=f"require 'Authorization: Bearer KEY' on /admin/* (default: ${envs.ADMIN_KEY})")
-    ap.add_argument("--prefill-timeout-s", type=float, default=d.prefill_timeout_s)
-    ap.add_argument("--token-timeout-s", type=float, default=d.token_timeout_s)
-    ap.add_argument("--refresh-s", type=float, default=d.refresh_s, help="registry refresh period")
-    ap.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    # The keys' defaults come from the environment, and --help does not show them (secrets).
+    proxy_knobs = flags.knobs(ProxyConfig)
+    help_of = {k.name: k.help for k in proxy_knobs}
+    keys = {name: {"default": default, "help": f"{help_of[name]} (default: ${var})"}
+            for name, default, var in (("api_key", envs.api_key(), envs.API_KEY),
+                                       ("admin_key", envs.admin_key(), envs.ADMIN_KEY))}
+    flags.add_flags(ap, proxy_knobs, exclude=_PROXY_NOT_FLAGS, overrides=keys)
+    flags.add_flags(ap, flags.knobs(RegistryConfig), exclude=_REGISTRY_NOT_FLAGS, renames=_RENAMES)
+    ap.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                    help="(default: info)")
     a = ap.parse_args(argv)
     try:
-        config = ProxyConfig(
-            model=a.model, served_model_name=a.served_model_name, host=a.host, port=a.port,
-            registry=RegistryConfig(url=a.registry_url, cluster=a.cluster), api_key=a.api_key,
-            admin_key=a.admin_key, prefill_timeout_s=a.prefill_timeout_s, token_timeout_s=a.token_timeout_s,
-            refresh_s=a.refresh_s,
-        )
+        config = flags.build(ProxyConfig, a, exclude=_PROXY_NOT_FLAGS,
+                             registry=flags.build(RegistryConfig, a, exclude=_REGISTRY_NOT_FLAGS, renames=_RENAMES))
     except ValueError as e:
         ap.error(str(e))
     return config, a.log_level

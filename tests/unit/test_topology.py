@@ -47,7 +47,7 @@ def test_defaults_suit_the_tiny_cpu_model() -> None:
     t = Topology(model="/m")
     assert len(t.prefill) == len(t.decode) == 1
     for spec in (t.prefill[0], t.decode[0]):
-        assert (spec.dtype, spec.device, spec.max_model_len, spec.port) == ("float32", "cpu", 2048, 0)
+        assert tuple(spec.value(k) for k in ("dtype", "device", "max_model_len", "port")) == ("float32", "cpu", 2048, 0)
     assert t.registry == RegistrySpec() and t.cluster == "pdcluster"
 
 
@@ -101,9 +101,9 @@ def test_prefill_command_line(tmp_path) -> None:
         "py", "-m", "prefill_node", "--model", str(tmp_path / "tiny"), "--served-model-name", "tiny-chat",
         "--node-id", "prefill-0",
         "--host", "127.0.0.1", "--port", "0", "--registry-url", URL, "--cluster", "demo",
-        "--dp", "2", "--pcp", "2", "--pp", "1", "--kv-layout", "sharded", "--kv-interleave", "32",
-        "--dtype", "float32", "--device", "cpu", "--max-model-len", "2048", "--max-num-batched-tokens", "2048",
-        "--num-kv-blocks", "128", "--lease-s", "30",
+        # the spec's engine overrides in EngineConfig's order; the node's defaults (pp 1, sharded, lease_s 30) left out
+        "--dtype", "float32", "--device", "cpu", "--max-model-len", "2048", "--num-kv-blocks", "128",
+        "--dp", "2", "--pcp", "2", "--kv-interleave", "32",
     ]
     second = prefill_command(t, 1, URL, python="py").argv
     assert "--kv-interleave" not in second and "--num-kv-blocks" not in second  # optional flags left out
@@ -116,8 +116,8 @@ def test_decode_command_line() -> None:
     assert spec.name == "decode-0" and spec.port == 9100
     assert list(spec.argv) == [
         "py", "-m", "decode_node", "--model", "/m", "--node-id", "decode-0", "--host", "127.0.0.1",
-        "--port", "9100", "--registry-url", URL, "--cluster", "pdcluster", "--dp", "2", "--dtype", "float32",
-        "--device", "cpu", "--max-model-len", "2048", "--max-num-seqs", "256", "--num-kv-blocks", "64",
+        "--port", "9100", "--registry-url", URL, "--cluster", "pdcluster", "--dtype", "float32",
+        "--device", "cpu", "--max-model-len", "2048", "--num-kv-blocks", "64", "--dp", "2",
         "--transfer-timeout-s", "7.5",
     ]
 
