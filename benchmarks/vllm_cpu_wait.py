@@ -42,7 +42,8 @@ from pdctl.tiny_model import make_tiny_model  # noqa: E402
 from pdctl.topology import DecodeSpec, PrefillSpec, ProxySpec, RegistrySpec, Topology  # noqa: E402
 
 NODE = dict(dtype="float32", max_model_len=256)
-SLOW_PULL = re.compile(r"PdKVConnector: \S+: (\d+) bytes from \d+ sources in ([\d.]+)s")
+# kv_transfer.handoff.KVReceiver.pull's line (a warning above SLOW_PULL_S, so it reaches the log).
+SLOW_PULL = re.compile(r"pulled \S+: (\d+) bytes from \d+ sources in ([\d.]+)s")
 SLOW_PULL_S = 1.0
 SETTINGS = {"ACTIVE": "ACTIVE", "default": "", "PASSIVE": "PASSIVE"}  # name -> OMP_WAIT_POLICY
 
@@ -73,7 +74,7 @@ def run(model: Path, name: str, rounds: int, work: Path) -> dict:
     finally:
         down(run_dir, grace_s=10)
     pulls = SLOW_PULL.findall((run_dir / "logs" / "decode-0.log").read_text())
-    slow = [(int(b), float(s)) for b, s in pulls if float(s) > SLOW_PULL_S]  # DEBUG logs every pull
+    slow = [(int(b), float(s)) for b, s in pulls if float(s) > SLOW_PULL_S]
     # The first round includes each engine's first-request work: report the rest.
     steady = times[len(PROMPTS):] or times
     return {"median_s": statistics.median(steady), "max_s": max(steady), "errors": errors,
