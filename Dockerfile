@@ -4,10 +4,9 @@
 # CPU (default):  docker build -t pdcluster:cpu .
 # GPU (CUDA 13):  docker build -t pdcluster:gpu \
 #                   --build-arg TORCH_INDEX=https://download.pytorch.org/whl/cu130 \
-#                   --build-arg TRANSFER_EXTRA= \
-#                   --build-arg EXTRA_PIP=mooncake-transfer-engine-cuda13 .
-# The CUDA Mooncake wheel is not one of pyproject's extras yet, hence EXTRA_PIP; once an extra for it
-# exists, pass its name as TRANSFER_EXTRA instead. The GPU build was not tried: see docs/deployment.md.
+#                   --build-arg TRANSFER_EXTRA=transfer-cuda .
+# TRANSFER_EXTRA picks Mooncake's build: pyproject's transfer-cpu or transfer-cuda extra. The GPU
+# build was not tried: see docs/deployment.md.
 FROM python:3.11-slim
 
 ENV PYTHONDONTWRITEBYTECODE=1 \
@@ -30,11 +29,10 @@ RUN pip install "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX}"
 WORKDIR /opt/pdcluster
 COPY pyproject.toml README.md ./
 ARG TRANSFER_EXTRA=transfer-cpu
-ARG EXTRA_PIP=
 RUN python -c "import sys, tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; \
 extra = sys.argv[1]; print('\n'.join(p['dependencies'] + (p['optional-dependencies'][extra] if extra else [])))" \
         "${TRANSFER_EXTRA}" > /tmp/requirements.txt \
-    && pip install -r /tmp/requirements.txt ${EXTRA_PIP} \
+    && pip install -r /tmp/requirements.txt \
     && rm /tmp/requirements.txt
 
 # The source (.dockerignore keeps tests, models, docs and caches out), installed as a package.

@@ -20,7 +20,7 @@ async def main() -> int:
 
         return await vllm_worker.main(config, served)
     worker = DecodeWorker(config, node_runtime.transfer_host(config))
-    state = node_runtime.NodeState()
+    state = node_runtime.Lifecycle()
 
     def add(server: object) -> None:
         pb_grpc.add_DecodeServiceServicer_to_server(DecodeService(worker, config.node_id, state), server)

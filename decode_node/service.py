@@ -14,13 +14,13 @@ from cluster.wire import sampling_from_pb
 from decode_node.worker import DecodeJob, DecodeWorker, KVLost, NodeStopping
 from kv_transfer.handle import from_handle
 from kv_transfer.transport import TransferError
-from node_runtime.server import NodeState
+from node_runtime.server import Lifecycle
 
 log = logging.getLogger("pdcluster.decode")
 
 
 class DecodeService(pb_grpc.DecodeServiceServicer):
-    def __init__(self, worker: DecodeWorker, node_id: str, state: NodeState) -> None:
+    def __init__(self, worker: DecodeWorker, node_id: str, state: Lifecycle) -> None:
         self.worker = worker
         self.node_id = node_id
         self.state = state
@@ -77,9 +77,6 @@ class DecodeService(pb_grpc.DecodeServiceServicer):
         found = any(request.request_id in r.jobs for r in self.worker.replicas)
         self.worker.abort(request.request_id)
         return pb.AbortResponse(found=found)
-
-    async def Health(self, request: pb.HealthRequest, context: grpc.aio.ServicerContext) -> pb.HealthResponse:
-        return self.state.health(self.node_id, "decode")
 
     async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsResponse:
         reps, totals = self.worker.stats_pb()

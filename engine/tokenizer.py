@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import tokenizers
 
 
 class Tokenizer:
@@ -19,13 +22,27 @@ class Tokenizer:
     def eos_token_id(self) -> int | None:
         return self._tok.eos_token_id
 
+    @property
+    def stream_backend(self) -> tokenizers.Tokenizer | None:
+        """The Rust tokenizer, for ``tokenizers.decoders.DecodeStream``: None unless ``decode`` is
+        exactly its decode. That takes a fast tokenizer (``tokenizer.json``) and no clean-up of
+        spaces, which transformers would apply to the Rust text afterwards (DeepSeek's configs
+        turn it off)."""
+        backend = getattr(self._tok, "backend_tokenizer", None)
+        if backend is None or getattr(self._tok, "clean_up_tokenization_spaces", False):
+            return None
+        return backend
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self._tok(text, add_special_tokens=add_special_tokens).input_ids)
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+        text = self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+        assert isinstance(text, str)  # one sequence in, one string out (a batch would give a list)
+        return text
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
         """Chat messages -> prompt token ids (the template adds the BOS token itself)."""
         text = self._tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        assert isinstance(text, str)  # tokenize=False: the rendered prompt
         return self.encode(text, add_special_tokens=False)

@@ -5,6 +5,13 @@ starts the server on the configured address (port 0: a free one), joins the regi
 heartbeat thread that publishes the worker's load every ``heartbeat_s``, and runs until SIGTERM /
 SIGINT or until the worker fails. Stopping: leave the registry (no new routing), let in-flight
 requests finish for up to ``grace_s``, abort the rest, stop the server and the worker.
+
+The server also answers the standard gRPC health service (``grpc.health.v1.Health``, for compose
+healthchecks and Kubernetes' gRPC probes), for ``""`` and for the node's service name: NOT_SERVING
+until the registry has taken its first heartbeat, SERVING then, NOT_SERVING from when it starts
+stopping.
+A draining node stays SERVING: it is alive and serves what it is sent; the drain flag lives in the
+registry, for the proxy's routing.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from cluster.config import NodeConfig
 from cluster.nodes import NodeInfo, ReplicaLoad
@@ -60,7 +68,7 @@ def transfer_host(config: NodeConfig) -> str:
 
 
 class Heartbeat(threading.Thread):
-    """Publishes the node's info and load to the registry; tracks the draining flag it returns."""
+    """Publishes the node's info and load to the registry."""
 
     def __init__(self, config: NodeConfig, info: NodeInfo, load: Callable[[], list[ReplicaLoad]]) -> None:
         super().__init__(name="heartbeat", daemon=True)
@@ -70,13 +78,14 @@ class Heartbeat(threading.Thread):
         self.info = info
         self.load = load
         self.every_s = config.registry.heartbeat_s
-        self.draining = False
         self.stopped = threading.Event()
+        self.registered = threading.Event()  # the registry has taken a heartbeat
         self.last_error: str | None = None
 
     def beat(self) -> None:
         try:
-            self.draining = self.registry.heartbeat(self.info, self.load())
+            self.registry.heartbeat(self.info, self.load())  # its drain flag is for the proxy, not for us
+            self.registered.set()
             if self.last_error:
                 log.info("registry reachable again")
             self.last_error = None
@@ -100,20 +109,35 @@ class Heartbeat(threading.Thread):
         self.registry.close()
 
 
-class NodeState:
-    """Status for the Health RPC."""
+class Lifecycle:
+    """Where the node is in its life, for its servicers (they refuse new work once ``stopping``)
+    and for the standard health service ``health`` (see the module docstring)."""
 
     def __init__(self) -> None:
         self.stopping = False
-        self.heartbeat: Heartbeat | None = None
+        self.health = health.aio.HealthServicer()
+        self._names: tuple[str, ...] = ("",)
 
-    def health(self, node_id: str, role: str) -> pb.HealthResponse:
-        status = pb.HealthResponse.SERVING
-        if self.stopping:
-            status = pb.HealthResponse.STOPPING
-        elif self.heartbeat is not None and self.heartbeat.draining:
-            status = pb.HealthResponse.DRAINING
-        return pb.HealthResponse(status=status, node_id=node_id, role=role)
+    async def starting(self, service: str) -> None:
+        """Before the server answers: not serving yet (``HealthServicer`` starts with ``""`` SERVING)."""
+        self._names = ("", service)
+        await self._set(health_pb2.HealthCheckResponse.NOT_SERVING)
+
+    async def serving(self) -> None:
+        await self._set(health_pb2.HealthCheckResponse.SERVING)
+
+    async def stop(self) -> None:
+        self.stopping = True
+        await self.health.enter_graceful_shutdown()  # NOT_SERVING for good
+
+    async def _set(self, status: health_pb2.HealthCheckResponse.ServingStatus) -> None:
+        for name in self._names:
+            await self.health.set(name, status)
+
+
+def service_name(role: str) -> str:
+    """The full gRPC name of a role's service: ``pdcluster.v1.PrefillService`` / ``...DecodeService``."""
+    return pb.DESCRIPTOR.services_by_name[f"{role.capitalize()}Service"].full_name
 
 
 def _kv_layout(config: NodeConfig) -> str:
@@ -138,12 +162,12 @@ async def serve(
     worker: NodeWorker,
     served: str,
     add_servicer: Callable[[grpc.aio.Server], None],
-    state: NodeState,
+    lifecycle: Lifecycle,
 ) -> int:
     """Run the node until a signal or a worker failure; returns the process exit code. The worker
     is shut down on every way out."""
     try:
-        return await _serve(config, worker, served, add_servicer, state)
+        return await _serve(config, worker, served, add_servicer, lifecycle)
     finally:
         worker.shutdown()
 
@@ -153,10 +177,12 @@ async def _serve(
     worker: NodeWorker,
     served: str,
     add_servicer: Callable[[grpc.aio.Server], None],
-    state: NodeState,
+    lifecycle: Lifecycle,
 ) -> int:
     server = grpc.aio.server(options=SERVER_OPTIONS)
     add_servicer(server)
+    await lifecycle.starting(service_name(config.role))
+    health_pb2_grpc.add_HealthServicer_to_server(lifecycle.health, server)
     port = server.add_insecure_port(f"{config.host}:{config.port}")
     if port == 0:
         raise RuntimeError(f"cannot listen on {config.host}:{config.port}")
@@ -164,7 +190,6 @@ async def _serve(
     await server.start()
     info = node_info(config, served, worker)
     heartbeat = Heartbeat(config, info, worker.load)
-    state.heartbeat = heartbeat
     heartbeat.beat()  # registered before we say we are up
     heartbeat.start()
     log.info("%s %s serving on %s:%d", config.role, config.node_id, config.host, port)
@@ -174,7 +199,11 @@ async def _serve(
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    announced = False
     while not stop.is_set() and not worker.failed.is_set():
+        if not announced and heartbeat.registered.is_set():  # Redis may have been away at the first beat
+            await lifecycle.serving()
+            announced = True
         try:
             await asyncio.wait_for(stop.wait(), timeout=0.2)
         except TimeoutError:
@@ -183,7 +212,7 @@ async def _serve(
     if worker.failed.is_set():
         log.error("node failed: %s", worker.failure)
         code = 1
-    state.stopping = True
+    await lifecycle.stop()
     heartbeat.stop()  # leave the registry first: no new requests are routed here
     deadline = time.monotonic() + (config.grace_s if code == 0 else 0.0)
     while worker.in_flight() and time.monotonic() < deadline:

@@ -9,8 +9,8 @@ in the state file:
    the node is still finishing);
 2. after the grace period, SIGTERM to whatever is left of the group, and a moment later SIGKILL.
 
-PID reuse guard: a record carries its leader's start time (Linux ``/proc``); a live pid with
-another start time is someone else's process and is left alone.
+PID reuse guard: a record carries its leader's start time (psutil's ``create_time``); a live pid
+with another start time is someone else's process and is left alone.
 """
 
 from __future__ import annotations
@@ -24,8 +24,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-_PROC = Path("/proc")
+import psutil
+
 _POLL_S = 0.05
+# Start times are the same process if this close: psutil derives them from the boot time, which
+# the kernel reports in whole seconds and moves when the wall clock is stepped. A reused pid
+# belongs to a process started long after ours ended.
+_SAME_START_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -34,7 +39,7 @@ class ProcessRecord:
 
     name: str
     pid: int  # the leader; the group id equals it (a new session)
-    start_time: str | None  # the leader's start time in /proc (None where there is no /proc)
+    start_time: float | None  # the leader's start, seconds since the epoch (None: unknown, not checked)
     log: str
     port: int | None = None
 
@@ -43,8 +48,18 @@ class ProcessRecord:
 
     @staticmethod
     def from_dict(d: Mapping[str, Any]) -> ProcessRecord:
-        return ProcessRecord(name=str(d["name"]), pid=int(d["pid"]), start_time=d.get("start_time"),
+        return ProcessRecord(name=str(d["name"]), pid=int(d["pid"]), start_time=_read_start_time(d.get("start_time")),
                              log=str(d["log"]), port=d.get("port"))
+
+
+def _read_start_time(value: Any) -> float | None:
+    """A record's start time; state files of earlier versions hold /proc's field instead (a string
+    of clock ticks since boot), which is what psutil computes ``create_time`` from."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        return int(value) / os.sysconf("SC_CLK_TCK") + psutil.boot_time()
+    return float(value)
 
 
 def spawn(name: str, argv: Sequence[str], log_path: Path, env: Mapping[str, str] | None = None,
@@ -86,59 +101,49 @@ def stop_groups(records: Sequence[ProcessRecord], grace_s: float, kill_wait_s: f
 def _ours(record: ProcessRecord) -> bool:
     # A live leader with another start time means the pid was reused; while any member of our
     # group lives, Linux does not reuse the group id, so a dead leader is safe to signal around.
-    stat = _stat(record.pid)
-    return stat is None or record.start_time is None or stat[2] == record.start_time
+    if record.start_time is None:
+        return True
+    try:
+        created = psutil.Process(record.pid).create_time()
+    except psutil.NoSuchProcess:  # the leader is gone (a zombie still shows its start time)
+        return True
+    except psutil.AccessDenied:  # another user's process: not one we started
+        return False
+    return abs(created - record.start_time) < _SAME_START_S
 
 
 def _leader_alive(pid: int) -> bool:
     _reap(pid)
-    stat = _stat(pid)
-    if stat is not None:
-        return stat[0] != "Z"
-    if _PROC.is_dir():
-        return False
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
         return False
-    except PermissionError:
+    except psutil.AccessDenied:
         return True
-    return True
 
 
 def _group_members(pgid: int) -> list[int]:
     """Live (not zombie) processes of the group."""
     _reap(pgid)
-    if not _PROC.is_dir():  # no /proc (macOS): ask the kernel whether the group exists at all
-        try:
-            os.killpg(pgid, 0)
-        except ProcessLookupError:
-            return []
-        except PermissionError:
-            pass
-        return [pgid]
     members = []
-    for entry in _PROC.iterdir():
-        if entry.name.isdigit():
-            stat = _stat(int(entry.name))
-            if stat is not None and stat[1] == pgid and stat[0] != "Z":
-                members.append(int(entry.name))
+    for pid in psutil.pids():
+        try:
+            if os.getpgid(pid) != pgid:
+                continue
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                members.append(pid)
+        except (ProcessLookupError, psutil.NoSuchProcess, PermissionError):
+            pass  # ended meanwhile (or, for getpgid, in a session we may not look into: not ours)
+        except psutil.AccessDenied:
+            members.append(pid)  # in the group, but its state is hidden from us: alive as far as we know
     return members
 
 
-def _stat(pid: int) -> tuple[str, int, str] | None:
-    """(state, process group, start time) from /proc/<pid>/stat; None if there is no such process."""
+def _start_time(pid: int) -> float | None:
     try:
-        text = (_PROC / str(pid) / "stat").read_text()
-    except OSError:
+        return psutil.Process(pid).create_time()
+    except psutil.NoSuchProcess:  # already gone: nothing to guard
         return None
-    rest = text.rsplit(")", 1)[1].split()  # the command name may hold spaces and parentheses
-    return rest[0], int(rest[2]), rest[19]
-
-
-def _start_time(pid: int) -> str | None:
-    stat = _stat(pid)
-    return None if stat is None else stat[2]
 
 
 def _reap(pid: int) -> None:

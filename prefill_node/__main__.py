@@ -20,7 +20,7 @@ async def main() -> int:
 
         return await vllm_worker.main(config, served)
     worker = PrefillWorker(config, node_runtime.transfer_host(config))
-    state = node_runtime.NodeState()
+    state = node_runtime.Lifecycle()
 
     def add(server: object) -> None:
         pb_grpc.add_PrefillServiceServicer_to_server(PrefillService(worker, config.node_id, state), server)

@@ -11,14 +11,14 @@ import grpc
 from cluster.proto_gen import pdcluster_v1_pb2 as pb
 from cluster.proto_gen import pdcluster_v1_pb2_grpc as pb_grpc
 from cluster.wire import sampling_from_pb
-from node_runtime.server import NodeState
+from node_runtime.server import Lifecycle
 from prefill_node.worker import Aborted, NodeFailed, PrefillJob, PrefillWorker
 
 log = logging.getLogger("pdcluster.prefill")
 
 
 class PrefillService(pb_grpc.PrefillServiceServicer):
-    def __init__(self, worker: PrefillWorker, node_id: str, state: NodeState) -> None:
+    def __init__(self, worker: PrefillWorker, node_id: str, state: Lifecycle) -> None:
         self.worker = worker
         self.node_id = node_id
         self.state = state
@@ -69,9 +69,6 @@ class PrefillService(pb_grpc.PrefillServiceServicer):
 
         call(request_id, done)
         return await asyncio.wait_for(fut, timeout=10)
-
-    async def Health(self, request: pb.HealthRequest, context: grpc.aio.ServicerContext) -> pb.HealthResponse:
-        return self.state.health(self.node_id, "prefill")
 
     async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsResponse:
         reps, totals = self.worker.stats()

@@ -1,61 +1,78 @@
 """Incremental detokenization and stop strings: token ids in, text deltas out.
 
-``IncrementalDetokenizer`` decodes only a short window of recent tokens per step and never hands
-out text that ends inside a UTF-8 character: a byte-level BPE token may hold half a character,
-which decodes to U+FFFD until the next token completes it. ``OutputText`` adds stop strings: the
-text is cut before the first occurrence of any of them, and while streaming, a tail that could be
-the beginning of a stop string is held back, so a stop string is never partly sent.
+``IncrementalDetokenizer`` turns output tokens into text with ``tokenizers``' ``DecodeStream``
+(in Rust): it decodes only the tokens since the last piece, and never hands out text that ends
+inside a UTF-8 character (a byte-level BPE token may hold half a character, which decodes to
+U+FFFD until the next token completes it). ``OutputText`` adds stop strings: the text is cut
+before the first occurrence of any of them, and while streaming, a tail that could be the
+beginning of a stop string is held back, so a stop string is never partly sent.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+
+from tokenizers.decoders import DecodeStream
+
+from engine.tokenizer import Tokenizer
 
 REPLACEMENT_CHAR = "\ufffd"
 
 
-class Decoder(Protocol):
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
-
-
 class IncrementalDetokenizer:
-    """Decode a growing list of output token ids, one stable text delta at a time.
+    """Decode a growing list of output token ids, one stable text delta at a time; special tokens
+    (EOS...) decode to nothing, as in ``Tokenizer.decode``'s default.
 
-    Window: ``ids[prefix:read]`` is the text handed out last step, ``ids[read:]`` the tokens not
-    yet handed out. Decoding ``ids[prefix:]`` and cutting off the old part gives the new text; the
-    extra context token(s) keep tokenizers whose pieces depend on the left neighbour right.
-    Special tokens (EOS...) decode to nothing.
+    The window is DecodeStream's own: ``_window[:_read]`` holds the tokens of the last piece handed
+    out, the rest those not handed out yet. ``DecodeStream`` has no end of stream, so ``flush``
+    decodes what it still holds back (a character that never completed shows as U+FFFD, as in the
+    whole output decoded at once). When the tokenizer's ``decode`` is not plain Rust decoding
+    (``Tokenizer.stream_backend`` is None: it cleans up spaces), the same window is decoded through
+    ``Tokenizer.decode`` instead, so the text still equals the whole output decoded at once.
     """
 
-    def __init__(self, tokenizer: Decoder) -> None:
+    def __init__(self, tokenizer: Tokenizer) -> None:
         self._tok = tokenizer
-        self._ids: list[int] = []
-        self._prefix = 0
+        self._backend = tokenizer.stream_backend
+        self._stream = DecodeStream(skip_special_tokens=True)  # unused without a backend
+        self._window: list[int] = []
         self._read = 0
 
     def push(self, token_id: int) -> str:
         """Add a token; return the text that became stable (may be empty)."""
-        self._ids.append(token_id)
-        before = self._tok.decode(self._ids[self._prefix:self._read])
-        text = self._tok.decode(self._ids[self._prefix:])
-        if len(text) <= len(before) or text.endswith(REPLACEMENT_CHAR):
-            return ""  # nothing new, or a character still incomplete
-        self._prefix, self._read = self._read, len(self._ids)
-        return text[len(before):]
+        self._window.append(token_id)
+        if self._backend is not None:
+            delta = self._stream.step(self._backend, token_id)
+        else:
+            delta = self._step_through_decode()
+        if not delta:
+            return ""
+        self._window = self._window[self._read:]
+        self._read = len(self._window)
+        return delta
 
     def flush(self) -> str:
         """At the end of the output: whatever is left, an incomplete character included."""
-        before = self._tok.decode(self._ids[self._prefix:self._read])
-        text = self._tok.decode(self._ids[self._prefix:])
-        self._prefix = self._read = len(self._ids)
+        if self._read == len(self._window):
+            return ""
+        before = self._tok.decode(self._window[:self._read])
+        text = self._tok.decode(self._window)
+        self._read = len(self._window)  # the output has ended: nothing is held any more
+        return text[len(before):]
+
+    def _step_through_decode(self) -> str | None:
+        """``DecodeStream.step``'s rule, decoding with ``Tokenizer.decode``."""
+        before = self._tok.decode(self._window[:self._read])
+        text = self._tok.decode(self._window)
+        if len(text) <= len(before) or text.endswith(REPLACEMENT_CHAR):
+            return None  # nothing new, or a character still incomplete
         return text[len(before):]
 
 
 class OutputText:
     """One output's text as its tokens arrive, cut at the first stop string."""
 
-    def __init__(self, tokenizer: Decoder, stop: Sequence[str] = ()) -> None:
+    def __init__(self, tokenizer: Tokenizer, stop: Sequence[str] = ()) -> None:
         self._detok = IncrementalDetokenizer(tokenizer)
         self._stops = [s for s in stop if s]
         self._longest = max((len(s) for s in self._stops), default=0)

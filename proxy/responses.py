@@ -12,10 +12,13 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 from cluster.proto_gen import pdcluster_v1_pb2 as pb
-from proxy.detok import Decoder
 
 # JSON has no -inf: a token the sampler could not have picked gets this instead (as vLLM does).
 MIN_LOGPROB = -9999.0
+
+
+class Decoder(Protocol):
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
 
 
 def sse(data: dict[str, Any] | str) -> str:

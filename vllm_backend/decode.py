@@ -32,6 +32,7 @@ from cluster.config import NodeConfig
 from cluster.proto_gen import pdcluster_v1_pb2 as pb
 from cluster.proto_gen import pdcluster_v1_pb2_grpc as pb_grpc
 from kv_transfer.handle import from_handle
+from kv_transfer.handoff import KVLost
 from node_runtime import server as node_runtime
 from node_runtime.confirm import PrefillConfirmer
 from vllm_backend import handle_params
@@ -40,12 +41,8 @@ from vllm_backend.engine import VllmWorker, finish_reason, sampling_to_vllm, tok
 log = logging.getLogger("pdcluster.decode")
 
 
-class KVLost(Exception):
-    """The prefill node had freed the request's KV before the read was confirmed."""
-
-
 class VllmDecodeService(pb_grpc.DecodeServiceServicer):
-    def __init__(self, worker: VllmWorker, node_id: str, state: node_runtime.NodeState,
+    def __init__(self, worker: VllmWorker, node_id: str, state: node_runtime.Lifecycle,
                  confirm: PrefillConfirmer) -> None:
         self.worker = worker
         self.node_id = node_id
@@ -128,9 +125,6 @@ class VllmDecodeService(pb_grpc.DecodeServiceServicer):
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
         return pb.AbortResponse(found=await self.worker.abort(request.request_id))
 
-    async def Health(self, request: pb.HealthRequest, context: grpc.aio.ServicerContext) -> pb.HealthResponse:
-        return self.state.health(self.node_id, "decode")
-
     async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsResponse:
         return pb.StatsResponse(node_id=self.node_id, role="decode", replicas=[self.worker.stats()],
                                 transfers=pb.TransferTotals(done=self.worker.done))
@@ -138,7 +132,7 @@ class VllmDecodeService(pb_grpc.DecodeServiceServicer):
 
 async def main(config: NodeConfig, served: str) -> int:
     worker = await VllmWorker.start(config, node_runtime.transfer_host(config))
-    state = node_runtime.NodeState()
+    state = node_runtime.Lifecycle()
     confirm = PrefillConfirmer()
 
     def add(server: object) -> None:

@@ -26,7 +26,7 @@ _RECENT = 4096  # prefilled request ids remembered for Release
 
 
 class VllmPrefillService(pb_grpc.PrefillServiceServicer):
-    def __init__(self, worker: VllmWorker, node_id: str, state: node_runtime.NodeState) -> None:
+    def __init__(self, worker: VllmWorker, node_id: str, state: node_runtime.Lifecycle) -> None:
         self.worker = worker
         self.node_id = node_id
         self.state = state
@@ -66,6 +66,7 @@ class VllmPrefillService(pb_grpc.PrefillServiceServicer):
             self.worker.end(rid)
         if last is None or not last.outputs or not last.outputs[0].token_ids:
             await context.abort(grpc.StatusCode.ABORTED, f"request {rid} was aborted")
+        assert last is not None  # (context.abort raises)
         done = time.perf_counter() - arrival
         completion = last.outputs[0]
         kv = last.kv_transfer_params
@@ -93,9 +94,6 @@ class VllmPrefillService(pb_grpc.PrefillServiceServicer):
         found = await self.worker.abort(request.request_id) or request.request_id in self.prefilled
         return pb.AbortResponse(found=found)
 
-    async def Health(self, request: pb.HealthRequest, context: grpc.aio.ServicerContext) -> pb.HealthResponse:
-        return self.state.health(self.node_id, "prefill")
-
     async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsResponse:
         return pb.StatsResponse(node_id=self.node_id, role="prefill", replicas=[self.worker.stats()],
                                 transfers=pb.TransferTotals(done=self.worker.done))
@@ -103,7 +101,7 @@ class VllmPrefillService(pb_grpc.PrefillServiceServicer):
 
 async def main(config: NodeConfig, served: str) -> int:
     worker = await VllmWorker.start(config, node_runtime.transfer_host(config))
-    state = node_runtime.NodeState()
+    state = node_runtime.Lifecycle()
 
     def add(server: object) -> None:
         pb_grpc.add_PrefillServiceServicer_to_server(VllmPrefillService(worker, config.node_id, state), server)

@@ -1,5 +1,4 @@
 from google.protobuf.internal import containers as _containers
-from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
@@ -208,30 +207,6 @@ class DecodeEvent(_message.Message):
     admitted: Admitted
     tokens: Tokens
     def __init__(self, admitted: _Optional[_Union[Admitted, _Mapping]] = ..., tokens: _Optional[_Union[Tokens, _Mapping]] = ...) -> None: ...
-
-class HealthRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
-
-class HealthResponse(_message.Message):
-    __slots__ = ("status", "node_id", "role")
-    class Status(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
-        __slots__ = ()
-        UNKNOWN: _ClassVar[HealthResponse.Status]
-        SERVING: _ClassVar[HealthResponse.Status]
-        DRAINING: _ClassVar[HealthResponse.Status]
-        STOPPING: _ClassVar[HealthResponse.Status]
-    UNKNOWN: HealthResponse.Status
-    SERVING: HealthResponse.Status
-    DRAINING: HealthResponse.Status
-    STOPPING: HealthResponse.Status
-    STATUS_FIELD_NUMBER: _ClassVar[int]
-    NODE_ID_FIELD_NUMBER: _ClassVar[int]
-    ROLE_FIELD_NUMBER: _ClassVar[int]
-    status: HealthResponse.Status
-    node_id: str
-    role: str
-    def __init__(self, status: _Optional[_Union[HealthResponse.Status, str]] = ..., node_id: _Optional[str] = ..., role: _Optional[str] = ...) -> None: ...
 
 class ReplicaStats(_message.Message):
     __slots__ = ("dp_rank", "waiting", "running", "queued_prefill_tokens", "used_blocks", "free_blocks", "held")

@@ -49,11 +49,6 @@ class PrefillServiceStub:
                 request_serializer=pdcluster__v1__pb2.AbortRequest.SerializeToString,
                 response_deserializer=pdcluster__v1__pb2.AbortResponse.FromString,
                 _registered_method=True)
-        self.Health = channel.unary_unary(
-                '/pdcluster.v1.PrefillService/Health',
-                request_serializer=pdcluster__v1__pb2.HealthRequest.SerializeToString,
-                response_deserializer=pdcluster__v1__pb2.HealthResponse.FromString,
-                _registered_method=True)
         self.Stats = channel.unary_unary(
                 '/pdcluster.v1.PrefillService/Stats',
                 request_serializer=pdcluster__v1__pb2.StatsRequest.SerializeToString,
@@ -83,12 +78,6 @@ class PrefillServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def Health(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
     def Stats(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -112,11 +101,6 @@ def add_PrefillServiceServicer_to_server(servicer, server):
                     servicer.Abort,
                     request_deserializer=pdcluster__v1__pb2.AbortRequest.FromString,
                     response_serializer=pdcluster__v1__pb2.AbortResponse.SerializeToString,
-            ),
-            'Health': grpc.unary_unary_rpc_method_handler(
-                    servicer.Health,
-                    request_deserializer=pdcluster__v1__pb2.HealthRequest.FromString,
-                    response_serializer=pdcluster__v1__pb2.HealthResponse.SerializeToString,
             ),
             'Stats': grpc.unary_unary_rpc_method_handler(
                     servicer.Stats,
@@ -216,33 +200,6 @@ class PrefillService:
             _registered_method=True)
 
     @staticmethod
-    def Health(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/pdcluster.v1.PrefillService/Health',
-            pdcluster__v1__pb2.HealthRequest.SerializeToString,
-            pdcluster__v1__pb2.HealthResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
     def Stats(request,
             target,
             options=(),
@@ -289,11 +246,6 @@ class DecodeServiceStub:
                 request_serializer=pdcluster__v1__pb2.AbortRequest.SerializeToString,
                 response_deserializer=pdcluster__v1__pb2.AbortResponse.FromString,
                 _registered_method=True)
-        self.Health = channel.unary_unary(
-                '/pdcluster.v1.DecodeService/Health',
-                request_serializer=pdcluster__v1__pb2.HealthRequest.SerializeToString,
-                response_deserializer=pdcluster__v1__pb2.HealthResponse.FromString,
-                _registered_method=True)
         self.Stats = channel.unary_unary(
                 '/pdcluster.v1.DecodeService/Stats',
                 request_serializer=pdcluster__v1__pb2.StatsRequest.SerializeToString,
@@ -311,12 +263,6 @@ class DecodeServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Abort(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def Health(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -340,11 +286,6 @@ def add_DecodeServiceServicer_to_server(servicer, server):
                     servicer.Abort,
                     request_deserializer=pdcluster__v1__pb2.AbortRequest.FromString,
                     response_serializer=pdcluster__v1__pb2.AbortResponse.SerializeToString,
-            ),
-            'Health': grpc.unary_unary_rpc_method_handler(
-                    servicer.Health,
-                    request_deserializer=pdcluster__v1__pb2.HealthRequest.FromString,
-                    response_serializer=pdcluster__v1__pb2.HealthResponse.SerializeToString,
             ),
             'Stats': grpc.unary_unary_rpc_method_handler(
                     servicer.Stats,
@@ -406,33 +347,6 @@ class DecodeService:
             '/pdcluster.v1.DecodeService/Abort',
             pdcluster__v1__pb2.AbortRequest.SerializeToString,
             pdcluster__v1__pb2.AbortResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Health(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/pdcluster.v1.DecodeService/Health',
-            pdcluster__v1__pb2.HealthRequest.SerializeToString,
-            pdcluster__v1__pb2.HealthResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -8,6 +8,7 @@ in its group), with faults chosen through environment variables.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -19,7 +20,7 @@ import pytest
 
 from pdctl import launcher
 from pdctl.launcher import ClusterRunning, LaunchError
-from pdctl.process_group import is_running, record_of, spawn, stop_groups
+from pdctl.process_group import ProcessRecord, is_running, record_of, spawn, stop_groups
 from pdctl.topology import DecodeSpec, PrefillSpec, ProxySpec, Topology
 
 SLEEPER = [sys.executable, "-c", "import time; time.sleep(60)"]
@@ -101,10 +102,24 @@ def test_a_reused_pid_is_left_alone(tmp_path) -> None:
     proc, rec = spawn("sleeper", SLEEPER, tmp_path / "s.log")
     try:
         forged = record_of("sleeper", proc.pid, tmp_path / "s.log")
-        forged = type(forged)(**{**forged.to_dict(), "start_time": "1"})  # as if the pid now were someone else's
+        forged = type(forged)(**{**forged.to_dict(), "start_time": 1.0})  # as if the pid now were someone else's
         assert not is_running(forged)
         assert stop_groups([forged], grace_s=0.2) == []
         assert proc.poll() is None
+    finally:
+        stop_groups([rec], grace_s=2.0)
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="earlier versions recorded /proc's start time")
+def test_a_record_of_an_earlier_version_still_matches_its_process(tmp_path) -> None:
+    proc, rec = spawn("sleeper", SLEEPER, tmp_path / "s.log")
+    try:
+        ticks = Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()[19]  # what was recorded
+        old = ProcessRecord.from_dict({**rec.to_dict(), "start_time": ticks})
+        assert old.start_time == pytest.approx(rec.start_time, abs=1.0) and is_running(old)
+        earlier = int(ticks) - 5 * os.sysconf("SC_CLK_TCK")  # 5 s before it: another process
+        other = ProcessRecord.from_dict({**rec.to_dict(), "start_time": str(earlier)})
+        assert not is_running(other)
     finally:
         stop_groups([rec], grace_s=2.0)
 

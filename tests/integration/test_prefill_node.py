@@ -1,8 +1,10 @@
 """A prefill node process over gRPC: held KV under a lease, freed on Release, Abort or expiry;
-bad input answered with INVALID_ARGUMENT; registration in Redis with its shape and load."""
+bad input answered with INVALID_ARGUMENT; registration in Redis with its shape and load; the
+standard health service (grpc.health.v1) answering SERVING."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
@@ -13,11 +15,13 @@ from pathlib import Path
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from cluster.config import RegistryConfig
 from cluster.proto_gen import pdcluster_v1_pb2 as pb
 from cluster.proto_gen import pdcluster_v1_pb2_grpc as pb_grpc
 from cluster.registry import Registry
+from node_runtime.server import Lifecycle, service_name
 from pdctl.redis_server import start_redis
 
 PROMPT = [(i * 7 + 3) % 1000 + 2 for i in range(100)]  # 7 blocks of 16
@@ -64,6 +68,38 @@ def test_registers_its_shape(node) -> None:
     (n,) = registry.nodes()
     assert (n.info.role, n.info.dp, n.info.pcp, n.info.pp, n.info.max_model_len) == ("prefill", 1, 1, 1, 512)
     assert n.healthy and n.replicas[0].free_blocks == 64
+
+
+def test_answers_grpc_health_serving(node) -> None:
+    _, registry = node
+    with grpc.insecure_channel(registry.nodes()[0].info.address) as channel:
+        check = health_pb2_grpc.HealthStub(channel).Check
+        for service in ("", "pdcluster.v1.PrefillService"):
+            r = check(health_pb2.HealthCheckRequest(service=service), timeout=10)
+            assert r.status == health_pb2.HealthCheckResponse.SERVING, service
+        with pytest.raises(grpc.RpcError) as e:  # not a decode node
+            check(health_pb2.HealthCheckRequest(service="pdcluster.v1.DecodeService"), timeout=10)
+        assert e.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_lifecycle_health_before_registration_and_when_stopping() -> None:
+    assert service_name("prefill") == "pdcluster.v1.PrefillService"
+
+    async def statuses(lifecycle: Lifecycle) -> list[int]:
+        return [(await lifecycle.health.Check(health_pb2.HealthCheckRequest(service=s), None)).status
+                for s in ("", "pdcluster.v1.DecodeService")]
+
+    async def run() -> None:
+        lifecycle = Lifecycle()
+        await lifecycle.starting(service_name("decode"))
+        assert await statuses(lifecycle) == [health_pb2.HealthCheckResponse.NOT_SERVING] * 2
+        await lifecycle.serving()
+        assert await statuses(lifecycle) == [health_pb2.HealthCheckResponse.SERVING] * 2
+        await lifecycle.stop()
+        assert lifecycle.stopping
+        assert await statuses(lifecycle) == [health_pb2.HealthCheckResponse.NOT_SERVING] * 2
+
+    asyncio.run(run())
 
 
 def test_held_kv_is_freed_by_release_abort_or_lease_expiry(node) -> None:

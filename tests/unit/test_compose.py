@@ -4,7 +4,7 @@ Debian's ``docker-compose`` (v1.29, installed by scripts/setup.sh) validates the
 profile. The structure is read with PyYAML after compose-style ``${VAR:-default}`` interpolation,
 and every service's command is checked against the processes' command-line contract (``FLAGS``)
 and, once a process's ``__main__`` exists, against its real ``--help``. The healthcheck commands
-are run against a stub gRPC server and a stub HTTP server.
+are run against a stub gRPC health server (grpc.health.v1) and a stub HTTP server.
 """
 
 from __future__ import annotations
@@ -194,8 +194,10 @@ def test_command_matches_the_cli_contract(services, name, tmp_path):
         if flag in flags:
             assert int(flags[flag]) > 0, (name, flag)
     if module != "proxy":
-        assert flags["--advertise-host"] == name  # the compose service name resolves in the network
-        assert service["environment"]["PDCLUSTER_TRANSFER_HOST"] == name
+        # the compose service name resolves in the network; it is the KV transport's host too
+        # (node_runtime.server.transfer_host), which no environment variable overrides
+        assert flags["--advertise-host"] == name
+        assert not any(k.startswith("PDCLUSTER_") for k in service.get("environment", {})), name
         assert f"127.0.0.1:{flags['--port']}" in service["healthcheck"]["test"][-1]
         gpu = APP_SERVICES[name][1] == "gpu"
         assert (flags["--dtype"], flags["--device"]) == (("bfloat16", "cuda") if gpu else ("float32", "cpu"))
@@ -280,26 +282,21 @@ def _free_port() -> int:
 @pytest.mark.parametrize("name", ["prefill", "decode"])
 def test_node_healthcheck_asks_grpc_health(services, name):
     grpc = pytest.importorskip("grpc")
-    from cluster.proto_gen import pdcluster_v1_pb2 as pb
-    from cluster.proto_gen import pdcluster_v1_pb2_grpc as rpc
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
     test = services[name]["healthcheck"]["test"]
     assert test[:3] == ["CMD", "python", "-c"]
-    state = {"status": pb.HealthResponse.SERVING}
-
-    class Servicer(getattr(rpc, f"{name.capitalize()}ServiceServicer")):
-        def Health(self, request, context):  # noqa: N802 (the gRPC method name)
-            return pb.HealthResponse(status=state["status"], node_id="n", role=name)
-
+    servicer = health.HealthServicer()
     server = grpc.server(__import__("concurrent.futures").futures.ThreadPoolExecutor(2))
-    getattr(rpc, f"add_{name.capitalize()}ServiceServicer_to_server")(Servicer(), server)
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
     port = server.add_insecure_port(f"127.0.0.1:{_free_port()}")
     server.start()
     try:
         code = re.sub(r"127\.0\.0\.1:\d+", f"127.0.0.1:{port}", test[3])
-        for status, healthy in ((pb.HealthResponse.SERVING, True), (pb.HealthResponse.DRAINING, True),
-                                (pb.HealthResponse.STOPPING, False)):
-            state["status"] = status
+        # SERVING: registered (draining too); NOT_SERVING: not registered yet, or stopping
+        for status, healthy in ((health_pb2.HealthCheckResponse.SERVING, True),
+                                (health_pb2.HealthCheckResponse.NOT_SERVING, False)):
+            servicer.set("", status)
             rc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, timeout=60).returncode
             assert (rc == 0) == healthy, (status, rc)
     finally:

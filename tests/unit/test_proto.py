@@ -31,8 +31,8 @@ def test_services_have_the_contracted_methods() -> None:
 
     services = {s.name: [m.name for m in s.methods] for s in pb.DESCRIPTOR.services_by_name.values()}
     assert services == {
-        "PrefillService": ["Prefill", "Release", "Abort", "Health", "Stats"],
-        "DecodeService": ["Decode", "Abort", "Health", "Stats"],
+        "PrefillService": ["Prefill", "Release", "Abort", "Stats"],
+        "DecodeService": ["Decode", "Abort", "Stats"],
     }
     assert pb.DESCRIPTOR.package == "pdcluster.v1"
     decode = pb.DESCRIPTOR.services_by_name["DecodeService"].methods_by_name["Decode"]

@@ -1,4 +1,5 @@
-"""Incremental detokenization (multi-byte characters split across tokens) and stop strings."""
+"""Incremental detokenization (multi-byte characters split across tokens; ``DecodeStream``, and the
+window through ``Tokenizer.decode`` for tokenizers that clean up spaces) and stop strings."""
 
 from __future__ import annotations
 
@@ -36,6 +37,22 @@ def test_incremental_equals_full_decode(tok: Tokenizer, ids: list[int]) -> None:
         assert tok.decode(ids).startswith(text)
     text += d.flush()
     assert text == TEXT
+
+
+def test_rust_decode_stream_is_used_and_equals_decode_through_transformers(tok: Tokenizer, ids: list[int]) -> None:
+    assert tok.stream_backend is not None  # the tiny model's config turns space clean-up off, as DeepSeek's do
+    assert tok.stream_backend.decode(ids) == tok.decode(ids)
+
+
+def test_window_through_decode_when_the_tokenizer_cleans_up_spaces(tok: Tokenizer, ids: list[int],
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(tok._tok, "clean_up_tokenization_spaces", True)
+    assert tok.stream_backend is None
+    d = IncrementalDetokenizer(tok)
+    assert d._backend is None
+    deltas = [d.push(i) for i in [*ids, tok.eos_token_id]]
+    assert not any("\ufffd" in x for x in deltas)
+    assert "".join(deltas) + d.flush() == tok.decode(ids)
 
 
 def test_special_tokens_are_skipped(tok: Tokenizer, ids: list[int]) -> None:
