@@ -321,8 +321,10 @@ class DecodeWorker:
         return reps, pb.TransferTotals(done=s.done, bytes=s.bytes, seconds=s.seconds, failures=dict(s.failures))
 
     def shutdown(self) -> None:
+        for r in self.replicas:  # all at once: each may be in the middle of a step
+            r.request_stop()
         for r in self.replicas:
-            r.stop()
+            r.join()
         self.pool.shutdown(wait=True, cancel_futures=True)
         self.transport.close()
         close = getattr(self.confirm, "close", None)

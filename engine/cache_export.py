@@ -5,6 +5,9 @@ memory before peers can read it, and it must do so in the process that owns the 
 process when the model runs on ranks, else the caller's. So the node hands the engine a
 ``CacheExporter``, picklable before use; the engine calls ``export`` wherever each cache lives, with
 that cache's tensors, and returns what it answered (per rank) to the node: ``LLM.cache_exports``.
+
+This is dependency injection across the layers: the exporter travels pickled to the rank processes,
+so they import its module (a transport) at run time, while the engine's code imports none.
 """
 
 from __future__ import annotations

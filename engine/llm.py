@@ -81,8 +81,8 @@ class LLM:
         if par.world_size == 1:
             self.engines = [LLMEngine(config)]
             if exporter is not None:
+                self._exporter = exporter  # closed by shutdown, also when export fails partway
                 self.cache_exports = {0: exporter.export(self.engines[0].cache_layers)}
-                self._exporter = exporter
         else:
             mc = ModelConfig.from_pretrained(config.model)
             # The driver only schedules and samples on the host: small tensors, for which torch's

@@ -211,7 +211,7 @@ class KVReceiver:
     ) -> Callable[[list[int]], list[int]]:
         """The ``LLMEngine.add_prefilled`` callback for one request: given its allocated blocks,
         arrange them (so copies coalesce), plan, pull, and return the block table."""
-        limit = self.timeout_s if timeout_s is None else min(timeout_s, self.timeout_s)
+        limit = self.timeout_s if timeout_s is None else timeout_s  # pull caps it at the receiver's timeout
 
         def fill(block_ids: list[int]) -> list[int]:
             try:

@@ -44,11 +44,18 @@ class EngineLoop:
         self._inbox.put(message)
         self._wake.set()
 
-    def stop(self, timeout_s: float = 30.0) -> None:
+    def request_stop(self) -> None:
+        """Ask the thread to end after its current iteration (returns at once)."""
         self._stopping = True
         self._wake.set()
+
+    def join(self, timeout_s: float = 30.0) -> None:
         if self._thread.is_alive():
             self._thread.join(timeout=timeout_s)
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        self.request_stop()
+        self.join(timeout_s)
 
     @property
     def stopping(self) -> bool:

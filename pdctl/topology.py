@@ -24,7 +24,8 @@ and node settings, the fields of ``NodeConfig`` (``port``, ``lease_s``, ``engine
 ...), but for those the launcher sets (``model``, ``node_id``, ``host``, the registry's). Each role
 takes its own node flags (``lease_s`` is a prefill node's: ``cluster.config.NODE_ROLE_ONLY``). So a
 knob added to a dataclass is a topology key at once: add a knob by adding a field. Unknown keys are
-refused, naming the valid ones; ``null`` asks for the node's default.
+refused, naming the valid ones; for a field that may be None (``max_model_len``, ``num_kv_blocks``,
+...), ``null`` asks for the node's default.
 
 The defaults suit the tiny CPU model (``NODE_DEFAULTS``: float32 on CPU, 2048-token context). Only
 what the launcher needs is checked here, without importing the engine (``pdctl`` stays quick to
@@ -45,11 +46,11 @@ from typing import Any, ClassVar
 import yaml
 
 from cluster import flags
-from cluster.config import NODE_RENAMES, ROLES, NodeConfig, node_not_flags
+from cluster.config import DOWN_GRACE_S, ENGINE_BACKENDS, NODE_RENAMES, ROLES, NodeConfig, node_not_flags
 
 KV_LAYOUTS = ("sharded", "replicated")  # as engine.parallel.grid.KV_LAYOUTS
 DTYPES = ("auto", "float32", "bfloat16", "float16")  # as engine.engine_config.DTYPES, plus "auto"
-ENGINES = ("native", "vllm")  # as cluster.config.ENGINE_BACKENDS
+ENGINES = ENGINE_BACKENDS
 DEFAULT_VLLM_VENV = "/opt/vllm-venv"  # scripts/test_vllm.sh's default
 NODE_DEFAULTS: Mapping[str, Any] = types.MappingProxyType(
     {"dtype": "float32", "device": "cpu", "max_model_len": 2048})  # the tiny CPU model's, unlike EngineConfig's
@@ -332,6 +333,13 @@ def _device(name: str, value: Any) -> None:
         raise ValueError(f"{name} must be 'auto', 'cpu' or 'cuda[:N]', got {value!r}")
 
 
+def _grace(name: str, value: Any) -> None:
+    # pdctl down waits DOWN_GRACE_S for each process before SIGKILL: a node's grace must end well before.
+    if not isinstance(value, (int, float)) or not 0 <= value <= DOWN_GRACE_S - 15:
+        raise ValueError(f"{name} must be in [0, {DOWN_GRACE_S - 15:g}] (pdctl down kills a node after "
+                         f"{DOWN_GRACE_S:g} s), got {value!r}")
+
+
 def _port_value(name: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 65536:
         raise ValueError(f"{name} must be a port in [0, 65536), got {value!r}")
@@ -345,6 +353,7 @@ _CHECKS: dict[str, Callable[[str, Any], None]] = {
     **dict.fromkeys(("max_model_len", "num_kv_blocks", "kv_interleave"), _positive_int_or_none),
     **dict.fromkeys(("lease_s", "transfer_timeout_s"), _positive),
     "kv_layout": _one_of(KV_LAYOUTS), "dtype": _one_of(DTYPES), "device": _device, "port": _port_value,
+    "grace_s": _grace,
     "engine": lambda name, value: None if value is None else _one_of(ENGINES)(name, value),  # None: the topology's
 }
 

@@ -1,7 +1,8 @@
 """``python -m prefill_node --model DIR --node-id ID [--pcp N --pp N --dp N ...]``: a prefill node.
 
 Starts the DP x PCP x PP ranks, registers their KV caches with Mooncake, serves ``PrefillService``
-over gRPC and joins the Redis registry. Flags: ``--help`` (defaults from ``cluster.config``).
+over gRPC and joins the Redis registry. Flags: ``--help`` (generated from the config dataclasses by
+``node_runtime.cli``).
 """
 
 from __future__ import annotations

@@ -41,9 +41,13 @@ class IncrementalDetokenizer:
     def push(self, token_id: int) -> str:
         """Add a token; return the text that became stable (may be empty)."""
         self._window.append(token_id)
+        delta = None
         if self._backend is not None:
-            delta = self._stream.step(self._backend, token_id)
-        else:
+            try:
+                delta = self._stream.step(self._backend, token_id)
+            except Exception:  # DecodeStream refuses a window whose text does not extend the last one:
+                self._backend = None  # decode through Tokenizer.decode from here on (the window is ours)
+        if self._backend is None:
             delta = self._step_through_decode()
         if not delta:
             return ""

@@ -12,7 +12,7 @@ PY=${PYTHON:-python3}
 VENV=${VLLM_VENV:-/opt/vllm-venv}
 VLLM_VERSION=${VLLM_VERSION:-0.32.0}
 ROUTER_VERSION=${VLLM_ROUTER_VERSION:-0.1.17}
-if ! "$PY" -c "import torch, mooncake.engine, pytest" 2>/dev/null; then
+if ! "$PY" -c "import torch, mooncake.engine, pytest, psutil, grpc_health.v1, tokenizers.decoders" 2>/dev/null; then
   echo "== project dependencies first (scripts/setup.sh)"
   bash scripts/setup.sh
 fi

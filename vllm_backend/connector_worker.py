@@ -99,6 +99,9 @@ class PdConnectorWorker:
         self._sender = KVSender(self._sent_one, lease_s=settings.lease_s)
         self._readers: dict[str, set[str]] = {}  # request -> consumer workers that said "done"
         self._readers_need: dict[str, int] = {}  # request -> how many consumer workers there are
+        # request -> when its first notification came: a notification for a request this worker does
+        # not hold (it came early, or late, after the lease ended) is forgotten after one lease period
+        self._notified_at: dict[str, float] = {}
         self._sent: set[str] = set()  # freed by the sender, not yet reported
         # consumer
         self._recv_done: set[str] = set()
@@ -179,6 +182,7 @@ class PdConnectorWorker:
         with self._lock:
             self._readers.setdefault(rid, set()).add(req["from"])
             self._readers_need[rid] = int(req["of"])
+            self._notified_at.setdefault(rid, time.monotonic())
             self._confirm_if_read(rid)
         return {"ok": True}
 
@@ -190,12 +194,19 @@ class PdConnectorWorker:
     def _sent_one(self, rid: str) -> None:
         """The sender's ``free`` (under the lock): report the request once, forget its readers."""
         self._sent.add(rid)
+        self._forget_readers(rid)
+
+    def _forget_readers(self, rid: str) -> None:
         self._readers.pop(rid, None)
         self._readers_need.pop(rid, None)
+        self._notified_at.pop(rid, None)
 
     def get_transfer_results(self) -> KVConnectorTransferResults:
         with self._lock:
             self._sender.expire()
+            stale = time.monotonic() - self._sender.lease_s
+            for rid in [r for r, t in self._notified_at.items() if t < stale and r not in self._sender]:
+                self._forget_readers(rid)  # notified, never held (or no longer): nothing will use it
             # Each request is reported once per worker: the sender frees it once, and a late
             # notification finds no lease.
             sent, self._sent = self._sent, set()

@@ -77,9 +77,11 @@ class VllmPrefillService(pb_grpc.PrefillServiceServicer):
             await context.abort(grpc.StatusCode.INTERNAL, "vLLM's connector returned no kv_transfer_params")
         self.worker.done += 1
         self._remember(rid)
-        return pb.PrefillResponse(request_id=rid, dp_rank=0, first_token=tokens_pb(completion)[0],
-                                  finish_reason=reason, vllm_kv_params_json=json.dumps(kv) if kv else "",
-                                  queue_s=0.0, prefill_s=done)
+        reply = pb.PrefillResponse(request_id=rid, dp_rank=0, first_token=tokens_pb(completion)[0],
+                                   finish_reason=reason, queue_s=0.0, prefill_s=done)
+        if kv:  # the kv_source oneof stays unset when nothing is held
+            reply.vllm_kv_params_json = json.dumps(kv)
+        return reply
 
     def _remember(self, rid: str) -> None:
         self.prefilled[rid] = None

@@ -1,7 +1,7 @@
 """Rank processes: started with ``spawn`` from one entry point, readiness acknowledged, failures detected.
 
 The driver (the node's main process) owns one pipe per rank. Each rank joins the
-``torch.distributed`` world (gloo on CPU, NCCL on GPU), acknowledges ``ready``, then runs the
+``torch.distributed`` world (gloo on CPU, NCCL on GPU), acknowledges with ``Ready``, then runs the
 given ``target(ctx)``, which serves messages from ``ctx.conn``. If any rank dies or raises, the
 driver's next ``recv`` raises ``RankFailure`` and every other rank is stopped (terminate, then kill
 after a grace period), so a crash never leaves processes behind.

@@ -96,8 +96,12 @@ class RankWorker:
         return self.exporter.export(self.cache.layers) if self.exporter is not None else None
 
     def close(self) -> None:
+        """Unregister the cache; a failure here is logged, so it never hides the rank's own error."""
         if self.exporter is not None and self.cache is not None:
-            self.exporter.close()
+            try:
+                self.exporter.close()
+            except Exception as e:
+                print(f"rank {self.rank}: closing the cache exporter failed: {e}", file=sys.stderr, flush=True)
 
     def _mark(self, what: str) -> None:
         """With PDCLUSTER_STEP_TIMING=1, print how long each phase of a step took (synchronising)."""

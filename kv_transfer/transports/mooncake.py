@@ -135,7 +135,11 @@ class MooncakeExporter:
         if self._transport is not None:
             raise RuntimeError("this exporter already registered a cache")
         self._transport = MooncakeTransport(host=self.host)
-        return register_cache(self._transport, layers)
+        try:
+            return register_cache(self._transport, layers)
+        except BaseException:  # nothing stays registered when a layer could not be
+            self.close()
+            raise
 
     def close(self) -> None:
         if self._transport is not None:

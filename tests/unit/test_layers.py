@@ -5,7 +5,9 @@ The layers, bottom to top (``docs/architecture.md`` draws them):
     engine  ->  cluster  ->  kv_transfer  ->  node_runtime  ->  prefill_node | decode_node | vllm_backend
             ->  proxy  ->  pdctl
 
-``prefill_node``, ``decode_node`` and ``vllm_backend`` are peers: none imports another. The process
+``prefill_node``, ``decode_node`` and ``vllm_backend`` are peers: none imports another. The proxy
+talks to the nodes only through the gRPC contract: of the layers below, it imports only ``cluster``
+and the engine's tokenizer and sampling vocabulary (``ONLY_FROM_BELOW``). The process
 entry points (``python -m prefill_node`` and the like: ``<package>/__main__.py``) are composition
 roots above every layer (a node's entry picks its engine backend), and nothing imports them. Every
 import counts, also one inside a function or under ``TYPE_CHECKING``: a lazy import is still a
@@ -30,6 +32,8 @@ LAYERS = {
     "pdctl": 6,
 }
 ENTRY = 7  # <package>/__main__.py
+# Packages that may import only these of the layers below them (module prefixes).
+ONLY_FROM_BELOW = {"proxy": ("cluster", "engine.tokenizer", "engine.sampling_params")}
 
 
 def imported_modules(source: str) -> list[tuple[int, str]]:
@@ -68,6 +72,9 @@ def violations(files: dict[str, str]) -> list[str]:
                 bad.append(f"{path}:{line} imports the entry point {target}")
             elif target.split(".")[0] != package and mine < ENTRY and theirs >= mine:
                 bad.append(f"{path}:{line} ({package}, layer {mine}) imports {target} (layer {theirs})")
+            elif package in ONLY_FROM_BELOW and mine < ENTRY and target.split(".")[0] != package and not any(
+                    target == p or target.startswith(p + ".") for p in ONLY_FROM_BELOW[package]):
+                bad.append(f"{path}:{line} ({package}) imports {target}: only {ONLY_FROM_BELOW[package]} allowed")
     return bad
 
 
@@ -92,12 +99,14 @@ def test_the_check_finds_upward_sideways_and_entry_imports() -> None:
         "kv_transfer/x.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import prefill_node.worker\n",
         "prefill_node/worker.py": "from decode_node import worker\n",  # sideways: peers
         "proxy/app.py": "from proxy import __main__\n",  # an entry point
+        "proxy/serving.py": "from engine.tokenizer import Tokenizer\nfrom cluster.nodes import NodeState\n",
+        "proxy/router.py": "from kv_transfer.handle import from_handle\n",  # below, but not through the contract
         "decode_node/__main__.py": "from vllm_backend import decode\n",  # an entry point may import any layer
         "decode_node/service.py": "from decode_node.worker import X\nfrom kv_transfer.handoff import KVLost\n",
         "cluster/registry.py": "import redis\nfrom engine.net import free_port\n",
     }
     found = violations(files)
     assert sorted({v.split(":")[0] for v in found}) == [
-        "engine/model.py", "kv_transfer/x.py", "prefill_node/worker.py", "proxy/app.py",
+        "engine/model.py", "kv_transfer/x.py", "prefill_node/worker.py", "proxy/app.py", "proxy/router.py",
     ], found
     assert all(v.split(":")[0] != "decode_node/__main__.py" for v in found)

@@ -55,6 +55,22 @@ def test_window_through_decode_when_the_tokenizer_cleans_up_spaces(tok: Tokenize
     assert "".join(deltas) + d.flush() == tok.decode(ids)
 
 
+def test_a_refusing_decode_stream_falls_back_to_the_window_mid_output(tok: Tokenizer, ids: list[int]) -> None:
+    d = IncrementalDetokenizer(tok)
+    text = "".join(d.push(i) for i in ids[:5])
+
+    class Refusing:
+        def step(self, backend: object, token_id: int) -> str:
+            raise RuntimeError("InvalidPrefix")
+
+    d._stream = Refusing()  # type: ignore[assignment]  # as DecodeStream does on a text it cannot extend
+    for i in ids[5:]:
+        delta = d.push(i)
+        assert "\ufffd" not in delta
+        text += delta
+    assert d._backend is None and text + d.flush() == TEXT
+
+
 def test_special_tokens_are_skipped(tok: Tokenizer, ids: list[int]) -> None:
     d = IncrementalDetokenizer(tok)
     text = "".join(d.push(i) for i in [*ids[:5], tok.eos_token_id]) + d.flush()

@@ -69,6 +69,7 @@ def test_minimal_yaml_and_absolute_model(tmp_path) -> None:
     ("model: m\ndecode: [{device: tpu}]\n", r"decode\[0\]: device must be"),
     ("model: m\ndecode: [{lease_s: 3}]\n", r"decode\[0\]: unknown keys \['lease_s'\]"),
     ("model: m\ndecode: [{transfer_timeout_s: 0}]\n", "transfer_timeout_s must be a number > 0"),
+    ("model: m\ndecode: [{grace_s: 60}]\n", r"decode\[0\]: grace_s must be in \[0, 30\] \(pdctl down kills"),
     ("model: m\ndecode: {dp: 2}\n", "decode: expected a list"),
     ("model: m\nproxy: {port: 70000}\n", r"proxy: port must be a port"),
     ("model: m\nproxy: {admin_key: ''}\n", "admin_key must be non-empty"),

@@ -67,10 +67,11 @@ def test_native_prefill_then_vllm_decode(engines, colocated, mla_model):
     """Our engine prefills (cache = vLLM's MLA layout), vLLM decodes: the same tokens as colocated vLLM."""
     import time
 
+    from native_source import NativeKVSource
+
     from engine import LLM, SamplingParams
     from kv_transfer.layout import describe_cache
     from kv_transfer.transports.mooncake import MooncakeTransport
-    from vllm_backend.native_source import NativeKVSource
 
     _, decode = engines
     with LLM(model=str(mla_model), dtype="float32", block_size=ENGINE["block_size"]) as native:

@@ -9,7 +9,7 @@ freed through ``release`` (the engine's, or the node's lease), exactly once.
 
 A native prefill *node* (any DP x PCP x PP) needs none of this: its ``KVHandle`` names the holders
 per request and travels in the params (``vllm_backend.handle_params``). This class is for an
-``engine.LLM`` used directly as a producer.
+``engine.LLM`` used directly as a producer: a test fixture (``test_vllm_pd.py``), not a product path.
 """
 
 from __future__ import annotations
