@@ -8,6 +8,8 @@ Per token the cache keeps ``[kv_c (kv_lora_rank) | k_pe (qk_rope_head_dim)]`` â€
   separately and merged by log-sum-exp.
 - Decode (absorbed / MQA form): ``q_nope`` is folded through W_UK into latent space and attends the
   cached latents directly; the latent output is expanded through W_UV. No per-head K/V are built.
+  On CUDA the attention is one fused Triton kernel on the paged cache (``engine.mla_decode``; set
+  ``DECODE_KERNEL = "torch"`` for the gather + einsum path, which CPU always takes).
 """
 
 from __future__ import annotations
@@ -19,8 +21,11 @@ from engine.attention_ops import attention, attention_lse, merge_attention
 from engine.config import ModelConfig
 from engine.forward_batch import ForwardBatch, gather_latents, slots_for
 from engine.layers import RMSNorm
+from engine.mla_decode import HAS_TRITON, mla_decode
 from engine.parallel.pcp_mla import pcp_attention, start_new_kv_gather
 from engine.rope import RotaryEmbedding
+
+DECODE_KERNEL = "triton"  # CUDA decode attention: "triton" (fused, engine.mla_decode) or "torch"
 
 
 class MLAttention(nn.Module):
@@ -144,6 +149,12 @@ class MLAttention(nn.Module):
     ) -> torch.Tensor:
         """q_nope [B, H, nope], q_pe [B, H, R] -> [B, H, v] over each request's cached latents."""
         tables, lens = batch.decode_block_tables, batch.decode_seq_lens
+        if flat_cache.is_cuda and HAS_TRITON and DECODE_KERNEL == "triton":
+            w_uk, _ = self._absorbed_weights()
+            q_lat = torch.einsum("bhn,hnl->bhl", q_nope, w_uk)  # [B, H, L]
+            cache = flat_cache.view(-1, bs, flat_cache.shape[-1])  # [num_blocks, block_size, L+R]
+            out_lat, _ = mla_decode(q_lat, q_pe, cache, tables, lens, self.scale)
+            return self.expand_latent_out(out_lat, q_nope.dtype)
         pos = torch.arange(batch.decode_max_len, device=tables.device)
         mask = pos[None, :] < lens[:, None]
         out_lat, _ = self.absorbed_attention(

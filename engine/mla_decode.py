@@ -1,0 +1,289 @@
+"""Fused MLA decode attention on the paged latent cache (Triton): absorbed form, split-KV.
+
+Computes, per decode row b and head h, over the row's ``t < seq_lens[b]`` cached tokens::
+
+    s_t   = scale * ([q_lat | q_pe][b, h] . [kv_c | k_pe]_t)       # MQA: every head reads the same latents
+    out   = sum_t softmax(s)_t * kv_c_t                             # [B, H, L]
+    lse   = log sum_t exp(s_t)                                      # [B, H], natural log; -inf if seq_len 0
+
+A row with ``seq_len`` 0 (a graph's padding) gets zeros and lse -inf, never NaN.
+
+Grid. Stage 1 runs programs (head group, split, b): a program holds ``BLOCK_H`` heads' queries and walks
+its split of the row's context in tiles of ``BLOCK_N`` tokens, gathered through the block table; each tile
+[BLOCK_N, L+R] is loaded once for all its heads and used twice on the tensor cores (``tl.dot``): the
+scores [BLOCK_H, L+R] x [L+R, BLOCK_N] and the output [BLOCK_H, BLOCK_N] x [BLOCK_N, L]; softmax is
+online, in fp32. A row's context is cut into ``num_splits`` equal chunks (multiples of BLOCK_N) from its
+own seq_len on the device; with one split stage 1 writes the result, otherwise it writes partial outputs
+and LSEs to a workspace and stage 2 (programs (b, h, chunk of latent columns)) merges the splits by LSE.
+
+Capturable in a CUDA graph: ``num_splits`` and the grid depend only on shapes (batch size, heads, the
+block table's width) and the SM count, never on device values; ``seq_lens`` and ``block_tables`` are only
+read by the kernels (loops run to each row's length; splits beyond it do nothing); the workspace can be
+allocated once (``workspace_for``) and owned by the graph; nothing synchronises with the host.
+Triton is optional: without it this module imports, and ``mla_decode`` raises.
+"""
+
+# ruff: noqa: ANN001  (Triton kernel arguments are pointers and ints, typed by the JIT, not annotations)
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+except ImportError:  # CPU-only installs: the engine keeps its torch path
+    HAS_TRITON = False
+
+# Tuning knobs (benchmarks/mla_decode.py overrides them). None: chosen from the head count (_config).
+BLOCK_H: int | None = None  # heads per program (>= 16: tl.dot's M); each cache tile is loaded once for them
+BLOCK_N = 32  # tokens per tile
+MIN_SPLIT_TOKENS = 64  # a split of the longest possible context covers at least this many tokens
+MAX_SPLITS = 128
+NUM_WARPS: int | None = None
+NUM_STAGES: int | None = None
+
+
+def _config(num_heads: int) -> tuple[int, int, int]:
+    """(heads per program, warps, pipeline stages), from an H200 sweep (benchmarks/mla_decode.py)."""
+    bh = BLOCK_H or min(64, max(16, 1 << (num_heads - 1).bit_length()))
+    return bh, NUM_WARPS or (4 if bh <= 16 else 8), NUM_STAGES or (3 if bh <= 16 else 2)
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _mla_decode_split(
+        QL, QP, KV, BT, LENS, OUT, LSE, POUT, PLSE,
+        scale_log2, H,
+        s_ql_b, s_ql_h, s_qp_b, s_qp_h, s_kv_blk, s_kv_tok, s_bt_b, s_lens, s_o_b, s_o_h, s_lse_b, s_lse_h,
+        L: tl.constexpr, R: tl.constexpr, BL: tl.constexpr, BR: tl.constexpr, PAGE: tl.constexpr,
+        BH: tl.constexpr, BN: tl.constexpr, SPLITS: tl.constexpr, HAS_LSE: tl.constexpr, PREC: tl.constexpr,
+    ):
+        # head groups vary fastest: the programs reading one (row, split) run together and share L2
+        split = tl.program_id(1)
+        b = tl.program_id(2)
+        heads = tl.program_id(0) * BH + tl.arange(0, BH)  # [BH]
+        hmask = heads < H
+        offs_l = tl.arange(0, BL)
+        offs_r = tl.arange(0, BR)
+        lmask = offs_l < L
+        seq_len = tl.load(LENS + b * s_lens).to(tl.int32)
+        chunk = tl.cdiv(tl.cdiv(seq_len, SPLITS), BN) * BN
+        start = split * chunk
+        end = tl.minimum(start + chunk, seq_len)  # empty (no iterations) for splits past the row's end
+
+        ql_ptr = QL + b * s_ql_b + heads[:, None] * s_ql_h
+        qp_ptr = QP + b * s_qp_b + heads[:, None] * s_qp_h
+        dt = KV.dtype.element_ty
+        q_lat = tl.load(ql_ptr + offs_l[None, :], mask=hmask[:, None] & lmask[None, :], other=0.0).to(dt)  # [BH, BL]
+        q_pe = tl.load(qp_ptr + offs_r[None, :], mask=hmask[:, None] & (offs_r < R)[None, :], other=0.0).to(dt)
+
+        m_i = tl.full([BH], float("-inf"), tl.float32)  # running max, log2 units
+        l_i = tl.zeros([BH], tl.float32)  # running sum of exp2(s - m_i)
+        acc = tl.zeros([BH, BL], tl.float32)  # running sum of p * kv_c
+        for n0 in range(start, end, BN):
+            offs_n = n0 + tl.arange(0, BN)  # [BN] token positions in the row
+            nmask = offs_n < end
+            blk = tl.load(BT + b * s_bt_b + offs_n // PAGE, mask=nmask, other=0).to(tl.int64)
+            rows = KV + blk * s_kv_blk + (offs_n % PAGE).to(tl.int64) * s_kv_tok  # [BN] token rows of the cache
+            kv_c = tl.load(rows[:, None] + offs_l[None, :], mask=nmask[:, None] & lmask[None, :], other=0.0)
+            k_pe = tl.load(rows[:, None] + L + offs_r[None, :], mask=nmask[:, None] & (offs_r < R)[None, :], other=0.0)
+            s = tl.dot(q_lat, tl.trans(kv_c), input_precision=PREC)  # [BH, BN] fp32
+            s = tl.dot(q_pe, tl.trans(k_pe), acc=s, input_precision=PREC)
+            s = tl.where(nmask[None, :], s * scale_log2, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: every visited tile holds a token
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])  # [BH, BN]
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = tl.dot(p.to(dt), kv_c, acc=acc * alpha[:, None], input_precision=PREC)  # [BH, BL]
+            m_i = m_new
+
+        has = l_i > 0.0  # false for an empty split (or a seq_len-0 row)
+        o = acc / tl.where(has, l_i, 1.0)[:, None]
+        lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+        if SPLITS == 1:
+            o_ptr = OUT + b * s_o_b + heads[:, None] * s_o_h + offs_l[None, :]
+            tl.store(o_ptr, o.to(OUT.dtype.element_ty), mask=hmask[:, None] & lmask[None, :])
+            if HAS_LSE:
+                tl.store(LSE + b * s_lse_b + heads * s_lse_h, lse, mask=hmask)
+        else:
+            # workspace: POUT [B, H, SPLITS, L], PLSE [B, H, SPLITS] (fp32, contiguous); empty splits write
+            # only their -inf, and the merge never reads their outputs.
+            row = (b * H + heads) * SPLITS + split  # [BH]
+            po_ptr = POUT + row.to(tl.int64)[:, None] * L + offs_l[None, :]
+            tl.store(po_ptr, o, mask=(hmask & has)[:, None] & lmask[None, :])
+            tl.store(PLSE + row, lse, mask=hmask)
+
+    @triton.jit
+    def _mla_decode_merge(
+        POUT, PLSE, OUT, LSE, H, s_o_b, s_o_h, s_lse_b, s_lse_h,
+        L: tl.constexpr, LC: tl.constexpr, SPLITS: tl.constexpr, BS: tl.constexpr, HAS_LSE: tl.constexpr,
+    ):
+        # program (b, h, chunk of LC latent columns): all splits' partials loaded at once, [BS, LC]
+        b = tl.program_id(0)
+        h = tl.program_id(1)
+        c = tl.program_id(2)
+        rows = (b * H + h) * SPLITS + tl.arange(0, BS)  # [BS]
+        smask = tl.arange(0, BS) < SPLITS
+        offs_l = c * LC + tl.arange(0, LC)
+        lmask = offs_l < L
+        lses = tl.load(PLSE + rows, mask=smask, other=float("-inf"))  # [BS]
+        m = tl.max(lses, 0)
+        m = tl.where(m == float("-inf"), 0.0, m)  # all splits empty: every weight exp(-inf) = 0
+        w = tl.exp(lses - m)
+        total = tl.sum(w, 0)
+        live = smask & (lses > float("-inf"))  # an empty split's outputs are never written: never read them
+        part = tl.load(POUT + rows.to(tl.int64)[:, None] * L + offs_l[None, :], mask=live[:, None] & lmask[None, :],
+                       other=0.0)
+        has = total > 0.0
+        o = tl.sum(w[:, None] * part, 0) / tl.where(has, total, 1.0)  # [LC]
+        tl.store(OUT + b * s_o_b + h * s_o_h + offs_l, o.to(OUT.dtype.element_ty), mask=lmask)
+        if HAS_LSE:
+            if c == 0:
+                lse = tl.where(has, m + tl.log(tl.where(has, total, 1.0)), float("-inf"))
+                tl.store(LSE + b * s_lse_b + h * s_lse_h, lse)
+
+
+@dataclass
+class MLADecodeWorkspace:
+    """Flat fp32 buffers for the split partials; any workspace at least as large as needed serves."""
+
+    part_out: torch.Tensor  # [>= B * H * splits * L]
+    part_lse: torch.Tensor  # [>= B * H * splits]
+
+
+@functools.cache
+def _sm_count(device_index: int) -> int:  # asked once: decode calls this in every layer of every step
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _pow2_floor(n: int) -> int:
+    return 1 << (max(n, 1).bit_length() - 1)
+
+
+def choose_num_splits(batch: int, num_heads: int, max_context: int, device: torch.device) -> int:
+    """Splits per row from static quantities only: about one wave of programs (2 per SM with 16 heads a
+    program, 1 with more: their tiles fill shared memory), each split of the longest possible context
+    (``max_context``, e.g. block-table width x block size) at least MIN_SPLIT_TOKENS long. A power of two,
+    so few kernel variants are compiled."""
+    sms = _sm_count(device.index or 0) if device.type == "cuda" else 8
+    bh = _config(num_heads)[0]
+    groups = max(batch, 1) * math.ceil(num_heads / bh)
+    want = math.ceil((2 if bh <= 16 else 1) * sms / groups)
+    return _pow2_floor(min(want, max(max_context // MIN_SPLIT_TOKENS, 1), MAX_SPLITS))
+
+
+def workspace_for(
+    batch: int, num_heads: int, kv_lora_rank: int, num_splits: int, device: torch.device | str
+) -> MLADecodeWorkspace:
+    n = batch * num_heads * num_splits
+    return MLADecodeWorkspace(
+        torch.empty(n * kv_lora_rank, dtype=torch.float32, device=device),
+        torch.empty(n, dtype=torch.float32, device=device),
+    )
+
+
+def mla_decode(
+    q_lat: torch.Tensor,  # [B, H, L] (q_nope absorbed through W_UK)
+    q_pe: torch.Tensor,  # [B, H, R] (rotated)
+    kv_cache: torch.Tensor,  # [num_blocks, block_size, L + R]: kv_c in [:L], k_pe in [L:]
+    block_tables: torch.Tensor,  # [B, W] int, padded with 0
+    seq_lens: torch.Tensor,  # [B] int: tokens in the cache per row (0 for padding rows)
+    scale: float,
+    out: torch.Tensor | None = None,  # [B, H, L], any float dtype; default q_lat's dtype
+    lse: torch.Tensor | None = None,  # [B, H] fp32; given, it is written (implies want_lse)
+    want_lse: bool = False,
+    workspace: MLADecodeWorkspace | None = None,
+    num_splits: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Absorbed MLA decode attention -> (out_lat [B, H, L] in ``out``'s dtype, default q_lat's; lse [B, H]
+    fp32 natural log or None). Capturable when ``out``, ``lse`` and ``workspace`` are given."""
+    if not HAS_TRITON:
+        raise RuntimeError("mla_decode needs triton")
+    b, h, lat = q_lat.shape
+    rope = q_pe.shape[-1]
+    nb, page, width = kv_cache.shape
+    if width != lat + rope or q_pe.shape[:2] != (b, h) or block_tables.shape[0] != b or seq_lens.shape != (b,):
+        raise ValueError(f"shapes: q_lat {tuple(q_lat.shape)}, q_pe {tuple(q_pe.shape)}, cache "
+                         f"{tuple(kv_cache.shape)}, tables {tuple(block_tables.shape)}, lens {tuple(seq_lens.shape)}")
+    if q_lat.stride(-1) != 1 or q_pe.stride(-1) != 1 or kv_cache.stride(-1) != 1 or block_tables.stride(-1) != 1:
+        raise ValueError("the last dimension of q_lat, q_pe, kv_cache and block_tables must be contiguous")
+    if num_splits is None:
+        num_splits = choose_num_splits(b, h, block_tables.shape[1] * page, q_lat.device)
+    if out is None:
+        out = torch.empty(b, h, lat, dtype=q_lat.dtype, device=q_lat.device)
+    if lse is None and want_lse:
+        lse = torch.empty(b, h, dtype=torch.float32, device=q_lat.device)
+    lse_arg = lse if lse is not None else out  # never written when HAS_LSE is false
+    lse_strides = (lse.stride(0), lse.stride(1)) if lse is not None else (0, 0)
+    if num_splits > 1:
+        if workspace is None:
+            workspace = workspace_for(b, h, lat, num_splits, q_lat.device)
+        n = b * h * num_splits
+        if workspace.part_lse.numel() < n or workspace.part_out.numel() < n * lat:
+            raise ValueError(f"workspace too small for batch {b}, {h} heads, {num_splits} splits")
+        pout, plse = workspace.part_out, workspace.part_lse
+    else:
+        pout, plse = out, out  # unused with one split
+    bl, br = max(triton.next_power_of_2(lat), 16), max(triton.next_power_of_2(rope), 16)  # tl.dot: K >= 16
+    prec = "ieee" if kv_cache.dtype == torch.float32 else "tf32"  # fp32 caches: exact fp32 products
+    bh, warps, stages = _config(h)
+    grid = (triton.cdiv(h, bh), num_splits, b)
+    _mla_decode_split[grid](
+        q_lat, q_pe, kv_cache, block_tables, seq_lens, out, lse_arg, pout, plse,
+        scale * math.log2(math.e), h,
+        q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1), kv_cache.stride(0), kv_cache.stride(1),
+        block_tables.stride(0), seq_lens.stride(0), out.stride(0), out.stride(1), *lse_strides,
+        L=lat, R=rope, BL=bl, BR=br, PAGE=page, BH=bh, BN=BLOCK_N, SPLITS=num_splits,
+        HAS_LSE=lse is not None, PREC=prec, num_warps=warps, num_stages=stages,
+    )
+    if num_splits > 1:
+        bs = triton.next_power_of_2(num_splits)
+        lc = min(bl, max(32, 8192 // bs))  # a [splits, LC] fp32 tile of at most 8192 values
+        _mla_decode_merge[(b, h, triton.cdiv(lat, lc))](
+            pout, plse, out, lse_arg, h, out.stride(0), out.stride(1), *lse_strides,
+            L=lat, LC=lc, SPLITS=num_splits, BS=bs, HAS_LSE=lse is not None, num_warps=4,
+        )
+    return out, lse
+
+
+def mla_decode_reference(
+    q_lat: torch.Tensor,
+    q_pe: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
+    want_lse: bool = False,
+    workspace: MLADecodeWorkspace | None = None,
+    num_splits: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The same in plain torch, fp32, one row at a time (reads seq_lens on the host): the tests' oracle.
+    Returns fp32 out_lat [B, H, L] and lse [B, H] (or None); ``workspace``/``num_splits`` are ignored."""
+    b, h, lat = q_lat.shape
+    page = kv_cache.shape[1]
+    flat = kv_cache.reshape(-1, kv_cache.shape[-1])
+    res = torch.zeros(b, h, lat, dtype=torch.float32, device=q_lat.device)
+    lse_ref = torch.full((b, h), float("-inf"), dtype=torch.float32, device=q_lat.device)
+    for i, n in enumerate(seq_lens.tolist()):
+        if n == 0:
+            continue
+        pos = torch.arange(n, device=kv_cache.device)
+        kv = flat[block_tables[i, pos // page].long() * page + pos % page].float()  # [n, L+R]
+        q = torch.cat((q_lat[i], q_pe[i]), dim=-1).float()  # [H, L+R]
+        scores = (q @ kv.T) * scale  # [H, n]
+        lse_ref[i] = torch.logsumexp(scores, dim=-1)
+        res[i] = torch.softmax(scores, dim=-1) @ kv[:, :lat]
+    if out is not None:
+        out.copy_(res)
+    if lse is not None:
+        lse.copy_(lse_ref)
+    return (out if out is not None else res), (lse_ref if (want_lse or lse is not None) else None)
