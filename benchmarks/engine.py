@@ -25,6 +25,9 @@ from engine.engine_config import EngineConfig  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
 
+# decode mode -> (replay CUDA graphs, engine.mla.DECODE_KERNEL)
+MODES = {"graph": (True, "triton"), "eager": (False, "triton"), "eager-torch": (False, "torch")}
+
 
 def _sync(dev: torch.device) -> None:
     if dev.type == "cuda":
@@ -48,8 +51,12 @@ def time_prefill(eng: LLMEngine, n: int, repeats: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def time_decode(eng: LLMEngine, batch: int, prompt_len: int, steps: int) -> float:
-    """Decode tokens/s with `batch` requests of `prompt_len` prompt tokens, over `steps` steps."""
+def time_decode(eng: LLMEngine, batch: int, prompt_len: int, steps: int, profiled: dict | None = None) -> float:
+    """Decode tokens/s with `batch` requests of `prompt_len` prompt tokens, over `steps` steps.
+
+    With ``profiled`` (a dict), the timed steps run under torch.profiler and it gets, per step: the
+    kernels launched, the GPU's busy time (the union of kernel intervals) and the wall time.
+    """
     g = torch.Generator().manual_seed(1)
     seqs = [
         eng.add_request(torch.randint(10, 1000, (prompt_len,), generator=g).tolist(),
@@ -61,15 +68,38 @@ def time_decode(eng: LLMEngine, batch: int, prompt_len: int, steps: int) -> floa
     for _ in range(3):  # warm-up decode steps
         eng.step()
     _sync(eng.device)
+    prof = None
+    if profiled is not None:
+        from torch.profiler import ProfilerActivity
+        from torch.profiler import profile as torch_profile
+
+        prof = torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+        prof.__enter__()
     t0 = time.perf_counter()
     for _ in range(steps):
         eng.step()
     _sync(eng.device)
     dt = time.perf_counter() - t0
+    if prof is not None and profiled is not None:
+        prof.__exit__(None, None, None)
+        profiled.update(kernel_profile(prof, steps, dt))
     for s in seqs:
         eng.abort(s.request_id)
     assert eng.num_used_blocks == 0
     return batch * steps / dt
+
+
+def kernel_profile(prof, steps: int, wall_s: float) -> dict:
+    """Kernels per step and the GPU's busy share of the wall time, from a finished torch.profiler run."""
+    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                   if e.device_type == torch.autograd.DeviceType.CUDA)
+    busy_us, end = 0.0, float("-inf")
+    for a, b in spans:  # union of the kernels' intervals (µs)
+        if b > end:
+            busy_us += b - max(a, end)
+            end = b
+    return {"kernels_per_step": round(len(spans) / steps, 1), "gpu_busy_ms_per_step": round(busy_us / 1e3 / steps, 3),
+            "step_ms": round(wall_s * 1e3 / steps, 3), "gpu_busy_share": round(busy_us / 1e6 / wall_s, 4)}
 
 
 def profile(eng: LLMEngine, n: int) -> None:
@@ -93,11 +123,16 @@ def main() -> None:
     ap.add_argument("--device", default="auto")
     ap.add_argument("--prefill-tokens", type=int, nargs="+", default=None)
     ap.add_argument("--decode-batches", type=int, nargs="+", default=[1, 64])
+    ap.add_argument("--decode-modes", nargs="+", choices=list(MODES), default=None,
+                    help="decode paths measured side by side: graph (CUDA graphs, fused attention), eager "
+                         "(fused attention), eager-torch (gather + einsum attention); default: all three on CUDA")
     ap.add_argument("--decode-prompt", type=int, default=512)
     ap.add_argument("--decode-steps", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--cpu-threads", type=int, default=1)
     ap.add_argument("--profile", action="store_true", help="print a torch.profiler table of a prefill and decode")
+    ap.add_argument("--profile-decode", action="store_true",
+                    help="also profile each decode measurement: kernels per step, GPU busy share (slows it)")
     args = ap.parse_args()
 
     tmp = Path(tempfile.mkdtemp(prefix="pdbench-"))
@@ -136,10 +171,33 @@ def main() -> None:
         res[f"prefill_{n}_tflops"] = round(flops / s / 1e12, 2)
         if mfu is not None:
             res[f"prefill_{n}_mfu"] = round(mfu, 4)
+    from engine import mla
+
+    runner = getattr(ex, "runner", None)
+    graphs = runner.graphs if runner is not None else None
+    modes = args.decode_modes or (list(MODES) if dev.type == "cuda" else ["eager-torch"])
     for b in args.decode_batches:
-        tps = time_decode(eng, b, args.decode_prompt, args.decode_steps)
-        print(f"decode batch {b:>3} (prompt {args.decode_prompt}): {tps:10.1f} tok/s")
-        res[f"decode_b{b}_tok_s"] = round(tps, 1)
+        by_mode = {}
+        for m in modes:
+            use_graphs, mla.DECODE_KERNEL = MODES[m]
+            if runner is not None:
+                runner.graphs = graphs if use_graphs else None
+            by_mode[m] = tps = time_decode(eng, b, args.decode_prompt, args.decode_steps)
+            print(f"decode batch {b:>3} (prompt {args.decode_prompt}), {m:>11}: {tps:10.1f} tok/s")
+            res[f"decode_b{b}_tok_s" if m == modes[0] else f"decode_b{b}_{m}_tok_s"] = round(tps, 1)
+            if args.profile_decode and dev.type == "cuda":
+                prof: dict = {}
+                time_decode(eng, b, args.decode_prompt, min(args.decode_steps, 8), prof)
+                print(f"    profiled: {prof}")
+                res[f"decode_b{b}_{m}_profile"] = prof
+        for m in modes[1:]:
+            ratio = by_mode[modes[0]] / by_mode[m]
+            print(f"decode batch {b:>3}: {modes[0]} / {m} = {ratio:.2f}x")
+            res[f"decode_b{b}_{modes[0]}_over_{m}"] = round(ratio, 3)
+    if runner is not None:
+        runner.graphs = graphs
+    res["decode_mode"] = modes[0]
+    res["graph_sizes"] = graphs.sizes if graphs is not None else []
     print(json.dumps(res))
 
 

@@ -26,6 +26,8 @@ class EngineConfig:
     max_num_batched_tokens: int = field(default=2048, metadata={
         "help": "per-step token budget; longer prompts prefill in chunks"})
     max_num_seqs: int = field(default=256, metadata={"help": "most sequences in one batch"})
+    enforce_eager: bool = field(default=False, metadata={
+        "help": "on GPU: run decode steps eagerly instead of replaying CUDA graphs captured at start-up"})
     block_size: int = field(default=16, metadata={"help": "tokens per KV cache block"})
     num_kv_blocks: int | None = field(default=None, metadata={
         "help": "KV cache blocks per rank (default: sized from memory: --gpu-memory-utilization, --cpu-kv-cache-gb)"})

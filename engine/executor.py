@@ -14,8 +14,10 @@ from typing import Protocol
 import torch
 
 from engine.config import ModelConfig
+from engine.cuda_graphs import DecodeGraphs
 from engine.engine_config import EngineConfig
 from engine.kv_cache import BlockSpace, KVCache, bytes_per_block
+from engine.mla_decode import HAS_TRITON
 from engine.model import DeepseekForCausalLM
 from engine.model_runner import ModelRunner, StepLogits
 from engine.parallel.grid import ParallelConfig
@@ -95,8 +97,14 @@ class LocalExecutor:
         self.model = load_model(config, mc, self.dtype, self.device)
         n = kv_blocks_for_memory(config, mc, max_model_len, self.dtype, self.device, self.num_layers)
         check_kv_capacity(n, config.block_size, max_model_len)
-        self.cache = KVCache(mc, range(self.num_layers), n, config.block_size, self.dtype, self.device)
-        self.runner = ModelRunner(self.model, self.cache, self.device)
+        graphs = self.device.type == "cuda" and not config.enforce_eager and HAS_TRITON
+        self.cache = KVCache(mc, range(self.num_layers), n, config.block_size, self.dtype, self.device,
+                             spare_blocks=1 if graphs else 0)
+        self.graphs: DecodeGraphs | None = None
+        if graphs:
+            self.graphs = DecodeGraphs(self.model, self.cache, n, max_model_len, config.max_num_seqs)
+            self.graphs.capture()
+        self.runner = ModelRunner(self.model, self.cache, self.device, self.graphs)
         self.allocator: BlockSpace = self.cache.allocator
         self.block_size = config.block_size
         self._pending: list[StepLogits | None] | None = None

@@ -83,13 +83,17 @@ class KVCache:
         block_size: int,
         dtype: torch.dtype,
         device: torch.device,
+        spare_blocks: int = 0,
     ) -> None:
+        """``spare_blocks``: blocks after the allocator's ``num_blocks`` that no request ever owns
+        (decode CUDA graphs send their padding rows' writes there)."""
         if block_size <= 0:
             raise ValueError(f"block_size must be > 0, got {block_size}")
         self.block_size = block_size
         self.num_blocks = num_blocks
+        total = num_blocks + spare_blocks
         self.layers: dict[int, torch.Tensor] = {
-            i: torch.zeros(num_blocks, block_size, cfg.kv_cache_dim, dtype=dtype, device=device) for i in layers
+            i: torch.zeros(total, block_size, cfg.kv_cache_dim, dtype=dtype, device=device) for i in layers
         }
         self.allocator = BlockAllocator(num_blocks)
 

@@ -55,6 +55,7 @@ class DeepseekForCausalLM(nn.Module):
         self.model = DeepseekModel(cfg, layer_range)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False) if self.model.is_last else None
         self.rope: RotaryEmbedding | None = None
+        self.decode_form = "absorbed"  # decode CUDA graphs are captured in this form only
 
     def init_rope(self, device: torch.device) -> None:
         cfg = self.cfg
@@ -64,6 +65,7 @@ class DeepseekForCausalLM(nn.Module):
         """'absorbed' (default) or 'decompressed' attention for decode rows."""
         if form not in ("absorbed", "decompressed"):
             raise ValueError(f"decode form must be 'absorbed' or 'decompressed', got {form!r}")
+        self.decode_form = form
         for layer in self.model.layers.values():
             attn = layer.self_attn
             assert isinstance(attn, MLAttention)

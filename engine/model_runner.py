@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.cuda_graphs import DecodeGraphs
 from engine.forward_batch import ForwardBatch, PrefillSegment, slots_for
 from engine.kv_cache import KVCache
 from engine.model import DeepseekForCausalLM
@@ -78,14 +79,24 @@ def build_batch(scheduled: list[Scheduled], block_size: int, device: torch.devic
 
 
 class ModelRunner:
-    def __init__(self, model: DeepseekForCausalLM, cache: KVCache, device: torch.device) -> None:
+    def __init__(self, model: DeepseekForCausalLM, cache: KVCache, device: torch.device,
+                 graphs: DecodeGraphs | None = None) -> None:
         self.model = model
         self.cache = cache
         self.device = device
+        self.graphs = graphs  # decode-only steps replay these when they fit
 
     @torch.inference_mode()
     def run(self, scheduled: list[Scheduled]) -> list[StepLogits | None]:
         """One forward step -> per scheduled request its logits (None if it needs none this step)."""
+        if self.graphs is not None and self.model.decode_form == "absorbed" and scheduled and all(
+                s.num_new == 1 and logits_span(s) == (0, 1) for s in scheduled):
+            ids = [s.seq.token_ids[s.seq.num_computed] for s in scheduled]
+            positions = [s.seq.num_computed for s in scheduled]
+            tables = [s.seq.block_ids for s in scheduled]
+            if self.graphs.fits(ids, positions, tables):
+                replayed = self.graphs.run(ids, positions, tables)  # [B, V]
+                return [StepLogits(0, replayed[i : i + 1]) for i in range(len(scheduled))]
         batch = build_batch(scheduled, self.cache.block_size, self.device)
         hidden = self.model(batch, self.cache.layers)
         logits = self.model.compute_logits(hidden[batch.logits_rows]) if batch.logits_rows.numel() else None

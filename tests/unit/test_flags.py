@@ -136,9 +136,10 @@ def test_node_flags_are_the_dataclasses_fields(role) -> None:
     assert OLD_FLAGS | ROLE_FLAGS[role] <= have  # every historic flag, with its role's
     assert not have & ROLE_FLAGS[other]
     assert {"--cpu-kv-cache-gb", "--cpu-threads", "--rank-timeout-s"} <= have  # EngineConfig fields, no edit
-    fields = [f.name for cls in (EngineConfig, NodeConfig, RegistryConfig) for f in dataclasses.fields(cls)]
-    expected = {"--" + flags.key(n, NODE_RENAMES).replace("_", "-")
-                for n in fields if n not in NODE_NOT_FLAGS and n not in NODE_ROLE_ONLY[other]}
+    fields = [f for cls in (EngineConfig, NodeConfig, RegistryConfig) for f in dataclasses.fields(cls)]
+    expected = {prefix + flags.key(f.name, NODE_RENAMES).replace("_", "-")
+                for f in fields if f.name not in NODE_NOT_FLAGS and f.name not in NODE_ROLE_ONLY[other]
+                for prefix in (("--", "--no-") if f.type in (bool, "bool") else ("--",))}  # a bool: --x/--no-x
     assert have == expected | {"--help", "--served-model-name"}
 
 
