@@ -107,8 +107,10 @@ class PrefillWorker(EngineLoop):
         self.config = config
         ec = config.engine
         # Every rank (or this process, at world size 1) registers its cache with Mooncake on the
-        # advertised host; the rendezvous of the ranks uses that host too.
-        self.llm = LLM.from_config(dataclasses.replace(ec, dist_host=transfer_host), MooncakeExporter(transfer_host))
+        # advertised host; the rendezvous of the ranks uses that host too. A prefill node never runs a
+        # decode step (one token per request), so it captures no decode CUDA graphs.
+        ec = dataclasses.replace(ec, dist_host=transfer_host, enforce_eager=True)
+        self.llm = LLM.from_config(ec, MooncakeExporter(transfer_host))
         self.layouts: dict[int, CacheLayout] = {r: _layout(x) for r, x in self.llm.cache_exports.items()}
         self.engines: list[LLMEngine] = self.llm.engines
         self.max_model_len = self.engines[0].max_model_len
