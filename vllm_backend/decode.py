@@ -53,14 +53,10 @@ class VllmDecodeService(pb_grpc.DecodeServiceServicer):
         self, request: pb.DecodeRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.DecodeEvent]:
         rid = request.request_id
-        if not rid or not request.prompt_token_ids:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id and prompt_token_ids are required")
-        if request.dp_rank not in (-1, 0):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"dp_rank {request.dp_rank} outside [-1, 1)")
-        if self.state.stopping:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "the node is stopping")
-        if rid in self.worker.active:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request {rid} is already running")
+        refused = self.worker.refusal(rid, "prompt_token_ids", bool(request.prompt_token_ids), request.dp_rank,
+                                      self.state.stopping)
+        if refused is not None:
+            await context.abort(*refused)
         release_to = ""  # a native prefill node's address, until the request is released there
         n = len(request.prompt_token_ids)
         try:

@@ -20,6 +20,8 @@ import os
 import threading
 from typing import Any
 
+import grpc
+
 from cluster import envs
 from cluster.config import NodeConfig
 from cluster.net import free_port
@@ -170,6 +172,19 @@ class VllmWorker:
         return [ReplicaLoad(dp_rank=0, queued_prefill_tokens=sum(self.tokens.values()),
                             waiting=states.count("waiting"), running=states.count("running"),
                             used_blocks=used, free_blocks=self.num_blocks - used)]
+
+    def refusal(self, request_id: str, tokens_field: str, has_tokens: bool, dp_rank: int,
+                stopping: bool) -> tuple[grpc.StatusCode, str] | None:
+        """Why a Prefill or Decode call cannot start here (its gRPC status and message), or None."""
+        if not request_id or not has_tokens:
+            return grpc.StatusCode.INVALID_ARGUMENT, f"request_id and {tokens_field} are required"
+        if dp_rank not in (-1, 0):
+            return grpc.StatusCode.INVALID_ARGUMENT, f"dp_rank {dp_rank} outside [-1, 1)"
+        if stopping:
+            return grpc.StatusCode.UNAVAILABLE, "the node is stopping"
+        if request_id in self.active:
+            return grpc.StatusCode.INVALID_ARGUMENT, f"request {request_id} is already running"
+        return None
 
     def begin(self, request_id: str, tokens: int) -> None:
         """Count a request that may hold up to ``tokens`` positions of KV."""

@@ -34,14 +34,9 @@ class VllmPrefillService(pb_grpc.PrefillServiceServicer):
 
     async def Prefill(self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext) -> pb.PrefillResponse:
         rid = request.request_id
-        if not rid or not request.token_ids:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id and token_ids are required")
-        if request.dp_rank not in (-1, 0):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"dp_rank {request.dp_rank} outside [-1, 1)")
-        if self.state.stopping:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "the node is stopping")
-        if rid in self.worker.active:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request {rid} is already running")
+        refused = self.worker.refusal(rid, "token_ids", bool(request.token_ids), request.dp_rank, self.state.stopping)
+        if refused is not None:
+            await context.abort(*refused)
         try:
             # max_tokens 1: the first token is the whole answer, nothing is kept for a decode side.
             remote = request.sampling.max_tokens > 1
