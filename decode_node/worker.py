@@ -272,12 +272,16 @@ class DecodeWorker:
         self.failure: str | None = None
         self.pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kv-pull")
         on_gpu = ec.torch_device().type == "cuda"
-        if on_gpu and torch.cuda.device_count() < ec.dp:
-            raise ValueError(f"dp={ec.dp} needs {ec.dp} GPUs, found {torch.cuda.device_count()}")
+        first = ec.first_gpu()
+        if on_gpu and torch.cuda.device_count() < first + ec.dp:
+            raise ValueError(f"dp={ec.dp} from device {ec.device} needs GPUs {first}..{first + ec.dp - 1}, "
+                             f"{torch.cuda.device_count()} visible")
         self.replicas: list[Replica] = []
         try:
             for d in range(ec.dp):
-                rc = dataclasses.replace(ec, dp=1, device=f"cuda:{d}" if on_gpu else ec.device, seed=ec.seed + d)
+                # Replica d on GPU first + d (--device cuda:K: K, K+1, ...).
+                rc = dataclasses.replace(ec, dp=1, device=f"cuda:{first + d}" if on_gpu else ec.device,
+                                         seed=ec.seed + d)
                 self.replicas.append(Replica(d, rc, self.transport, self.stats, config.transfer_timeout_s,
                                              self.pool, self))
         except BaseException:

@@ -87,6 +87,11 @@ class EngineConfig:
             dp=self.dp, pcp=self.pcp, pp=self.pp, kv_layout=self.kv_layout, kv_interleave=self.kv_interleave
         )
 
+    def first_gpu(self) -> int:
+        """K of ``cuda:K`` (else 0): an engine on several GPUs (rank processes, a decode node's DP
+        replicas) takes GPUs K, K+1, ..., as vLLM's workers take K.. of a ``cuda:K`` node."""
+        return int(self.device.split(":", 1)[1]) if self.device.startswith("cuda:") else 0
+
     def torch_device(self) -> torch.device:
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")

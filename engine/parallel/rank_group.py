@@ -44,6 +44,7 @@ def _rank_main(
     init_method: str,
     backend: str,
     timeout_s: float,
+    first_gpu: int,
 ) -> None:
     import torch.distributed as dist
 
@@ -51,7 +52,7 @@ def _rank_main(
         if backend == "nccl":  # one GPU per rank, chosen before NCCL sees the process
             import torch
 
-            torch.cuda.set_device(rank % torch.cuda.device_count())
+            torch.cuda.set_device(first_gpu + rank)
         dist.init_process_group(
             backend, init_method=init_method, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s)
         )
@@ -80,7 +81,9 @@ class RankGroup:
         host: str = "127.0.0.1",
         port: int | None = None,
         collective_timeout_s: float = 300.0,
+        first_gpu: int = 0,
     ) -> None:
+        """With NCCL, rank r runs on GPU ``first_gpu + r``."""
         if len(payloads) != world_size:
             raise ValueError(f"{world_size} ranks but {len(payloads)} payloads")
         self.world_size = world_size
@@ -89,6 +92,7 @@ class RankGroup:
         self._backend = backend
         self._init = f"tcp://{host}:{port or free_port(host)}"
         self._timeout = collective_timeout_s
+        self._first_gpu = first_gpu
         self._procs: list[mp.process.BaseProcess] = []
         self._stopped: str | None = None  # why the group was stopped, once it was
         self._conns: list[Connection] = []
@@ -100,7 +104,7 @@ class RankGroup:
             p = ctx.Process(
                 target=_rank_main,
                 args=(self._target, rank, self.world_size, self._payloads[rank], child, self._init,
-                      self._backend, self._timeout),
+                      self._backend, self._timeout, self._first_gpu),
                 name=f"pd-rank-{rank}",
                 daemon=True,
             )

@@ -69,3 +69,16 @@ def test_pdctl_make_model_is_deterministic(tmp_path) -> None:
     assert cfg.rope.rope_type == "yarn"
     bad = runner.invoke(app, ["make-model", str(tmp_path / "c"), "--arch", "v9"])
     assert bad.exit_code != 0 and "arch must be v2 or v3" in bad.output
+
+
+def test_an_engine_on_several_gpus_takes_them_from_its_device() -> None:
+    """``--device cuda:K``: rank processes (and a decode node's DP replicas) run on GPUs K, K+1, ..."""
+    from engine.engine_config import EngineConfig
+    from engine.parallel.rank_worker import rank_device
+
+    assert EngineConfig(model="m", device="cuda:1").first_gpu() == 1
+    assert EngineConfig(model="m", device="cuda").first_gpu() == 0
+    assert EngineConfig(model="m", device="cpu").first_gpu() == 0
+    cfg = EngineConfig(model="m", device="cuda:2", pcp=2)
+    assert [rank_device(cfg, r) for r in range(2)] == [torch.device("cuda", 2), torch.device("cuda", 3)]
+    assert rank_device(EngineConfig(model="m", device="cpu", pcp=2), 1) == torch.device("cpu")
