@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, NoReturn, TypeVar
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 import typer
 from rich.console import Console
@@ -22,6 +22,9 @@ from rich.table import Table
 from cluster.config import DOWN_GRACE_S
 from pdctl.admin_client import AdminClient, AdminError, AdminNode
 from pdctl.topology import DecodeSpec, PrefillSpec, ProxySpec, RegistrySpec, Topology, load_topology
+
+if TYPE_CHECKING:  # imported lazily below: pdctl's commands start quickly
+    from pdctl.launcher import RunState
 
 app = typer.Typer(help="pdcluster admin CLI", no_args_is_help=True, add_completion=False)
 console = Console()
@@ -158,7 +161,9 @@ def down(
     """Stop the cluster that `pdctl up` started (idempotent)."""
     from pdctl import launcher
 
-    run_dir = run_dir or launcher.default_run_dir(cluster)
+    if run_dir is None:  # the default run directory, else the one cluster running elsewhere (the demo's)
+        found = _state(None, cluster)
+        run_dir = Path(found.run_dir) if found is not None else launcher.default_run_dir(cluster)
     with console.status("stopping the cluster") as status:
         try:
             state = launcher.down(run_dir, grace_s=grace_s, progress=status.update)
@@ -264,13 +269,12 @@ def _admin(proxy: str | None, admin_key: str | None, run_dir: Path | None, clust
     from pdctl import launcher
 
     if proxy is None:
-        run_dir = run_dir or launcher.default_run_dir(cluster)
-        try:
-            state = launcher.read_state(run_dir)
-        except launcher.LaunchError as e:
-            _fail(str(e))
-        if state is None:
+        state = _state(run_dir, cluster)
+        if state is None and run_dir is not None:
             _fail(f"no cluster state in {run_dir}: pass --proxy URL, or start a cluster with pdctl up")
+        if state is None:
+            _fail(f"no cluster state in {launcher.default_run_dir(cluster)}, and no other cluster running under "
+                  "~/.pdcluster: pass --run-dir DIR or --proxy URL, or start a cluster with pdctl up")
         proxy = state.proxy_url
     client = AdminClient(proxy, admin_key)
     try:
@@ -279,6 +283,23 @@ def _admin(proxy: str | None, admin_key: str | None, run_dir: Path | None, clust
         _fail(str(e))
     finally:
         client.close()
+
+
+def _state(run_dir: Path | None, cluster: str) -> RunState | None:
+    """The state of ``--run-dir``; without one, the default run directory's, else the one cluster `pdctl
+    up` started elsewhere that still runs (the demo's). Several running: the error names them."""
+    from pdctl import launcher
+
+    try:
+        state = launcher.read_state(run_dir or launcher.default_run_dir(cluster))
+    except launcher.LaunchError as e:
+        _fail(str(e))
+    if state is not None or run_dir is not None:
+        return state
+    running = launcher.running_clusters()
+    if len(running) > 1:
+        _fail("several clusters are running; pick one with --run-dir: " + ", ".join(s.run_dir for s in running))
+    return running[0] if running else None
 
 
 def _node_line(n: AdminNode) -> str:

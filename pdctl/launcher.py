@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -182,6 +183,40 @@ def remove_state(run_dir: Path) -> None:
     (run_dir / STATE_FILE).unlink(missing_ok=True)
 
 
+def running_clusters(root: Path | None = None) -> list[RunState]:
+    """The clusters `pdctl up` started under ``root`` (default ``~/.pdcluster``) that still run: how a
+    bare `pdctl status` finds a cluster started with another run directory (the demo's)."""
+    found = []
+    for path in sorted((root or Path.home() / ".pdcluster").glob(f"*/{STATE_FILE}")):
+        try:
+            state = read_state(path.parent)
+        except LaunchError:
+            continue
+        if state is not None and any(is_running(p) for p in state.processes):
+            found.append(state)
+    return found
+
+
+def _ports_in_use(topology: Topology) -> list[str]:
+    """The fixed ports the cluster would bind that something already holds (checked before anything starts)."""
+    wanted = [(topology.proxy.host, topology.proxy.port, "the proxy (--proxy-port; the demo: PORT=...)")]
+    if topology.registry.url is None and topology.registry.port:
+        wanted.append(("127.0.0.1", topology.registry.port, "the local redis-server (--redis-port)"))
+    for role, specs in (("prefill", topology.prefill), ("decode", topology.decode)):
+        wanted += [(topology.node_host, s.value("port"), f"{role}-{i} (its port key)") for i, s in enumerate(specs)]
+    busy = []
+    for host, port, what in wanted:
+        if not port:
+            continue  # 0: a free one is picked
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as servers bind: TIME_WAIT is no conflict
+            try:
+                s.bind((host, port))
+            except OSError:
+                busy.append(f"port {port} on {host}, for {what}")
+    return busy
+
+
 # --- up / down ---
 
 def up(topology: Topology, run_dir: Path, timeout_s: float = 300.0, progress: Progress | None = None,
@@ -195,6 +230,9 @@ def up(topology: Topology, run_dir: Path, timeout_s: float = 300.0, progress: Pr
         raise LaunchError(f"model directory {model} has no config.json (write a tiny one with: pdctl make-model DIR)")
     topology = replace(topology, model=str(model))  # the children must not depend on our cwd
     _refuse_if_running(run_dir)
+    busy = _ports_in_use(topology)
+    if busy:
+        raise LaunchError("in use, so nothing was started: " + "; ".join(busy) + ". Pick free ports")
     logs = run_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     for old in logs.glob("*.log"):

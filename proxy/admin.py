@@ -59,7 +59,10 @@ def admin_router(view: NodeView, router: Router, guard: Callable[..., Awaitable[
         }
         if plan.prefill is None or plan.decode is None:
             role = "prefill" if plan.prefill is None else "decode"
-            err = APIError(503, f"no eligible {role} node for {prompt_tokens} prompt tokens", code=f"no_{role}_node")
+            refused = plan.prefill_candidates if plan.prefill is None else plan.decode_candidates
+            why = "; ".join(f"{c.node_id} rank {c.dp_rank}: {c.reason}" for c in refused) or f"no {role} node"
+            err = APIError(503, f"no eligible {role} node for {prompt_tokens} prompt tokens ({why})",
+                           code=f"no_{role}_node")
             return JSONResponse({**err.body(), **body}, status_code=503)
         return JSONResponse(body)
 

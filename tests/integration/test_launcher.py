@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import httpx
@@ -226,3 +227,29 @@ def test_a_stale_state_file_does_not_block_up(tmp_path, run_dir, fake_python, mo
     launcher.write_state(run_dir, stale)
     state = launcher.up(small_topology(model), run_dir, timeout_s=30, python=fake_python)
     assert state.proxy_url != stale.proxy_url
+
+
+def test_a_port_in_use_fails_up_before_starting_anything(run_dir, fake_python, model) -> None:
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        topology = Topology(model=str(model), prefill=(PrefillSpec(),), decode=(DecodeSpec(),),
+                            proxy=ProxySpec(port=port))
+        with pytest.raises(LaunchError, match=rf"port {port} on 127.0.0.1, for the proxy .*PORT=") as e:
+            launcher.up(topology, run_dir, timeout_s=30, python=fake_python)
+    assert "nothing was started" in str(e.value)
+    assert launcher.read_state(run_dir) is None and not (run_dir / "logs").exists()
+
+
+def test_bare_commands_find_the_one_cluster_running_elsewhere(tmp_path, run_dir, fake_python, model) -> None:
+    root = run_dir.parent  # as ~/.pdcluster: the demo's run directory is one of its folders
+    assert launcher.running_clusters(root) == []
+    state = launcher.up(small_topology(model), run_dir, timeout_s=30, python=fake_python)
+    (root / "stopped").mkdir()
+    launcher.write_state(root / "stopped", replace(state, run_dir=str(root / "stopped"), processes=()))
+    assert [s.run_dir for s in launcher.running_clusters(root)] == [state.run_dir]
+    launcher.down(run_dir, grace_s=5.0)
+    assert launcher.running_clusters(root) == []

@@ -448,6 +448,15 @@ def test_admin_route_explains(c: Cluster) -> None:
     assert "effective PCP" in long["prefill"]["reason"]
 
 
+def test_admin_route_says_why_no_node_is_eligible(c: Cluster) -> None:
+    with c.http(ADMIN_KEY) as admin:
+        r = admin.get("/admin/route", params={"prompt_tokens": MAX_MODEL_LEN + 100})
+    assert r.status_code == 503
+    message = r.json()["error"]["message"]  # what pdctl route prints: every candidate's reason
+    assert all(f"{x['node_id']} rank {x['dp_rank']}: {x['reason']}" in message for x in r.json()["candidates"])
+    assert str(MAX_MODEL_LEN) in message, message
+
+
 def test_pdctl_admin_client_understands_the_admin_api(c: Cluster) -> None:
     from pdctl.admin_client import AdminClient
 
