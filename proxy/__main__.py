@@ -8,9 +8,7 @@ from ``ProxyConfig`` and ``RegistryConfig`` (``cluster.flags``): add a knob by a
 from __future__ import annotations
 
 import argparse
-import json
 import logging
-from pathlib import Path
 from typing import Any
 
 from cluster import envs, flags
@@ -49,12 +47,6 @@ def parse_args(argv: list[str] | None = None) -> tuple[ProxyConfig, str]:
     return config, a.log_level
 
 
-def model_max_len(model_dir: str) -> int:
-    """The model's context limit from its ``config.json`` (``max_position_embeddings``)."""
-    raw = json.loads((Path(model_dir) / "config.json").read_text())
-    return int(raw.get("max_position_embeddings", 4096))
-
-
 class RegistrySource:
     """The registry as a ``NodeSource``: reads from the cached view, drain flags through Redis."""
 
@@ -76,18 +68,19 @@ def main(argv: list[str] | None = None) -> None:
 
     from cluster.registry import Registry, RegistryView
     from engine.tokenizer import Tokenizer
-    from proxy.app import create_app
+    from proxy.app import create_app, model_limits
 
     try:
         tokenizer = Tokenizer(config.model)
-        max_len = model_max_len(config.model)
+        max_len, vocab_size = model_limits(config.model)
     except (ValueError, OSError) as e:
         raise SystemExit(f"error: cannot load the model at {config.model}: {e}") from None
     registry = Registry(config.registry)
     view = RegistryView(registry, config.refresh_s)
     view.start()
     try:
-        app = create_app(config, tokenizer, RegistrySource(view, registry), max_model_len=max_len)
+        app = create_app(config, tokenizer, RegistrySource(view, registry), max_model_len=max_len,
+                         vocab_size=vocab_size)
         log.info("serving %s on http://%s:%d (registry cluster %r)", app.state.proxy.model_name, config.host,
                  config.port, config.registry.cluster)
         uvicorn.run(app, host=config.host, port=config.port, log_level=log_level, timeout_graceful_shutdown=5)

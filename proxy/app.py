@@ -10,6 +10,7 @@ Routes: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models`` (API key w
 from __future__ import annotations
 
 import hmac
+import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -33,6 +34,13 @@ from proxy.serving import Serving
 
 _ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics", "/admin/nodes",
               "/admin/route")
+
+
+def model_limits(model_dir: str) -> tuple[int, int | None]:
+    """The model's context limit (``max_position_embeddings``) and vocabulary size from its ``config.json``."""
+    raw = json.loads((Path(model_dir) / "config.json").read_text())
+    vocab = raw.get("vocab_size")
+    return int(raw.get("max_position_embeddings", 4096)), int(vocab) if vocab else None
 
 
 def served_model_name(config: ProxyConfig) -> str:
@@ -68,8 +76,10 @@ def bearer_guard(key: str | None) -> Callable[[Request], Awaitable[None]]:
     return check
 
 
-def create_app(config: ProxyConfig, tokenizer: Tokenizer, nodes: NodeSource, *, max_model_len: int) -> FastAPI:
-    """The proxy app. ``max_model_len`` is the model's context limit, used until nodes publish theirs."""
+def create_app(config: ProxyConfig, tokenizer: Tokenizer, nodes: NodeSource, *, max_model_len: int,
+               vocab_size: int | None = None) -> FastAPI:
+    """The proxy app. ``max_model_len`` is the model's context limit, used until nodes publish theirs;
+    ``vocab_size`` (the model's) bounds the token ids a prompt may carry (None: not checked here)."""
     name = served_model_name(config)
     metrics = ProxyMetrics()
     view = NodeView(nodes, hold_s=max(5.0, 10 * config.refresh_s), unreachable_s=config.registry.ttl_s)
@@ -77,7 +87,7 @@ def create_app(config: ProxyConfig, tokenizer: Tokenizer, nodes: NodeSource, *, 
     clients = NodeClients()
     pipeline = Pipeline(clients, router, metrics, config.prefill_timeout_s, config.token_timeout_s, view)
     handlers = Serving(model_name=name, tokenizer=tokenizer, view=view, pipeline=pipeline, metrics=metrics,
-                       max_model_len=max_model_len)
+                       max_model_len=max_model_len, vocab_size=vocab_size)
     state = ProxyState(config, name, view, router, clients, pipeline, metrics, handlers)
     created = int(time.time())
 

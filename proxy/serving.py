@@ -42,13 +42,14 @@ class Serving:
     """Handlers of the two generation endpoints for one served model."""
 
     def __init__(self, *, model_name: str, tokenizer: Tokenizer, view: NodeView, pipeline: Pipeline,
-                 metrics: ProxyMetrics, max_model_len: int) -> None:
+                 metrics: ProxyMetrics, max_model_len: int, vocab_size: int | None = None) -> None:
         self.model_name = model_name
         self.tokenizer = tokenizer
         self.view = view
         self.pipeline = pipeline
         self.metrics = metrics
         self.max_model_len = max_model_len  # the model's own limit, when no node says otherwise
+        self.vocab_size = vocab_size  # token ids in a prompt must be below it (None: the nodes check)
         self.texts = TokenTexts(tokenizer)
 
     async def completions(self, request: Request) -> Response:
@@ -57,6 +58,9 @@ class Serving:
         req = _validate(CompletionRequest, body)
         self._check_model(req.model)
         ids = req.prompt_ids() if isinstance(req.prompt, list) else self.tokenizer.encode(req.prompt)
+        if self.vocab_size is not None and ids and max(ids) >= self.vocab_size:
+            raise bad_request(f"prompt token id {max(ids)} is outside the model's vocabulary (size "
+                              f"{self.vocab_size})", param="prompt")
         return await self._generate(request, req, ids, "completions", "cmpl", "prompt", arrival)
 
     async def chat(self, request: Request) -> Response:

@@ -33,7 +33,7 @@ from cluster.net import free_port
 from cluster.nodes import NodeInfo, NodeState, ReplicaLoad
 from cluster.proto_gen import pdcluster_v1_pb2 as pb
 from cluster.proto_gen import pdcluster_v1_pb2_grpc as pb_grpc
-from proxy.app import create_app
+from proxy.app import create_app, model_limits
 
 T = TypeVar("T")
 
@@ -253,7 +253,7 @@ class ProxyServer:
 @contextmanager
 def running_proxy(config: Any, tokenizer: Any, source: Any) -> Iterator[tuple[str, Any]]:
     """The proxy app over ``source``'s nodes, served in a thread: (its URL, the app)."""
-    app = create_app(config, tokenizer, source, max_model_len=4096)
+    app = create_app(config, tokenizer, source, max_model_len=4096, vocab_size=model_limits(config.model)[1])
     server = ProxyServer(app)
     server.start()
     try:

@@ -246,6 +246,7 @@ def test_models_and_health(c: Cluster) -> None:
 # --- bad input -----------------------------------------------------------------------------------
 
 LONG_PROMPT = list(range(10, 10 + MAX_MODEL_LEN))
+TINY_VOCAB = 1024  # >= the tiny model's vocab_size (pdctl/tiny_model.py trains at most 1024 tokens)
 BAD_REQUESTS = [
     ("completions", "{not json", 400, "invalid_json"),
     ("completions", [1, 2], 400, "invalid_json"),
@@ -263,6 +264,7 @@ BAD_REQUESTS = [
     ("completions", {"model": MODEL, "prompt": []}, 400, None),
     ("completions", {"model": MODEL}, 400, None),
     ("completions", {"model": MODEL, "prompt": 5}, 400, None),
+    ("completions", {"model": MODEL, "prompt": [5, TINY_VOCAB]}, 400, None),  # an id outside the vocabulary
     ("completions", {"model": MODEL, "prompt": "x", "max_tokens": "many"}, 400, None),
     ("completions", {"model": MODEL, "prompt": LONG_PROMPT}, 400, "context_length_exceeded"),
     ("completions", {"model": MODEL, "prompt": "x", "max_tokens": MAX_MODEL_LEN}, 400, "context_length_exceeded"),
