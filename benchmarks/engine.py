@@ -19,7 +19,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from presets import H200_BF16_PEAK_TFLOPS, V2_LITE, prefill_flops  # noqa: E402
+from presets import H200_BF16_PEAK_TFLOPS, H200_HBM_TB_S, V2_LITE, decode_step_bytes, prefill_flops  # noqa: E402
 
 from engine.engine_config import EngineConfig  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
@@ -91,15 +91,20 @@ def time_decode(eng: LLMEngine, batch: int, prompt_len: int, steps: int, profile
 
 def kernel_profile(prof, steps: int, wall_s: float) -> dict:
     """Kernels per step and the GPU's busy share of the wall time, from a finished torch.profiler run."""
-    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
-                   if e.device_type == torch.autograd.DeviceType.CUDA)
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    spans = sorted((e.time_range.start, e.time_range.end) for e in kernels)
+    by_name: dict[str, float] = {}
+    for e in kernels:
+        by_name[e.name] = by_name.get(e.name, 0.0) + e.time_range.end - e.time_range.start
+    top = sorted(by_name.items(), key=lambda kv: -kv[1])[:12]
     busy_us, end = 0.0, float("-inf")
     for a, b in spans:  # union of the kernels' intervals (µs)
         if b > end:
             busy_us += b - max(a, end)
             end = b
     return {"kernels_per_step": round(len(spans) / steps, 1), "gpu_busy_ms_per_step": round(busy_us / 1e3 / steps, 3),
-            "step_ms": round(wall_s * 1e3 / steps, 3), "gpu_busy_share": round(busy_us / 1e6 / wall_s, 4)}
+            "step_ms": round(wall_s * 1e3 / steps, 3), "gpu_busy_share": round(busy_us / 1e6 / wall_s, 4),
+            "top_kernels_ms_per_step": {name[:90]: round(us / 1e3 / steps, 3) for name, us in top}}
 
 
 def profile(eng: LLMEngine, n: int) -> None:
@@ -178,12 +183,17 @@ def main() -> None:
     modes = args.decode_modes or (list(MODES) if dev.type == "cuda" else ["eager-torch"])
     for b in args.decode_batches:
         by_mode = {}
+        roof_ms = decode_step_bytes(cfg, b, args.decode_prompt + args.decode_steps // 2) / (H200_HBM_TB_S * 1e12) * 1e3
+        res[f"decode_b{b}_roofline_ms"] = round(roof_ms, 3)
         for m in modes:
             use_graphs, mla.DECODE_KERNEL = MODES[m]
             if runner is not None:
                 runner.graphs = graphs if use_graphs else None
             by_mode[m] = tps = time_decode(eng, b, args.decode_prompt, args.decode_steps)
-            print(f"decode batch {b:>3} (prompt {args.decode_prompt}), {m:>11}: {tps:10.1f} tok/s")
+            step_ms = b / tps * 1e3
+            print(f"decode batch {b:>3} (prompt {args.decode_prompt}), {m:>11}: {tps:10.1f} tok/s, "
+                  f"{step_ms:7.2f} ms/step, H200 memory roofline {roof_ms:.2f} ms ({step_ms / roof_ms:.1f}x)")
+            res[f"decode_b{b}_{m}_step_ms"] = round(step_ms, 3)
             res[f"decode_b{b}_tok_s" if m == modes[0] else f"decode_b{b}_{m}_tok_s"] = round(tps, 1)
             if args.profile_decode and dev.type == "cuda":
                 prof: dict = {}

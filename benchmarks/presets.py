@@ -34,3 +34,30 @@ def prefill_flops(cfg: ModelConfig, t: int) -> float:
     # causal attention: QK^T and PV over t^2/2 pairs per head
     attn = cfg.num_hidden_layers * nh * (t * t / 2) * (cfg.qk_head_dim + cfg.v_head_dim)
     return 2.0 * (per_token * t + attn)
+
+
+H200_HBM_TB_S = 4.8  # HBM3e bandwidth (datasheet), the memory-roofline denominator
+
+
+def decode_step_bytes(cfg: ModelConfig, batch: int, context: int, elem: int = 2) -> float:
+    """Bytes one decode step must read at least: every weight it uses once (routed experts: the expected
+    number of distinct experts that ``batch`` tokens choose uniformly, E(1 - (1 - K/E)^B)), plus each
+    row's latent cache (``context`` tokens x (kv_lora_rank + rope) per layer). Embedding rows, norms and
+    activations are left out (small)."""
+    h, nh = cfg.hidden_size, cfg.num_attention_heads
+    if cfg.q_lora_rank is None:
+        q = h * nh * cfg.qk_head_dim
+    else:
+        q = h * cfg.q_lora_rank + cfg.q_lora_rank * nh * cfg.qk_head_dim
+    kv_b = cfg.kv_lora_rank * nh * (cfg.qk_nope_head_dim + cfg.v_head_dim)
+    attn = q + h * cfg.kv_cache_dim + kv_b + nh * cfg.v_head_dim * h
+    total = 0.0
+    for i in range(cfg.num_hidden_layers):
+        total += attn * elem + batch * context * cfg.kv_cache_dim * elem
+        if cfg.is_moe_layer(i):
+            e, k = cfg.n_routed_experts or 0, cfg.num_experts_per_tok
+            used = e * (1 - (1 - k / e) ** batch)
+            total += (used + cfg.n_shared_experts) * 3 * h * cfg.moe_intermediate_size * elem + e * h * 4
+        else:
+            total += 3 * h * cfg.intermediate_size * elem
+    return total + cfg.vocab_size * h * elem  # lm_head

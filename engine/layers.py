@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine import moe_kernels, norm_kernels
 from engine.config import ModelConfig
 
 
@@ -23,10 +24,21 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if norm_kernels.supported(x) and x.dim() == 2 and x.stride(-1) == 1:
+            return norm_kernels.rms_norm(x, self.weight, self.eps)[0]
         dtype = x.dtype
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(dtype)
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual): one kernel on CUDA."""
+        if norm_kernels.supported(x) and x.dim() == 2 and x.stride(-1) == 1 and residual.stride(-1) == 1:
+            normed, summed = norm_kernels.rms_norm(x, self.weight, self.eps, residual=residual)
+            assert summed is not None
+            return normed, summed
+        summed = x + residual
+        return self(summed), summed
 
 
 class MLP(nn.Module):
@@ -102,6 +114,10 @@ class MoE(nn.Module):
         if x.shape[0] == 0:  # a PCP rank with no rows this step
             return x.clone()
         weights, ids = self.gate(x)  # [T, K]
+        if moe_kernels.supported(x, ids.numel()):  # decode sizes on CUDA: route + two fused GEMMs
+            per_token = moe_kernels.fused_experts(x, ids, self.w13, self.w2)  # [T, K, D]
+            routed = torch.bmm(weights.unsqueeze(1).to(x.dtype), per_token).squeeze(1)
+            return routed + self.shared_experts(x) if self.shared_experts is not None else routed
         k = ids.shape[1]
         flat = ids.flatten()
         order = torch.argsort(flat, stable=True)

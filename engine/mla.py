@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from engine import norm_kernels
 from engine.attention_ops import attention, attention_lse, merge_attention
 from engine.config import ModelConfig
 from engine.forward_batch import ForwardBatch, gather_latents, slots_for
@@ -88,6 +89,16 @@ class MLAttention(nn.Module):
         """x: [T, D]; cache: this layer's [num_blocks, block_size, L+R] (written in place) -> [T, D]."""
         cfg = self.cfg
         kv_a = self.kv_a_proj_with_mqa(x)
+        flat_cache = cache.view(-1, cfg.kv_cache_dim)
+        if batch.pcp is None and norm_kernels.supported(x):
+            # one kernel: kv_c's norm, k_pe's and q_pe's rope (q in place), the latents and their cache write
+            q = self._project_q(x)
+            latent = norm_kernels.mla_latent(
+                kv_a, self.kv_a_layernorm.weight, self.kv_a_layernorm.eps, cfg.kv_lora_rank, batch.positions,
+                rope.cos, rope.sin, rope.interleave, q, cfg.qk_nope_head_dim, flat_cache, batch.slot_mapping)
+            kv_c, k_pe = latent.split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
+            q_nope, q_pe = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
+            return self._attend(x, q_nope, q_pe, kv_c, k_pe, batch, flat_cache, cache.shape[1])
         kv_c = self.kv_a_layernorm(kv_a[:, : cfg.kv_lora_rank])
         k_pe = rope.apply(kv_a[:, cfg.kv_lora_rank :], batch.positions)
         latent = torch.cat((kv_c, k_pe), dim=-1)
@@ -96,29 +107,33 @@ class MLAttention(nn.Module):
         q = self._project_q(x)
         q_nope, q_pe = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
         q_pe = rope.apply(q_pe, batch.positions)
-        flat_cache = cache.view(-1, cfg.kv_cache_dim)
         if batch.pcp is not None:
             out = pcp_attention(self, q_nope, q_pe, latent, pending, batch, flat_cache, cache.shape[1])
             return self.o_proj(out.flatten(1))
         flat_cache[batch.slot_mapping] = latent.to(cache.dtype)
+        return self._attend(x, q_nope, q_pe, kv_c, k_pe, batch, flat_cache, cache.shape[1])
 
+    def _attend(self, x: torch.Tensor, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_c: torch.Tensor,
+                k_pe: torch.Tensor, batch: ForwardBatch, flat_cache: torch.Tensor, block_size: int) -> torch.Tensor:
+        """Attention of this step's rows (their latents already in the cache) -> o_proj output [T, D]."""
+        cfg = self.cfg
         out = x.new_empty(x.shape[0], self.num_heads, cfg.v_head_dim)
         nd = batch.num_decode
         if nd and self.decode_form == "absorbed":
-            out[:nd] = self._decode_absorbed(q_nope[:nd], q_pe[:nd], batch, flat_cache, cache.shape[1])
+            out[:nd] = self._decode_absorbed(q_nope[:nd], q_pe[:nd], batch, flat_cache, block_size)
         elif nd:
             for row in range(nd):
                 seq_len = int(batch.decode_seq_lens[row])  # debug path: a sync per row is fine
                 table = batch.decode_block_tables[row]
                 out[row : row + 1] = self._prefill_one(
                     q_nope[row : row + 1], q_pe[row : row + 1], kv_c[row : row + 1], k_pe[row : row + 1],
-                    seq_len - 1, table, flat_cache, cache.shape[1],
+                    seq_len - 1, table, flat_cache, block_size,
                 )
         for seg in batch.prefills:
             rows = slice(seg.start, seg.start + seg.num_new)
             out[rows] = self._prefill_one(
                 q_nope[rows], q_pe[rows], kv_c[rows], k_pe[rows],
-                seg.context_len, seg.block_table, flat_cache, cache.shape[1],
+                seg.context_len, seg.block_table, flat_cache, block_size,
             )
         return self.o_proj(out.flatten(1))
 

@@ -29,8 +29,8 @@ class DecoderLayer(nn.Module):
     def forward(
         self, x: torch.Tensor, batch: ForwardBatch, cache: torch.Tensor, rope: RotaryEmbedding
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), batch, cache, rope)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h, x = self.post_attention_layernorm.add_forward(self.self_attn(self.input_layernorm(x), batch, cache, rope), x)
+        return x + self.mlp(h)
 
 
 class DeepseekModel(nn.Module):

@@ -1,4 +1,8 @@
-"""Token selection: greedy, temperature, top-k, top-p, per-request seeds; logprobs of the raw logits."""
+"""Token selection: greedy, temperature, top-k, top-p, per-request seeds; logprobs of the raw logits.
+
+A step's rows are sampled together on the logits' device (a GPU on GPU nodes): no loop of kernels per
+row except one noise draw per seeded request, and one wait for the host at the end.
+"""
 
 from __future__ import annotations
 
@@ -24,47 +28,82 @@ def top_logprobs(logp: torch.Tensor, n: int) -> list[dict[int, float]]:
     return [dict(zip(i.tolist(), v.tolist())) for i, v in zip(ids, vals)]
 
 
-def _filter(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """logits [V] -> logits with tokens outside top-k / the top-p nucleus set to -inf."""
-    if top_k > 0 and top_k < logits.shape[-1]:
-        kth = logits.topk(top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = logits.sort(descending=True)
-        probs = sorted_logits.softmax(-1)
-        # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
-        drop_sorted = probs.cumsum(-1) - probs >= top_p
-        drop = torch.zeros_like(drop_sorted).scatter_(0, order, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
-    return logits
+def _filter_sorted(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """logits [R, V] with per-row top_k [R] (V = off) and top_p [R] (1 = off) -> logits with the tokens
+    outside each row's top-k and top-p nucleus set to -inf (one sort for all rows)."""
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    rank = torch.arange(logits.shape[-1], device=logits.device)
+    drop = rank[None, :] >= top_k[:, None]
+    probs = sorted_logits.softmax(-1)
+    # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
+    drop |= probs.cumsum(-1) - probs >= top_p[:, None]
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits.masked_fill(drop, float("-inf")))
+
+
+def _sample_random(logits: torch.Tensor, seqs: list[Sequence], rows: list[int],
+                   default_generator: torch.Generator) -> torch.Tensor:
+    """Token ids [len(rows)] drawn for the given rows of logits [N, V]: temperature, top-k, top-p, all
+    rows at once on the logits' device; the draw is an exponential race (argmax of p / E, E ~ Exp(1)),
+    its noise from each seeded request's own generator (so neighbours never change its draw) and from
+    ``default_generator`` for the rest."""
+    dev, v = logits.device, logits.shape[-1]
+    params = [seqs[i].params for i in rows]
+    idx = torch.tensor(rows, device=dev)
+    sub = logits[idx] / torch.tensor([p.temperature for p in params], device=dev)[:, None]
+    if any(0 < p.top_k < v or p.top_p < 1.0 for p in params):
+        ks = torch.tensor([p.top_k if 0 < p.top_k < v else v for p in params], device=dev)
+        sub = _filter_sorted(sub, ks, torch.tensor([p.top_p for p in params], device=dev, dtype=sub.dtype))
+    probs = sub.softmax(-1)
+    noise = torch.empty_like(probs)
+    shared = [j for j, i in enumerate(rows) if seqs[i].generator is None]
+    if shared:
+        draw = torch.empty(len(shared), v, device=dev, dtype=probs.dtype).exponential_(generator=default_generator)
+        noise[torch.tensor(shared, device=dev)] = draw
+    for j, i in enumerate(rows):
+        gen = seqs[i].generator
+        if gen is not None:
+            noise[j].exponential_(generator=gen)
+    return (probs / noise).argmax(dim=-1)
+
+
+def _stop_ids(seq: Sequence) -> list[int]:
+    p = seq.params
+    return list(p.stop_token_ids or []) + ([] if p.ignore_eos else list(seq.eos_token_ids))
 
 
 def sample(logits: torch.Tensor, seqs: list[Sequence], default_generator: torch.Generator) -> list[Sample]:
-    """logits [N, V] fp32, one row per sequence -> one Sample per sequence."""
+    """logits [N, V] fp32, one row per sequence -> one Sample per sequence.
+
+    Everything runs on the logits' device; the host waits once, for one copy of the chosen ids, their
+    logprobs and the top logprobs asked for."""
+    n = logits.shape[0]
+    dev = logits.device
     logp = torch.log_softmax(logits, dim=-1)
-    chosen_logits = logits.clone()
-    for i, seq in enumerate(seqs):
-        p = seq.params
-        if len(seq.output_token_ids) < p.min_tokens:
-            banned = list(p.stop_token_ids or []) + ([] if p.ignore_eos else list(seq.eos_token_ids))
-            if banned:
-                chosen_logits[i, banned] = float("-inf")
+    chosen_logits = logits
+    banned = [(i, t) for i, seq in enumerate(seqs) if len(seq.output_token_ids) < seq.params.min_tokens
+              for t in _stop_ids(seq)]
+    if banned:
+        chosen_logits = logits.clone()
+        where = torch.tensor(banned, device=dev)
+        chosen_logits[where[:, 0], where[:, 1]] = float("-inf")
     tokens = chosen_logits.argmax(dim=-1)
-    for i, seq in enumerate(seqs):
-        p = seq.params
-        if p.greedy:
-            continue
-        row = _filter(chosen_logits[i] / p.temperature, p.top_k, p.top_p)
-        gen = seq.generator if seq.generator is not None else default_generator
-        tokens[i] = torch.multinomial(row.softmax(-1), 1, generator=gen)[0]
-    chosen = logp.gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()
+    random_rows = [i for i, seq in enumerate(seqs) if not seq.params.greedy]
+    if random_rows:
+        tokens[torch.tensor(random_rows, device=dev)] = _sample_random(chosen_logits, seqs, random_rows,
+                                                                       default_generator)
     max_n = max((s.params.logprobs or 0) for s in seqs)
-    tops = top_logprobs(logp, max_n) if max_n else [None] * len(seqs)
+    parts = [tokens.to(torch.float64), logp.gather(1, tokens.unsqueeze(1)).squeeze(1).to(torch.float64)]
+    if max_n:
+        top_vals, top_ids = logp.topk(max_n, dim=-1)
+        parts += [top_ids.to(torch.float64).flatten(), top_vals.to(torch.float64).flatten()]
+    host = torch.cat(parts).tolist()  # the step's one wait for the device
     out = []
-    for i, (seq, tok) in enumerate(zip(seqs, tokens.tolist())):
+    for i, seq in enumerate(seqs):
         top = None
         if seq.params.logprobs is not None:
-            n = seq.params.logprobs
-            top = dict(list((tops[i] or {}).items())[:n]) if n else {}
-        out.append(Sample(token=tok, logprob=chosen[i], top=top))
+            k = seq.params.logprobs
+            ids = host[2 * n + i * max_n : 2 * n + i * max_n + k]
+            vals = host[2 * n + n * max_n + i * max_n : 2 * n + n * max_n + i * max_n + k]
+            top = {int(t): v for t, v in zip(ids, vals)}
+        out.append(Sample(token=int(host[i]), logprob=host[n + i], top=top))
     return out

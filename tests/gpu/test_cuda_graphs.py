@@ -54,5 +54,7 @@ def test_graph_decode_equals_eager_decode(tiny_model) -> None:
             top = sorted(w.top_logprobs[n].values(), reverse=True)
             assert top[0] - top[1] < LOGPROB_TOL, (i, n, top, w.token_ids[n], g.token_ids[n])
     assert compared > 0.8 * sum(len(w.token_ids) for w in want)  # nearly all tokens compared equal
+
+
 def _first_diff(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))

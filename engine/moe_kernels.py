@@ -1,0 +1,170 @@
+"""Routed experts at decode batch sizes as three Triton kernels (route, gate-up, down): a fused MoE.
+
+At decode sizes each expert sees a few rows, so the routed experts' cost is reading their weights:
+what matters is reading each used expert's weights once, at full bandwidth, and launching few kernels.
+For ``T`` tokens choosing ``K`` experts each (``N = T*K`` rows):
+
+1. ``_moe_route`` (one program): counts rows per expert, and gives every (token, choice) its row in
+   expert order, without a sort: ``offs`` [E+1] (expert e's rows are ``offs[e]:offs[e+1]``),
+   ``src`` [N] (row -> token) and ``order`` [N] (row -> flat (token, choice) index).
+2. ``_moe_gate_up``: program (expert, column tile) loads the expert's gate and up weight tiles once per
+   tile of up to ``BLOCK_M`` rows, reading its rows' inputs straight from ``x`` through ``src``, and
+   writes ``silu(gate) * up`` (fp32 math, one rounding) for those rows. Experts without rows exit.
+3. ``_moe_down``: the same over ``w2``; each row's output is written to its (token, choice) slot, so
+   the caller's weighted sum over choices is one batched product.
+
+Everything is shaped by ``E``, the weight shapes and ``N`` only (never by device values), so the
+kernels are capturable in a CUDA graph. Triton is optional: without it ``HAS_TRITON`` is False.
+"""
+
+# ruff: noqa: ANN001  (Triton kernel arguments are pointers and ints, typed by the JIT, not annotations)
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+except ImportError:  # CPU-only installs: the MoE keeps its torch paths
+    HAS_TRITON = False
+
+# Tuning (benchmarks/moe.py sweeps them; H200, V2-Lite's experts): rows per tile (None: from the rows per
+# expert, 16 to 64), output columns per tile, inner-dimension step.
+BLOCK_M: int | None = None
+BLOCK_N = 64
+BLOCK_K = 128
+NUM_WARPS = 4
+NUM_STAGES = 4
+MAX_ROWS = 4096  # above this many (token, choice) rows the caller's grouped GEMM is the better tool
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _moe_route(IDS, OFFS, SRC, ORDER, N, E: tl.constexpr, EP: tl.constexpr, K: tl.constexpr,
+                   CHUNK: tl.constexpr):
+        experts = tl.arange(0, EP)
+        counts = tl.zeros([EP], tl.int32)
+        for c in range(0, tl.cdiv(N, CHUNK)):  # pass 1: rows per expert
+            i = c * CHUNK + tl.arange(0, CHUNK)
+            e = tl.load(IDS + i, mask=i < N, other=EP).to(tl.int32)
+            counts += tl.sum((e[:, None] == experts[None, :]).to(tl.int32), 0)
+        ends = tl.cumsum(counts, 0)
+        starts = ends - counts
+        tl.store(OFFS + 1 + experts, ends, mask=experts < E)
+        tl.store(OFFS + experts, 0, mask=experts == 0)
+        seen = tl.zeros([EP], tl.int32)
+        for c in range(0, tl.cdiv(N, CHUNK)):  # pass 2: each row's place among its expert's rows, in order
+            i = c * CHUNK + tl.arange(0, CHUNK)
+            m = i < N
+            e = tl.load(IDS + i, mask=m, other=EP).to(tl.int32)
+            hot = (e[:, None] == experts[None, :]).to(tl.int32)  # [CHUNK, EP]
+            before = tl.cumsum(hot, 0) - hot + seen[None, :]  # earlier rows of the same expert
+            row = tl.sum(hot * (starts[None, :] + before), 1)
+            tl.store(SRC + row, i // K, mask=m)
+            tl.store(ORDER + row, i, mask=m)
+            seen += tl.sum(hot, 0)
+
+    @triton.jit
+    def _moe_gate_up(X, SRC, OFFS, W, OUT, s_x, D, INTER,
+                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr):
+        e = tl.program_id(0)
+        cols = tl.program_id(1) * BN + tl.arange(0, BN)
+        cmask = cols < INTER
+        start = tl.load(OFFS + e)
+        end = tl.load(OFFS + e + 1)
+        w = W + e.to(tl.int64) * (2 * INTER * D)  # expert e: [2I, D], gate rows then up rows
+        for m0 in range(start, end, BM):
+            rows = m0 + tl.arange(0, BM)
+            rmask = rows < end
+            tok = tl.load(SRC + rows, mask=rmask, other=0).to(tl.int64)
+            gate = tl.zeros([BM, BN], tl.float32)
+            up = tl.zeros([BM, BN], tl.float32)
+            for k0 in range(0, D, BK):
+                ks = k0 + tl.arange(0, BK)
+                kmask = ks < D
+                a = tl.load(X + tok[:, None] * s_x + ks[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
+                wmask = kmask[:, None] & cmask[None, :]
+                wg = tl.load(w + cols[None, :].to(tl.int64) * D + ks[:, None], mask=wmask, other=0.0)  # [BK, BN]
+                wu = tl.load(w + (cols[None, :] + INTER).to(tl.int64) * D + ks[:, None], mask=wmask, other=0.0)
+                gate = tl.dot(a, wg, acc=gate, input_precision=PREC)
+                up = tl.dot(a, wu, acc=up, input_precision=PREC)
+            h = gate / (1.0 + tl.exp(-gate)) * up
+            tl.store(OUT + rows[:, None].to(tl.int64) * INTER + cols[None, :], h.to(OUT.dtype.element_ty),
+                     mask=rmask[:, None] & cmask[None, :])
+
+    @triton.jit
+    def _moe_down(A, ORDER, OFFS, W, OUT, D, INTER,
+                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr):
+        e = tl.program_id(0)
+        cols = tl.program_id(1) * BN + tl.arange(0, BN)
+        cmask = cols < D
+        start = tl.load(OFFS + e)
+        end = tl.load(OFFS + e + 1)
+        w = W + e.to(tl.int64) * (D * INTER)  # expert e: [D, INTER]
+        for m0 in range(start, end, BM):
+            rows = m0 + tl.arange(0, BM)
+            rmask = rows < end
+            acc = tl.zeros([BM, BN], tl.float32)
+            for k0 in range(0, INTER, BK):
+                ks = k0 + tl.arange(0, BK)
+                kmask = ks < INTER
+                a = tl.load(A + rows[:, None].to(tl.int64) * INTER + ks[None, :], mask=rmask[:, None] & kmask[None, :],
+                            other=0.0)
+                wd = tl.load(w + cols[None, :].to(tl.int64) * INTER + ks[:, None], mask=kmask[:, None] & cmask[None, :],
+                             other=0.0)
+                acc = tl.dot(a, wd, acc=acc, input_precision=PREC)
+            dest = tl.load(ORDER + rows, mask=rmask, other=0).to(tl.int64)
+            tl.store(OUT + dest[:, None] * D + cols[None, :], acc.to(OUT.dtype.element_ty),
+                     mask=rmask[:, None] & cmask[None, :])
+
+
+def supported(x: torch.Tensor, num_rows: int) -> bool:
+    """Whether the fused kernels serve this call: CUDA, Triton, at most MAX_ROWS (token, choice) rows."""
+    return HAS_TRITON and x.is_cuda and 0 < num_rows <= MAX_ROWS
+
+
+def fused_experts(x: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """x [T, D], expert ids [T, K], w13 [E, 2I, D] (gate rows, then up rows), w2 [E, D, I]
+    -> each (token, choice)'s expert output [T, K, D] in x's dtype (unweighted)."""
+    t, k = ids.shape
+    e, two_i, d = w13.shape
+    i = two_i // 2
+    n = t * k
+    if x.stride(-1) != 1 or not w13.is_contiguous() or not w2.is_contiguous() or w2.shape != (e, d, i):
+        raise ValueError(f"fused_experts: x {tuple(x.shape)}, w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)}")
+    dev = x.device
+    offs = torch.empty(e + 1, dtype=torch.int32, device=dev)
+    src = torch.empty(n, dtype=torch.int32, device=dev)
+    order = torch.empty(n, dtype=torch.int32, device=dev)
+    ep = triton.next_power_of_2(e)
+    _moe_route[(1,)](ids.reshape(-1), offs, src, order, n, E=e, EP=ep, K=k,
+                     CHUNK=max(16, min(256, 8192 // ep)), num_warps=4)
+    prec = "ieee" if x.dtype == torch.float32 else "tf32"  # fp32: exact products
+    # A tile of rows per expert's average share: each extra tile of an expert re-reads its weights.
+    bm = BLOCK_M or min(64, max(16, triton.next_power_of_2(-(-n // e))))
+    act = torch.empty(n, i, dtype=x.dtype, device=dev)
+    _moe_gate_up[(e, triton.cdiv(i, BLOCK_N))](
+        x, src, offs, w13, act, x.stride(0), d, i,
+        BM=bm, BN=BLOCK_N, BK=BLOCK_K, PREC=prec, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+    out = torch.empty(t, k, d, dtype=x.dtype, device=dev)
+    _moe_down[(e, triton.cdiv(d, BLOCK_N))](
+        act, order, offs, w2, out, d, i,
+        BM=bm, BN=BLOCK_N, BK=BLOCK_K, PREC=prec, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+    return out
+
+
+def fused_experts_reference(x: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """The same result by a loop over (token, choice) in fp32 (for tests)."""
+    t, k = ids.shape
+    i = w13.shape[1] // 2
+    out = torch.empty(t, k, x.shape[1], dtype=torch.float32, device=x.device)
+    xf = x.float()
+    for r in range(t):
+        for c in range(k):
+            w = w13[int(ids[r, c])].float()
+            gate, up = w[:i] @ xf[r], w[i:] @ xf[r]
+            h = (torch.nn.functional.silu(gate) * up).to(x.dtype).float()
+            out[r, c] = w2[int(ids[r, c])].float() @ h
+    return out

@@ -1,0 +1,201 @@
+"""The decode step's fused Triton kernels against the torch code they replace.
+
+- ``engine.norm_kernels.rms_norm`` (with and without the residual add) against ``RMSNorm``'s torch path;
+- ``engine.norm_kernels.mla_latent`` against MLA's torch steps (kv_c norm, rope of k_pe and q_pe, the
+  latent row and its cache write), interleaved and not;
+- ``engine.moe_kernels.fused_experts`` against a per-(token, choice) fp32 loop, with experts that get no
+  rows, experts with more rows than a tile, and inside a CUDA graph; the MoE module's fused path against
+  its grouped-GEMM / loop path.
+
+Tolerances: the fused kernels round where the torch code rounds, so norms and rope agree to one bf16
+rounding step (2^-7 relative; sums of squares are added in another order); the experts' GEMMs keep fp32
+sums and round once, within 2^-6 of the output's scale in bf16. Plain functions of a device, so they also
+run under Triton's interpreter on CPU:
+
+  TRITON_INTERPRET=1 python tests/gpu/test_fused_kernels.py
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from engine import moe_kernels, norm_kernels  # noqa: E402
+from engine.config import RopeConfig  # noqa: E402
+from engine.layers import RMSNorm  # noqa: E402
+from engine.rope import RotaryEmbedding  # noqa: E402
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not norm_kernels.HAS_TRITON, reason="needs triton")]
+
+
+def _torch_norm(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + norm.eps)
+    return norm.weight * xf.to(x.dtype)
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach(), b.detach()
+    return float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-6))
+
+
+def check_rms_norm(device: str, dtype: torch.dtype, d: int = 2048, t: int = 37) -> None:
+    g = torch.Generator().manual_seed(0)
+    norm = RMSNorm(d, 1e-6).to(device=device, dtype=dtype)
+    norm.weight.data = (1 + 0.1 * torch.randn(d, generator=g)).to(device=device, dtype=dtype)
+    x = (3 * torch.randn(t, d, generator=g)).to(device=device, dtype=dtype)
+    res = torch.randn(t, d, generator=g).to(device=device, dtype=dtype)
+    tol = 2.0**-7 if dtype != torch.float32 else 1e-5
+    out, none = norm_kernels.rms_norm(x, norm.weight, norm.eps)
+    assert none is None and out.dtype == dtype
+    assert rel_err(out, _torch_norm(norm, x)) <= tol
+    out, summed = norm_kernels.rms_norm(x, norm.weight, norm.eps, residual=res)
+    assert summed is not None and torch.equal(summed, x + res), "the new residual is x + residual, rounded once"
+    assert rel_err(out, _torch_norm(norm, x + res)) <= tol
+    strided = torch.randn(t, d + 64, generator=g).to(device=device, dtype=dtype)[:, :d]  # a row view (kv_a[:, :L])
+    assert rel_err(norm_kernels.rms_norm(strided, norm.weight, norm.eps)[0], _torch_norm(norm, strided)) <= tol
+    assert norm_kernels.rms_norm(x[:0], norm.weight, norm.eps)[0].shape == (0, d)
+
+
+def check_mla_latent(device: str, dtype: torch.dtype, interleave: bool, lat: int = 512, rope_dim: int = 64,
+                     heads: int = 16, nope: int = 128, t: int = 9) -> None:
+    g = torch.Generator().manual_seed(1)
+    rope_cfg = RopeConfig(rope_type="yarn", theta=10000.0, factor=40.0, original_max_position_embeddings=4096,
+                          beta_fast=32.0, beta_slow=1.0, mscale=0.707, mscale_all_dim=0.707, interleave=interleave)
+    rope = RotaryEmbedding(rope_cfg, rope_dim, 8192, torch.device(device))
+    norm = RMSNorm(lat, 1e-6).to(device=device, dtype=dtype)
+    norm.weight.data = (1 + 0.1 * torch.randn(lat, generator=g)).to(device=device, dtype=dtype)
+    kv_a = torch.randn(t, lat + rope_dim, generator=g).to(device=device, dtype=dtype)
+    q = torch.randn(t, heads, nope + rope_dim, generator=g).to(device=device, dtype=dtype)
+    positions = torch.randint(0, 8192, (t,), generator=g).to(device)
+    cache = torch.zeros(64, lat + rope_dim, dtype=dtype, device=device)
+    slots = torch.randperm(64, generator=g)[:t].to(device)
+    want_q_pe = rope.apply(q[..., nope:], positions)
+    want_q_nope = q[..., :nope].clone()
+    want = torch.cat((_torch_norm(norm, kv_a[:, :lat]), rope.apply(kv_a[:, lat:], positions)), dim=-1)
+    latent = norm_kernels.mla_latent(kv_a, norm.weight, norm.eps, lat, positions, rope.cos, rope.sin, interleave, q,
+                                     nope, cache, slots)
+    tol = 2.0**-7 if dtype != torch.float32 else 1e-5
+    assert rel_err(latent[:, :lat], want[:, :lat]) <= tol, "kv_c"
+    assert rel_err(latent[:, lat:], want[:, lat:]) <= tol, "k_pe"
+    assert rel_err(q[..., nope:], want_q_pe) <= tol, "q_pe (rotated in place)"
+    assert torch.equal(q[..., :nope], want_q_nope), "q_nope untouched"
+    assert torch.equal(cache[slots], latent), "the cache slots hold the latent rows"
+    untouched = torch.ones(64, dtype=torch.bool, device=device)
+    untouched[slots] = False
+    assert (cache[untouched] == 0).all(), "no other cache slot written"
+
+
+def check_experts(device: str, dtype: torch.dtype, t: int, k: int, e: int, d: int, inter: int, seed: int = 0,
+                  crowd: bool = False) -> float:
+    """fused_experts vs the fp32 loop; ``crowd`` sends every token to the same few experts (rows > a tile)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(t, d, generator=g).to(device=device, dtype=dtype)
+    if crowd:
+        ids = torch.stack([torch.arange(k) for _ in range(t)])
+    else:
+        ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
+    ids = ids.to(device)
+    w13 = (torch.randn(e, 2 * inter, d, generator=g) / d**0.5).to(device=device, dtype=dtype)
+    w2 = (torch.randn(e, d, inter, generator=g) / inter**0.5).to(device=device, dtype=dtype)
+    out = moe_kernels.fused_experts(x, ids, w13, w2)
+    ref = moe_kernels.fused_experts_reference(x, ids, w13, w2)
+    assert out.shape == (t, k, d) and out.dtype == dtype
+    err = rel_err(out, ref)
+    tol = 2.0**-6 if dtype != torch.float32 else 1e-5
+    assert err <= tol, f"fused experts T={t} K={k} E={e}: {err:.3g} > {tol:.3g}"
+    return err
+
+
+def check_experts_graph(device: str = "cuda") -> None:
+    """Captured once; replayed with other routings (other experts empty or crowded) gives the new results."""
+    g = torch.Generator().manual_seed(5)
+    t, k, e, d, inter = 8, 6, 64, 256, 128
+    x = torch.randn(t, d, generator=g).to(device=device, dtype=torch.bfloat16)
+    ids = torch.zeros(t, k, dtype=torch.long, device=device)
+    w13 = (torch.randn(e, 2 * inter, d, generator=g) / d**0.5).to(device=device, dtype=torch.bfloat16)
+    w2 = (torch.randn(e, d, inter, generator=g) / inter**0.5).to(device=device, dtype=torch.bfloat16)
+    moe_kernels.fused_experts(x, ids, w13, w2)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = moe_kernels.fused_experts(x, ids, w13, w2)
+    for seed in range(3):
+        gg = torch.Generator().manual_seed(seed)
+        new_ids = torch.stack([torch.randperm(e if seed != 1 else k, generator=gg)[:k] for _ in range(t)])
+        ids.copy_(new_ids)
+        x.copy_(torch.randn(t, d, generator=gg))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert rel_err(out, moe_kernels.fused_experts_reference(x, ids, w13, w2)) <= 2.0**-6, f"replay {seed}"
+
+
+EXPERT_CASES = [(1, 6, 64, 2048, 1408), (64, 6, 64, 2048, 1408), (3, 2, 8, 96, 40), (200, 8, 256, 256, 128)]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rms_norm(dtype: torch.dtype) -> None:
+    check_rms_norm("cuda", dtype)
+
+
+@pytest.mark.parametrize("interleave", [True, False])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_mla_latent(interleave: bool, dtype: torch.dtype) -> None:
+    check_mla_latent("cuda", dtype, interleave)
+
+
+@pytest.mark.parametrize("case", EXPERT_CASES)
+def test_fused_experts(case: tuple) -> None:
+    print(case, check_experts("cuda", torch.bfloat16, *case))
+
+
+def test_fused_experts_crowded_and_fp32() -> None:
+    check_experts("cuda", torch.bfloat16, 100, 4, 16, 256, 128, crowd=True)  # 100 rows per used expert
+    check_experts("cuda", torch.float32, 17, 6, 64, 256, 96)
+
+
+def test_fused_experts_in_cuda_graph() -> None:
+    check_experts_graph()
+
+
+def test_moe_module_fused_equals_grouped(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The MoE module through the fused kernels vs its grouped-GEMM / loop path, V2-Lite's expert shape."""
+    from engine.config import ModelConfig
+    from engine.layers import MoE
+
+    cfg = ModelConfig.from_dict({
+        "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2", "vocab_size": 1000,
+        "hidden_size": 2048, "intermediate_size": 4096, "moe_intermediate_size": 1408, "num_hidden_layers": 2,
+        "num_attention_heads": 16, "kv_lora_rank": 512, "q_lora_rank": None, "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64, "v_head_dim": 128, "n_routed_experts": 64, "num_experts_per_tok": 6,
+        "n_shared_experts": 2, "first_k_dense_replace": 1, "topk_method": "greedy", "n_group": 1,
+        "topk_group": 1, "norm_topk_prob": False, "routed_scaling_factor": 1.0, "scoring_func": "softmax"})
+    torch.manual_seed(0)
+    moe = MoE(cfg)
+    for p in moe.parameters():
+        p.data.normal_(0, 0.02)
+    moe = moe.to(device="cuda", dtype=torch.bfloat16)
+    moe.gate.float()
+    for t in (1, 7, 64):
+        x = torch.randn(t, cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
+        fused = moe(x)
+        monkeypatch.setattr(moe_kernels, "HAS_TRITON", False)
+        other = moe(x)
+        monkeypatch.setattr(moe_kernels, "HAS_TRITON", True)
+        assert rel_err(fused, other) <= 2.0**-5, f"T={t}: {rel_err(fused, other):.3g}"
+
+
+if __name__ == "__main__":  # TRITON_INTERPRET=1: the same checks on CPU, small shapes
+    for dt in (torch.float32, torch.float16):
+        check_rms_norm("cpu", dt, d=96, t=5)
+        for il in (True, False):
+            check_mla_latent("cpu", dt, il, lat=64, rope_dim=16, heads=3, nope=32, t=4)
+        for c in [(1, 6, 64, 64, 48), (5, 2, 8, 96, 40)]:
+            print(dt, c, check_experts("cpu", dt, *c))
+        check_experts("cpu", dt, 40, 3, 8, 64, 32, crowd=True)
+    print("ok")
