@@ -20,6 +20,7 @@ ROLES = ("prefill", "decode")
 # in-flight requests (NodeConfig.grace_s, 30 s) plus its shutdown.
 DOWN_GRACE_S = 45.0
 ENGINE_BACKENDS = ("native", "vllm")
+DP_PROCESSES = ("auto", "on", "off")
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,9 @@ class NodeConfig:
     lease_s: float = field(default=30.0, metadata={
         "help": "prefill: how long a finished prefill keeps its KV for the decode side"})
     transfer_timeout_s: float = field(default=30.0, metadata={"help": "decode: the longest a KV pull may take"})
+    dp_processes: str = field(default="auto", metadata={
+        "help": "decode: run each DP replica in its own process (on: always; off: threads of the node's "
+                "process; auto: processes on GPUs, threads on CPU)", "choices": DP_PROCESSES})
     grace_s: float = field(default=30.0, metadata={
         "help": "on SIGTERM: how long in-flight requests may run before they are aborted"})
     engine_backend: str = field(default="native", metadata={
@@ -79,6 +83,8 @@ class NodeConfig:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.grace_s < 0:
             raise ValueError(f"grace_s must be >= 0, got {self.grace_s}")
+        if self.dp_processes not in DP_PROCESSES:
+            raise ValueError(f"dp_processes must be one of {DP_PROCESSES}, got {self.dp_processes!r}")
         if self.engine_backend not in ENGINE_BACKENDS:
             raise ValueError(f"engine_backend must be one of {ENGINE_BACKENDS}, got {self.engine_backend!r}")
         if self.role == "decode" and (self.engine.pcp != 1 or self.engine.pp != 1):

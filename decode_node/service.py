@@ -24,8 +24,7 @@ class DecodeService(pb_grpc.DecodeServiceServicer):
         self.worker = worker
         self.node_id = node_id
         self.state = state
-        engine = worker.replicas[0].engine
-        self.vocab_size = engine.model_config.vocab_size
+        self.vocab_size = worker.vocab_size
         self.block_size = worker.config.engine.block_size
 
     async def Decode(
@@ -55,13 +54,13 @@ class DecodeService(pb_grpc.DecodeServiceServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"first token {request.first_token.token_id} outside the vocabulary")
         loop = asyncio.get_running_loop()
-        job = DecodeJob(rid, list(request.prompt_token_ids), params, request.first_token, source, loop,
-                        asyncio.Queue())
+        events: asyncio.Queue = asyncio.Queue()
+        job = DecodeJob(rid, list(request.prompt_token_ids), params, request.first_token, source, loop, events)
         self.worker.submit(job, request.dp_rank)
         finished = False
         try:
             while True:
-                item = await job.events.get()
+                item = await events.get()
                 if item is None:
                     finished = True
                     return

@@ -37,6 +37,8 @@ from cluster.config import NodeConfig
 from cluster.nodes import ReplicaLoad
 from cluster.proto_gen import pdcluster_v1_pb2 as pb
 from cluster.wire import token_pb
+from decode_node.replica_process import RemoteReplica, ReplicaProcesses
+from engine.config import ModelConfig
 from engine.engine_config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
@@ -60,16 +62,21 @@ class DecodeJob:
     params: SamplingParams
     first: pb.Token
     source: KVSource
-    loop: asyncio.AbstractEventLoop
-    events: asyncio.Queue  # of pb.DecodeEvent, then None (end) or an Exception
+    loop: asyncio.AbstractEventLoop | None
+    events: asyncio.Queue | None  # of pb.DecodeEvent, then None (end) or an Exception
     seq: Sequence | None = None
     sent: int = 1  # output tokens already known to the client (the first came from prefill)
     admitted: bool = False  # the pull is done and the request is in the running batch
     cancelled: bool = False
     replica: int = -1
     t_submit: float = field(default_factory=time.monotonic)
+    sink: Callable[[Any], None] | None = None  # in a replica process: to the node, instead of loop/events
 
     def emit(self, item: Any) -> None:
+        if self.sink is not None:
+            self.sink(item)
+            return
+        assert self.loop is not None and self.events is not None
         self.loop.call_soon_threadsafe(self.events.put_nowait, item)
 
 
@@ -250,47 +257,60 @@ class Replica(EngineLoop):
 
 
 class DecodeWorker:
-    """The node's replicas and their shared transport (Mooncake on ``transfer_host`` unless one is given)."""
+    """The node's replicas: threads sharing one transport (Mooncake on ``transfer_host`` unless one is
+    given), or processes with one each (``decode_node.replica_process``; ``NodeConfig.dp_processes``)."""
 
     def __init__(self, config: NodeConfig, transfer_host: str, transport: Transport | None = None,
                  confirm: Callable[[str, str], bool] | None = None) -> None:
         """``confirm(prefill_address, request_id)``: the Release call after a pull (default: gRPC)."""
         self.config = config
+        ec = config.engine
+        on_gpu = ec.torch_device().type == "cuda"
+        first = ec.first_gpu()
+        if on_gpu and torch.cuda.device_count() < first + ec.dp:
+            raise ValueError(f"dp={ec.dp} from device {ec.device} needs GPUs {first}..{first + ec.dp - 1}, "
+                             f"{torch.cuda.device_count()} visible")
+        # Replica d on GPU first + d (--device cuda:K: K, K+1, ...).
+        configs = [dataclasses.replace(ec, dp=1, device=f"cuda:{first + d}" if on_gpu else ec.device, seed=ec.seed + d)
+                   for d in range(ec.dp)]
+        self.vocab_size = ModelConfig.from_pretrained(ec.model).vocab_size
+        self.block_size = ec.block_size
+        self.address = ""  # set once the server listens
+        self.failed = threading.Event()
+        self.failure: str | None = None
+        self.processes: ReplicaProcesses | None = None
+        use_processes = config.dp_processes == "on" or (config.dp_processes == "auto" and on_gpu)
+        if use_processes:
+            if transport is not None or confirm is not None:
+                raise ValueError("decode replicas in processes use their own transport and confirmer")
+            self.processes = ReplicaProcesses(self, configs, first if on_gpu else -1, transfer_host,
+                                              config.transfer_timeout_s, ec.rank_timeout_s)
+            self.replicas: list[Replica] | list[RemoteReplica] = self.processes.replicas
+            self.max_model_len = self.processes.max_model_len
+            self.num_blocks = self.processes.num_blocks
+            return
         if confirm is None:
             from node_runtime.confirm import PrefillConfirmer
 
             confirm = PrefillConfirmer()
         self.confirm = confirm
-        ec = config.engine
         if transport is None:
             from kv_transfer.transports.mooncake import MooncakeTransport
 
             transport = MooncakeTransport(host=transfer_host)
         self.transport = transport
         self.stats = TransferStats()
-        self.failed = threading.Event()
-        self.failure: str | None = None
         self.pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kv-pull")
-        on_gpu = ec.torch_device().type == "cuda"
-        first = ec.first_gpu()
-        if on_gpu and torch.cuda.device_count() < first + ec.dp:
-            raise ValueError(f"dp={ec.dp} from device {ec.device} needs GPUs {first}..{first + ec.dp - 1}, "
-                             f"{torch.cuda.device_count()} visible")
-        self.replicas: list[Replica] = []
+        threads: list[Replica] = []
+        self.replicas = threads
         try:
-            for d in range(ec.dp):
-                # Replica d on GPU first + d (--device cuda:K: K, K+1, ...).
-                rc = dataclasses.replace(ec, dp=1, device=f"cuda:{first + d}" if on_gpu else ec.device,
-                                         seed=ec.seed + d)
-                self.replicas.append(Replica(d, rc, self.transport, self.stats, config.transfer_timeout_s,
-                                             self.pool, self))
+            for d, rc in enumerate(configs):
+                threads.append(Replica(d, rc, self.transport, self.stats, config.transfer_timeout_s, self.pool, self))
         except BaseException:
             self.shutdown()
             raise
-        self.max_model_len = self.replicas[0].engine.max_model_len
-        self.num_blocks = self.replicas[0].load.free_blocks
-        self.block_size = ec.block_size
-        self.address = ""  # set once the server listens
+        self.max_model_len = threads[0].engine.max_model_len
+        self.num_blocks = threads[0].load.free_blocks
 
     def submit(self, job: DecodeJob, dp_rank: int) -> None:
         d = dp_rank if dp_rank >= 0 else min(range(len(self.replicas)), key=self._cost)
@@ -321,13 +341,25 @@ class DecodeWorker:
     def stats_pb(self) -> tuple[list[pb.ReplicaStats], pb.TransferTotals]:
         reps = [pb.ReplicaStats(dp_rank=r.load.dp_rank, waiting=r.load.waiting, running=r.load.running,
                                 used_blocks=r.load.used_blocks, free_blocks=r.load.free_blocks) for r in self.replicas]
-        s = self.stats
-        return reps, pb.TransferTotals(done=s.done, bytes=s.bytes, seconds=s.seconds, failures=dict(s.failures))
+        if self.processes is not None:
+            done, nbytes, secs, fails = self.processes.stats()
+        else:
+            s = self.stats
+            done, nbytes, secs, fails = s.done, s.bytes, s.seconds, dict(s.failures)
+        return reps, pb.TransferTotals(done=done, bytes=nbytes, seconds=secs, failures=fails)
+
+    def pids(self) -> list[int]:
+        """The replica processes' pids (none in thread mode)."""
+        return self.processes.pids() if self.processes is not None else []
 
     def shutdown(self) -> None:
-        for r in self.replicas:  # all at once: each may be in the middle of a step
+        if self.processes is not None:
+            self.processes.shutdown()
+            return
+        threads = [r for r in self.replicas if isinstance(r, Replica)]
+        for r in threads:  # all at once: each may be in the middle of a step
             r.request_stop()
-        for r in self.replicas:
+        for r in threads:
             r.join()
         self.pool.shutdown(wait=True, cancel_futures=True)
         self.transport.close()

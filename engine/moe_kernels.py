@@ -144,14 +144,16 @@ def fused_experts(x: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor, w2: tor
     prec = "ieee" if x.dtype == torch.float32 else "tf32"  # fp32: exact products
     # A tile of rows per expert's average share: each extra tile of an expert re-reads its weights.
     bm = BLOCK_M or min(64, max(16, triton.next_power_of_2(-(-n // e))))
+    # fp32 tiles take twice the shared memory per stage: a shorter K step and two stages fit
+    bk, stages = (BLOCK_K, NUM_STAGES) if x.element_size() <= 2 else (min(BLOCK_K, 64), 2)
     act = torch.empty(n, i, dtype=x.dtype, device=dev)
     _moe_gate_up[(e, triton.cdiv(i, BLOCK_N))](
         x, src, offs, w13, act, x.stride(0), d, i,
-        BM=bm, BN=BLOCK_N, BK=BLOCK_K, PREC=prec, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+        BM=bm, BN=BLOCK_N, BK=bk, PREC=prec, num_warps=NUM_WARPS, num_stages=stages)
     out = torch.empty(t, k, d, dtype=x.dtype, device=dev)
     _moe_down[(e, triton.cdiv(d, BLOCK_N))](
         act, order, offs, w2, out, d, i,
-        BM=bm, BN=BLOCK_N, BK=BLOCK_K, PREC=prec, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+        BM=bm, BN=BLOCK_N, BK=bk, PREC=prec, num_warps=NUM_WARPS, num_stages=stages)
     return out
 
 

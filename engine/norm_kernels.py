@@ -120,9 +120,10 @@ def mla_latent(kv_a: torch.Tensor, norm_weight: torch.Tensor, eps: float, kv_lor
     if kv_a.stride(-1) != 1 or q.stride(-1) != 1 or q.shape[-1] != nope + rope or cos.shape[-1] * 2 != rope:
         raise ValueError(f"mla_latent: kv_a {tuple(kv_a.shape)}, q {tuple(q.shape)}, cos {tuple(cos.shape)}")
     write = cache is not None and slots is not None
+    cache_stride = cache.stride(0) if cache is not None and write else 0
     _mla_latent[(t,)](
         kv_a, norm_weight, positions, cos, sin, q, latent, cache if write else latent, slots if write else positions,
-        kv_a.stride(0), q.stride(0), q.stride(1), latent.stride(0), cache.stride(0) if write else 0, q.shape[1], eps,
+        kv_a.stride(0), q.stride(0), q.stride(1), latent.stride(0), cache_stride, q.shape[1], eps,
         L=kv_lora_rank, BL=triton.next_power_of_2(kv_lora_rank), R=rope, BR2=triton.next_power_of_2(rope // 2),
         NOPE=nope, INTERLEAVE=interleave, WRITE_CACHE=write, num_warps=4,
     )

@@ -27,6 +27,10 @@ class TransferError(RuntimeError):
             raise ValueError(f"unknown transfer failure cause {cause!r}")
         super().__init__(f"{cause}: {detail}")
         self.cause = cause
+        self.detail = detail
+
+    def __reduce__(self) -> tuple:  # picklable (a decode replica process sends it to its node)
+        return (TransferError, (self.cause, self.detail))
 
 
 @dataclass(frozen=True)

@@ -42,20 +42,21 @@ def _rank_main(
     payload: Any,
     conn: Connection,
     init_method: str,
-    backend: str,
+    backend: str | None,
     timeout_s: float,
     first_gpu: int,
 ) -> None:
     import torch.distributed as dist
 
     try:
-        if backend == "nccl":  # one GPU per rank, chosen before NCCL sees the process
+        if first_gpu >= 0:  # one GPU per rank, chosen before NCCL (or anything else) sees the process
             import torch
 
             torch.cuda.set_device(first_gpu + rank)
-        dist.init_process_group(
-            backend, init_method=init_method, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s)
-        )
+        if backend is not None:
+            dist.init_process_group(
+                backend, init_method=init_method, rank=rank, world_size=world_size,
+                timeout=timedelta(seconds=timeout_s))
         conn.send(Ready(rank))
         target(RankContext(rank, world_size, payload, conn))
     except BaseException:  # report anything, then exit non-zero
@@ -77,13 +78,14 @@ class RankGroup:
         target: Callable[[RankContext], None],
         world_size: int,
         payloads: list[Any],
-        backend: str = "gloo",
+        backend: str | None = "gloo",
         host: str = "127.0.0.1",
         port: int | None = None,
         collective_timeout_s: float = 300.0,
         first_gpu: int = 0,
     ) -> None:
-        """With NCCL, rank r runs on GPU ``first_gpu + r``."""
+        """With NCCL (or ``first_gpu`` >= 0 and no backend), rank r runs on GPU ``first_gpu + r``.
+        ``backend`` None: independent processes, no ``torch.distributed`` world (decode DP replicas)."""
         if len(payloads) != world_size:
             raise ValueError(f"{world_size} ranks but {len(payloads)} payloads")
         self.world_size = world_size
@@ -92,7 +94,7 @@ class RankGroup:
         self._backend = backend
         self._init = f"tcp://{host}:{port or free_port(host)}"
         self._timeout = collective_timeout_s
-        self._first_gpu = first_gpu
+        self._first_gpu = first_gpu if backend == "nccl" or backend is None else -1
         self._procs: list[mp.process.BaseProcess] = []
         self._stopped: str | None = None  # why the group was stopped, once it was
         self._conns: list[Connection] = []
@@ -156,6 +158,29 @@ class RankGroup:
                 if s in sentinels:
                     i = sentinels[s]
                     self._fail(self._last_words(i) or f"rank {i} exited with code {self._procs[i].exitcode}")
+
+    def recv_any(self, timeout_s: float) -> tuple[int, Any] | None:
+        """The next message from any rank as (rank, message), or None after ``timeout_s``; raises
+        RankFailure if a rank dies or errs."""
+        self._check_running()
+        sentinels = {p.sentinel: i for i, p in enumerate(self._procs)}
+        conns = {c: i for i, c in enumerate(self._conns)}
+        ready = wait([*conns, *sentinels], timeout=timeout_s)
+        for c in ready:
+            if c in conns:
+                rank = conns[c]
+                try:
+                    msg = c.recv()
+                except (EOFError, OSError):
+                    self._fail(f"rank {rank} closed its pipe")
+                if isinstance(msg, RankError):
+                    self._fail(msg.text)
+                return rank, msg
+        for s in ready:
+            if s in sentinels:
+                i = sentinels[s]
+                self._fail(self._last_words(i) or f"rank {i} exited with code {self._procs[i].exitcode}")
+        return None
 
     def _last_words(self, rank: int) -> str | None:
         """The error a dead rank sent before exiting, if it is still in its pipe."""

@@ -29,7 +29,8 @@ def cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory,
         "proxy": {"port": 0, "admin_key": ADMIN_KEY},
         "prefill": [{"dp": 1, "pcp": 2, "kv_layout": "sharded", "max_model_len": 1024,
                      "max_num_batched_tokens": 256, "num_kv_blocks": 256, "lease_s": 10}],
-        "decode": [{"dp": 2, "max_model_len": 1024, "num_kv_blocks": 256},
+        # decode-0's two replicas run as processes (GPU nodes' default), decode-1's one as a thread
+        "decode": [{"dp": 2, "max_model_len": 1024, "num_kv_blocks": 256, "dp_processes": "on"},
                    {"dp": 1, "max_model_len": 1024, "num_kv_blocks": 256}],
     })
     before = {p.pid for p in psutil.Process().children(recursive=True)}

@@ -17,6 +17,7 @@ import time
 
 import httpx
 import openai
+import psutil
 import pytest
 from e2e_cluster import ADMIN_KEY, Cluster
 
@@ -129,6 +130,11 @@ def test_64_concurrent_streams_complete_and_free_every_block(cluster: Cluster) -
         assert finish in ("length", "stop")
     used = wait_all_free(cluster)
     assert not any(used.values()), f"KV blocks still used after the burst: {used}"
+    # decode-0 (dp 2, dp_processes on) served its share from two replica processes
+    node = next(p for p in read_state(cluster.run_dir).processes if p.name == "decode-0")
+    spawned = [c for c in psutil.Process(node.pid).children(recursive=True)
+               if "multiprocessing" in " ".join(c.cmdline())]
+    assert len(spawned) >= 2, [c.cmdline() for c in spawned]
 
 
 BAD = [

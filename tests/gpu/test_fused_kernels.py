@@ -157,6 +157,7 @@ def test_fused_experts(case: tuple) -> None:
 def test_fused_experts_crowded_and_fp32() -> None:
     check_experts("cuda", torch.bfloat16, 100, 4, 16, 256, 128, crowd=True)  # 100 rows per used expert
     check_experts("cuda", torch.float32, 17, 6, 64, 256, 96)
+    check_experts("cuda", torch.float32, 300, 6, 8, 512, 256)  # 64-row tiles in fp32 (shared memory)
 
 
 def test_fused_experts_in_cuda_graph() -> None:
