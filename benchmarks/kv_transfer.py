@@ -2,6 +2,8 @@
 
   python benchmarks/kv_transfer.py                 # 32k tokens of DeepSeek-V2-Lite KV (~1 GB), loopback tcp
   python benchmarks/kv_transfer.py --tokens 4096
+  python benchmarks/kv_transfer.py --device cuda   # sources on cuda:0 (another process), the pull into cuda:1,
+                                                   # over nvlink_intra (--protocol tcp for the TCP path)
 
 The request's KV (27 layers x 576 values x 2 bytes per token, in 64-token blocks) lies on
 ``--pcp`` source ranks, sharded block by block, each with its own Mooncake engine; the decode rank
@@ -47,7 +49,12 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=32768)
     ap.add_argument("--pcp", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    ap.add_argument("--protocol", default=None, help="Mooncake protocol (default: tcp on cpu, nvlink_intra on cuda)")
     args = ap.parse_args()
+    if args.device == "cuda":
+        main_cuda(args)
+        return
     torch.set_num_threads(1)
     nblocks = -(-args.tokens // BLOCK)
     par = ParallelConfig(pcp=args.pcp, kv_interleave=BLOCK)
@@ -109,6 +116,95 @@ def main() -> None:
     }))
     for t in [*sources, receiver]:
         t.close()
+
+
+def _sources(conn, own, per_rank: int, protocol: str) -> None:  # noqa: ANN001
+    """Process of the prefill side (CUDA IPC wants the peer in another process): every shard's cache
+    on cuda:0 with its own Mooncake engine; answers the layouts, then layer 0's blocks to check."""
+    torch.cuda.set_device(0)
+    caches, layouts, transports = [], {}, []
+    for h in own:
+        g = torch.Generator(device="cuda:0").manual_seed(h.rank)
+        layers = {i: torch.randn(per_rank, BLOCK, DIM, device="cuda:0", generator=g).to(torch.bfloat16)
+                  for i in range(LAYERS)}
+        t = MooncakeTransport(protocol=protocol)
+        layouts[h.rank] = describe_cache(t.endpoint, layers)
+        t.register(layouts[h.rank])
+        caches.append(layers)
+        transports.append(t)
+    torch.cuda.synchronize()
+    conn.send(layouts)
+    conn.recv()  # the pulls are done
+    conn.send([{j: layers[0][b].cpu() for j, b in zip(h.logical, h.physical)} for h, layers in zip(own, caches)])
+    conn.recv()
+    for t in transports:
+        t.close()
+
+
+def main_cuda(args: argparse.Namespace) -> None:
+    import multiprocessing as mp
+
+    protocol = args.protocol or "nvlink_intra"
+    nblocks = -(-args.tokens // BLOCK)
+    par = ParallelConfig(pcp=args.pcp, kv_interleave=BLOCK)
+    per_rank = -(-nblocks // args.pcp) + 1
+    ids = ShardedBlockAllocator(per_rank, args.pcp, BLOCK, BLOCK).allocate(nblocks)
+    own = kv_ownership(ids, par, dp=0, num_layers=LAYERS)
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_sources, args=(child, own, per_rank, protocol), daemon=True)
+    proc.start()
+    try:
+        if not parent.poll(300):
+            raise RuntimeError("the source process did not answer")
+        layouts = parent.recv()
+        torch.cuda.set_device(1)
+        dest = {i: torch.zeros(nblocks, BLOCK, DIM, dtype=torch.bfloat16, device="cuda:1") for i in range(LAYERS)}
+        receiver = MooncakeTransport(protocol=protocol)
+        dest_layout = describe_cache(receiver.endpoint, dest)
+        receiver.register(dest_layout)
+        torch.cuda.synchronize()
+        request = RequestKV(own, nblocks)
+        dest_blocks = arrange_destination(request, list(range(nblocks)))
+        plan = plan_transfer(request, layouts, dest_layout, dest_blocks)
+        nbytes = plan.total_bytes
+        segments = {layouts[src].endpoint: segs for src, segs in plan.pull_segments().items()}
+
+        def pull() -> None:
+            receiver.read_all(segments, timeout_s=120)
+            torch.cuda.synchronize()
+
+        t_pull = best(pull, args.repeats)
+        parent.send("check")
+        want = parent.recv()
+        for blocks in want:
+            for j, data in blocks.items():
+                assert torch.equal(dest[0][dest_blocks[j]].cpu(), data), "transfer is not byte-exact"
+        parent.send("stop")
+        src = [torch.randn(nblocks, BLOCK, DIM, device="cuda:0").to(torch.bfloat16) for _ in range(LAYERS)]
+        torch.cuda.synchronize()
+
+        def copy() -> None:
+            for d, s_ in zip(dest.values(), src):
+                d.copy_(s_, non_blocking=True)
+            torch.cuda.synchronize()
+
+        t_copy = best(copy, args.repeats)
+        receiver.close()
+    finally:
+        proc.join(30)
+        if proc.is_alive():
+            proc.kill()
+    gbps, copy_gbps = nbytes / t_pull / 1e9, nbytes / t_copy / 1e9
+    print(f"{args.tokens} tokens, {nbytes / 1e9:.2f} GB in {nblocks} blocks of {BLOCK} tokens from {args.pcp} "
+          f"shards on cuda:0 into cuda:1 ({len(plan.copies)} copies after coalescing), Mooncake {protocol}")
+    print(f"planned pull:        {t_pull * 1e3:8.2f} ms  {gbps:7.1f} GB/s")
+    print(f"torch cuda:0->1 copy:{t_copy * 1e3:8.2f} ms  {copy_gbps:7.1f} GB/s  (pull = {gbps / copy_gbps:.0%} of it)")
+    print(json.dumps({
+        "bench": "kv_transfer", "device": "cuda", "protocol": protocol, "tokens": args.tokens, "bytes": nbytes,
+        "pcp": args.pcp, "copies": len(plan.copies), "gbps": round(gbps, 2), "torch_copy_gbps": round(copy_gbps, 2),
+        "ratio_to_copy": round(gbps / copy_gbps, 3), "pull_ms": round(t_pull * 1e3, 3),
+    }))
 
 
 if __name__ == "__main__":

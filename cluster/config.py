@@ -21,6 +21,7 @@ ROLES = ("prefill", "decode")
 DOWN_GRACE_S = 45.0
 ENGINE_BACKENDS = ("native", "vllm")
 DP_PROCESSES = ("auto", "on", "off")
+KV_PROTOCOLS = ("auto", "tcp", "rdma", "nvlink_intra")  # Mooncake transports (kv_transfer/protocol.py)
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,11 @@ class NodeConfig:
     lease_s: float = field(default=30.0, metadata={
         "help": "prefill: how long a finished prefill keeps its KV for the decode side"})
     transfer_timeout_s: float = field(default=30.0, metadata={"help": "decode: the longest a KV pull may take"})
+    kv_protocol: str = field(default="auto", metadata={
+        "help": "the KV transport's Mooncake protocol: nvlink_intra (GPU caches, nodes on one host), rdma, "
+                "tcp; auto: nvlink_intra for a GPU cache on a loopback address, else rdma where the host "
+                "has RDMA devices, else tcp (every node of a cluster must end up with the same one)",
+        "choices": KV_PROTOCOLS})
     dp_processes: str = field(default="auto", metadata={
         "help": "decode: run each DP replica in its own process (on: always; off: threads of the node's "
                 "process; auto: processes on GPUs, threads on CPU)", "choices": DP_PROCESSES})
@@ -83,6 +89,8 @@ class NodeConfig:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.grace_s < 0:
             raise ValueError(f"grace_s must be >= 0, got {self.grace_s}")
+        if self.kv_protocol not in KV_PROTOCOLS:
+            raise ValueError(f"kv_protocol must be one of {KV_PROTOCOLS}, got {self.kv_protocol!r}")
         if self.dp_processes not in DP_PROCESSES:
             raise ValueError(f"dp_processes must be one of {DP_PROCESSES}, got {self.dp_processes!r}")
         if self.engine_backend not in ENGINE_BACKENDS:

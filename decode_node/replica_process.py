@@ -90,6 +90,7 @@ class ReplicaSpec:
     index: int
     config: EngineConfig  # this replica's (dp=1, its own device)
     transfer_host: str
+    kv_protocol: str
     timeout_s: float
 
 
@@ -139,7 +140,7 @@ def serve_replica(ctx: RankContext) -> None:
 
     spec: ReplicaSpec = ctx.payload
     link = _Link(ctx)
-    transport = MooncakeTransport(host=spec.transfer_host)
+    transport = MooncakeTransport(host=spec.transfer_host, protocol=spec.kv_protocol)
     stats = TransferStats()
     pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kv-pull")
     worker = _ProcessWorker(link)
@@ -211,9 +212,9 @@ class ReplicaProcesses:
     """Starts the replica processes, relays their messages to jobs (on a reader thread), stops them."""
 
     def __init__(self, worker: DecodeWorker, configs: list[EngineConfig], first_gpu: int, transfer_host: str,
-                 timeout_s: float, start_timeout_s: float) -> None:
+                 kv_protocol: str, timeout_s: float, start_timeout_s: float) -> None:
         self.worker = worker
-        specs = [ReplicaSpec(d, c, transfer_host, timeout_s) for d, c in enumerate(configs)]
+        specs = [ReplicaSpec(d, c, transfer_host, kv_protocol, timeout_s) for d, c in enumerate(configs)]
         self.group = RankGroup(serve_replica, len(specs), specs, backend=None, first_gpu=first_gpu)
         self.replicas = [RemoteReplica(d, self) for d in range(len(specs))]
         self._lock = threading.Lock()

@@ -45,6 +45,7 @@ from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
 from kv_transfer.handle import KVSource
 from kv_transfer.handoff import KVLost, KVReceiver, TransferStats
+from kv_transfer.protocol import choose_protocol
 from kv_transfer.transport import TransferError, Transport, register_cache
 from node_runtime.engine_loop import EngineLoop
 
@@ -279,12 +280,15 @@ class DecodeWorker:
         self.failed = threading.Event()
         self.failure: str | None = None
         self.processes: ReplicaProcesses | None = None
+        self.kv_protocol = choose_protocol(config.kv_protocol, on_gpu, transfer_host)
+        if transport is None:
+            log.info("KV transport: Mooncake %s on %s", self.kv_protocol, transfer_host)
         use_processes = config.dp_processes == "on" or (config.dp_processes == "auto" and on_gpu)
         if use_processes:
             if transport is not None or confirm is not None:
                 raise ValueError("decode replicas in processes use their own transport and confirmer")
             self.processes = ReplicaProcesses(self, configs, first if on_gpu else -1, transfer_host,
-                                              config.transfer_timeout_s, ec.rank_timeout_s)
+                                              self.kv_protocol, config.transfer_timeout_s, ec.rank_timeout_s)
             self.replicas: list[Replica] | list[RemoteReplica] = self.processes.replicas
             self.max_model_len = self.processes.max_model_len
             self.num_blocks = self.processes.num_blocks
@@ -297,7 +301,7 @@ class DecodeWorker:
         if transport is None:
             from kv_transfer.transports.mooncake import MooncakeTransport
 
-            transport = MooncakeTransport(host=transfer_host)
+            transport = MooncakeTransport(host=transfer_host, protocol=self.kv_protocol)
         self.transport = transport
         self.stats = TransferStats()
         self.pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kv-pull")

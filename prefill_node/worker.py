@@ -39,6 +39,7 @@ from engine.sequence import Sequence
 from kv_transfer.handle import to_handle
 from kv_transfer.handoff import KVSender
 from kv_transfer.layout import CacheLayout
+from kv_transfer.protocol import choose_protocol
 from kv_transfer.transports.mooncake import MooncakeExporter
 from node_runtime.engine_loop import EngineLoop
 
@@ -110,7 +111,9 @@ class PrefillWorker(EngineLoop):
         # advertised host; the rendezvous of the ranks uses that host too. A prefill node never runs a
         # decode step (one token per request), so it captures no decode CUDA graphs.
         ec = dataclasses.replace(ec, dist_host=transfer_host, enforce_eager=True)
-        self.llm = LLM.from_config(ec, MooncakeExporter(transfer_host))
+        self.kv_protocol = choose_protocol(config.kv_protocol, ec.torch_device().type == "cuda", transfer_host)
+        log.info("KV transport: Mooncake %s on %s", self.kv_protocol, transfer_host)
+        self.llm = LLM.from_config(ec, MooncakeExporter(transfer_host, self.kv_protocol))
         self.layouts: dict[int, CacheLayout] = {r: _layout(x) for r, x in self.llm.cache_exports.items()}
         self.engines: list[LLMEngine] = self.llm.engines
         self.max_model_len = self.engines[0].max_model_len

@@ -18,6 +18,7 @@ defaults than the engine's own (``cluster.envs.MOONCAKE_TCP_DEFAULTS``; the user
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import Any
 
@@ -51,6 +52,9 @@ def _engine_class() -> Any:
 class MooncakeTransport(Transport):
     def __init__(self, host: str = "127.0.0.1", protocol: str = "tcp", device: str = "") -> None:
         envs.set_mooncake_tcp_defaults()  # read by the engine's TCP transport as it starts
+        if protocol == "nvlink_intra":  # without it the engine silently falls back to TCP (measured)
+            os.environ["MC_INTRANODE_NVLINK"] = "1"
+        self.protocol = protocol
         self._engine = _engine_class()()
         rc = self._engine.initialize(host, "P2PHANDSHAKE", protocol, device)
         if rc != 0:
@@ -127,14 +131,15 @@ class MooncakeExporter:
     ``host`` in the process that owns the cache (a rank process, or the node's), and answers its
     ``CacheLayout``. Picklable until ``export`` runs."""
 
-    def __init__(self, host: str = "127.0.0.1") -> None:
+    def __init__(self, host: str = "127.0.0.1", protocol: str = "tcp") -> None:
         self.host = host
+        self.protocol = protocol
         self._transport: MooncakeTransport | None = None
 
     def export(self, layers: dict[int, Any]) -> CacheLayout:
         if self._transport is not None:
             raise RuntimeError("this exporter already registered a cache")
-        self._transport = MooncakeTransport(host=self.host)
+        self._transport = MooncakeTransport(host=self.host, protocol=self.protocol)
         try:
             return register_cache(self._transport, layers)
         except BaseException:  # nothing stays registered when a layer could not be

@@ -3,7 +3,8 @@ engine), its replicas run on their own GPUs, and a burst spread over both replic
 every block.
 
 The prefill side is an engine in the test process holding each request's KV on cuda:0, registered with
-Mooncake (tcp); the decode worker's replica processes pull from it with their own transfer engines. Needs
+Mooncake (nvlink_intra, what GPU nodes on one host choose); the decode worker's replica processes pull
+from it with their own transfer engines. Needs
 2 GPUs and ``mooncake-transfer-engine-cuda13``; skipped otherwise.
 """
 
@@ -23,6 +24,7 @@ from engine import LLM, SamplingParams
 from engine.engine_config import EngineConfig
 from kv_transfer.handle import KVSource, from_handle, to_handle
 from kv_transfer.layout import describe_cache
+from kv_transfer.protocol import choose_protocol
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")]
 KW = dict(dtype="bfloat16", max_model_len=1024)
@@ -37,7 +39,8 @@ class Prefill:
         try:
             from kv_transfer.transports.mooncake import MooncakeTransport
 
-            self.transport = MooncakeTransport(host="127.0.0.1")
+            # the protocol a GPU node on this host picks (kv_protocol auto): nvlink_intra
+            self.transport = MooncakeTransport(host="127.0.0.1", protocol=choose_protocol("auto", True, "127.0.0.1"))
         except (ImportError, RuntimeError, OSError) as e:
             pytest.skip(f"Mooncake is not usable here: {e}")
         self.llm = LLM(str(model), device="cuda:0", num_kv_blocks=512, enforce_eager=True, **KW)
