@@ -52,10 +52,24 @@ def make_model(
     seed: int = typer.Option(0, help="random seed; the same seed writes the same files"),
     arch: str = typer.Option("v2", help="v2 (DeepseekV2ForCausalLM) or v3 (DeepseekV3ForCausalLM)"),
     layers: int = typer.Option(3, min=1, help="number of decoder layers"),
+    preset: str | None = typer.Option(None, help="a published shape instead of the tiny one: v2-lite "
+                                                 "(DeepSeek-V2-Lite); needs --config-only"),
+    config_only: bool = typer.Option(False, "--config-only", help="config and tokenizer, no weights (nodes "
+                                                                  "then run with load_format: dummy)"),
 ) -> None:
-    """Write a tiny random DeepSeek-format model (config, safetensors, tokenizer, chat template)."""
-    from pdctl.tiny_model import make_tiny_model
+    """Write a tiny random DeepSeek-format model (config, safetensors, tokenizer, chat template), or with
+    --preset and --config-only a published model's shape without weights."""
+    from pdctl.tiny_model import make_tiny_model, write_config_only
 
+    if preset is not None or config_only:
+        from pdctl.model_presets import PRESETS
+
+        if preset not in PRESETS or not config_only:
+            raise typer.BadParameter(f"use --preset {{{','.join(PRESETS)}}} with --config-only", param_hint="--preset")
+        path = write_config_only(out_dir, PRESETS[preset])
+        console.print(f"wrote the {preset} config and a tokenizer (no weights: start nodes with load_format "
+                      f"dummy) to [bold]{path}[/bold]")
+        return
     if arch not in ("v2", "v3"):
         raise typer.BadParameter("arch must be v2 or v3", param_hint="--arch")
     path = make_tiny_model(out_dir, arch=arch, moe=moe, seed=seed, num_layers=layers)

@@ -226,6 +226,33 @@ def _make_weights(cfg: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
     return out
 
 
+def pad_vocabulary(tok: Tokenizer, vocab_size: int) -> Tokenizer:
+    """The tokenizer with its BPE vocabulary padded to ``vocab_size`` by tokens `` t<id>`` that no merge
+    produces: text encodes as before, and every id a model of that vocabulary samples decodes to text."""
+    raw = json.loads(tok.to_str())
+    vocab = raw["model"]["vocab"]
+    taken = set(vocab.values()) | {t["id"] for t in raw.get("added_tokens", [])}
+    for i in range(vocab_size):
+        if i not in taken:
+            vocab[f"\u0120t{i}"] = i  # "Ġ" is the byte-level space
+    return Tokenizer.from_str(json.dumps(raw))
+
+
+def write_config_only(out_dir: str | Path, config: dict[str, Any]) -> Path:
+    """A model directory with ``config`` (a Hugging Face config dict, e.g. DeepSeek-V2-Lite's) and the tiny
+    model's tokenizer padded to its vocabulary, but no weights: for clusters on ``load_format: dummy``
+    (benchmarks on GPUs at a real model's shape)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tok = pad_vocabulary(_build_tokenizer(), int(config["vocab_size"]))
+    bos_id, eos_id = tok.token_to_id(BOS_TOKEN), tok.token_to_id(EOS_TOKEN)
+    cfg = {**config, "bos_token_id": bos_id, "eos_token_id": eos_id}
+    _write_json(out / "config.json", cfg)
+    _write_json(out / "generation_config.json", {"bos_token_id": bos_id, "eos_token_id": eos_id})
+    _write_tokenizer(out, tok, cfg)
+    return out
+
+
 def _write_json(path: Path, obj: dict[str, Any]) -> None:
     """Write ``obj`` as stable, sorted, indented UTF-8 JSON."""
     path.write_text(json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False) + "\n", encoding="utf-8")
@@ -272,6 +299,11 @@ def make_tiny_model(
     save_file(_make_weights(cfg, seed), str(out / "model.safetensors"), metadata={"format": "pt"})
     _write_json(out / "config.json", cfg)
     _write_json(out / "generation_config.json", {"bos_token_id": bos_id, "eos_token_id": eos_id})
+    _write_tokenizer(out, tok, cfg)
+    return out
+
+
+def _write_tokenizer(out: Path, tok: Tokenizer, cfg: dict[str, Any]) -> None:
     tok.save(str(out / "tokenizer.json"), pretty=True)
     _write_json(
         out / "tokenizer_config.json",
@@ -288,4 +320,3 @@ def make_tiny_model(
             "chat_template": CHAT_TEMPLATE,
         },
     )
-    return out

@@ -150,3 +150,25 @@ def test_tokenizer_bos_roundtrip_and_chat_template(model_dirs: dict[str, Path]) 
     assert tok.apply_chat_template(msgs[:2], tokenize=False) == f"{BOS_TOKEN}Be brief.{USER_TOKEN}Hi"
     chat_ids = tok(prompt, add_special_tokens=False).input_ids
     assert chat_ids[0] == 0 and chat_ids[-1] == 3 and chat_ids.count(0) == 1
+
+
+def test_config_only_preset_has_a_tokenizer_for_its_whole_vocabulary(tmp_path) -> None:
+    import subprocess
+    import sys
+
+    from engine.config import ModelConfig
+    from engine.tokenizer import Tokenizer as EngineTokenizer
+
+    r = subprocess.run([sys.executable, "-m", "pdctl.cli", "make-model", str(tmp_path / "v2l"), "--preset", "v2-lite",
+                        "--config-only"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert not list((tmp_path / "v2l").glob("*.safetensors"))
+    cfg = ModelConfig.from_pretrained(tmp_path / "v2l")
+    assert cfg.vocab_size == 102400 and cfg.num_hidden_layers == 27
+    tok = EngineTokenizer(tmp_path / "v2l")
+    assert tok.decode([5000, 102399]) == " t5000 t102399"  # every id the model can sample has text
+    tiny = EngineTokenizer(make_tiny_model(tmp_path / "tiny"))
+    assert tok.encode("Hello there, cluster!") == tiny.encode("Hello there, cluster!")  # text encodes as before
+    r = subprocess.run([sys.executable, "-m", "pdctl.cli", "make-model", str(tmp_path / "x"), "--config-only"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "--preset" in r.stdout + r.stderr
