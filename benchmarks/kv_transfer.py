@@ -50,8 +50,11 @@ def main() -> None:
     ap.add_argument("--pcp", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    ap.add_argument("--block-size", type=int, default=BLOCK, help="tokens per KV block (engine default 16)")
     ap.add_argument("--protocol", default=None, help="Mooncake protocol (default: tcp on cpu, nvlink_intra on cuda)")
     args = ap.parse_args()
+    global BLOCK
+    BLOCK = args.block_size
     if args.device == "cuda":
         main_cuda(args)
         return
@@ -118,14 +121,14 @@ def main() -> None:
         t.close()
 
 
-def _sources(conn, own, per_rank: int, protocol: str) -> None:  # noqa: ANN001
+def _sources(conn, own, per_rank: int, protocol: str, block: int) -> None:  # noqa: ANN001
     """Process of the prefill side (CUDA IPC wants the peer in another process): every shard's cache
     on cuda:0 with its own Mooncake engine; answers the layouts, then layer 0's blocks to check."""
     torch.cuda.set_device(0)
     caches, layouts, transports = [], {}, []
     for h in own:
         g = torch.Generator(device="cuda:0").manual_seed(h.rank)
-        layers = {i: torch.randn(per_rank, BLOCK, DIM, device="cuda:0", generator=g).to(torch.bfloat16)
+        layers = {i: torch.randn(per_rank, block, DIM, device="cuda:0", generator=g).to(torch.bfloat16)
                   for i in range(LAYERS)}
         t = MooncakeTransport(protocol=protocol)
         layouts[h.rank] = describe_cache(t.endpoint, layers)
@@ -152,7 +155,7 @@ def main_cuda(args: argparse.Namespace) -> None:
     own = kv_ownership(ids, par, dp=0, num_layers=LAYERS)
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_sources, args=(child, own, per_rank, protocol), daemon=True)
+    proc = ctx.Process(target=_sources, args=(child, own, per_rank, protocol, BLOCK), daemon=True)
     proc.start()
     try:
         if not parent.poll(300):

@@ -4,6 +4,8 @@
 - ``PDCLUSTER_PROFILE_STEP=N``: rank 0 prints a torch.profiler table of its N-th step.
 - ``PDCLUSTER_PROFILE_TRACE=DIR``: with ``PDCLUSTER_PROFILE_STEP``, rank 0 also writes a Chrome trace
   of that step to ``DIR/rank0-step<N>.json``.
+- ``PDCLUSTER_LOG_LEVEL``: the log level of every cluster process (nodes, their rank and replica
+  processes): DEBUG, INFO (default), WARNING, ...
 """
 
 from __future__ import annotations
@@ -27,3 +29,13 @@ def profile_step() -> int | None:
 
 def profile_trace_dir() -> str | None:
     return os.environ.get("PDCLUSTER_PROFILE_TRACE") or None
+
+
+LOG_FORMAT = "%(asctime)s %(processName)s %(name)s %(levelname)s %(message)s"
+
+
+def log_level() -> str:
+    value = os.environ.get("PDCLUSTER_LOG_LEVEL", "INFO").upper()
+    if value not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
+        raise ValueError(f"PDCLUSTER_LOG_LEVEL must be DEBUG, INFO, WARNING, ERROR or CRITICAL, got {value!r}")
+    return value

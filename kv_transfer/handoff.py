@@ -204,7 +204,8 @@ class KVReceiver:
         took = time.perf_counter() - t0
         self.stats.add(TransferRecord(request_id, True, nbytes, took, nsrc))
         (log.warning if took > SLOW_PULL_S else log.debug)(
-            "pulled %s: %d bytes from %d sources in %.3fs", request_id, nbytes, nsrc, took)
+            "pulled %s: %d bytes from %d sources in %d segments in %.3fs (%.1f GB/s)", request_id, nbytes, nsrc,
+            len(plan.copies), took, nbytes / max(took, 1e-9) / 1e9)
 
     def fill(
         self, request_id: str, request: RequestKV, sources: dict[int, CacheLayout], timeout_s: float | None = None

@@ -31,6 +31,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from cluster.config import NodeConfig
 from cluster.nodes import NodeInfo, ReplicaLoad
 from cluster.proto_gen import pdcluster_v1_pb2 as pb
+from engine import envs as engine_envs
 
 log = logging.getLogger("pdcluster.node")
 
@@ -224,5 +225,5 @@ async def _serve(
 
 def run(main: Callable[[], asyncio.Future | object]) -> None:
     """Process entry: logging, then the node's async main; exits with its code."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.basicConfig(level=engine_envs.log_level(), format=engine_envs.LOG_FORMAT)
     raise SystemExit(asyncio.run(main()))  # type: ignore[arg-type]

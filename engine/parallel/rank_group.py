@@ -46,8 +46,14 @@ def _rank_main(
     timeout_s: float,
     first_gpu: int,
 ) -> None:
+    import logging
+
     import torch.distributed as dist
 
+    from engine import envs
+
+    # the node's log format and level, with the process name (pd-rank-N): spawned processes start unconfigured
+    logging.basicConfig(level=envs.log_level(), format=envs.LOG_FORMAT)
     try:
         if first_gpu >= 0:  # one GPU per rank, chosen before NCCL (or anything else) sees the process
             import torch
