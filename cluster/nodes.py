@@ -28,6 +28,7 @@ class NodeInfo:
     num_blocks: int  # KV blocks of one replica
     started_at: float  # unix time
     engine: str = "native"  # "native" | "vllm": which decode nodes can read a prefill node's KV
+    kv_protocol: str = "tcp"  # the KV transport's Mooncake protocol: a pull needs both ends on the same one
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -271,7 +271,7 @@ class Router:
         can read its KV. ``exclude_decode``: (node id, DP rank) pairs not to choose.
         """
         total = prompt_tokens + max_tokens
-        engines = {n.info.node_id: n.info.engine for n in nodes}
+        engines = {n.info.node_id: (n.info.engine, n.info.kv_protocol) for n in nodes}
         pre = prefill_candidates(nodes, self.model, prompt_tokens, total, self.load, self.long_prompt_tokens,
                                  exclude_prefill)
         dec = decode_candidates(nodes, self.model, total, self.load, exclude_decode)
@@ -279,15 +279,15 @@ class Router:
                     if any(c.eligible and can_read(e, engines[c.node_id]) for c in dec)}
         pre = [c if not c.eligible or engines[c.node_id] in readable or not readable else
                replace(c, cost=math.inf, eligible=False,
-                       reason=f"no eligible decode rank can read a {engines[c.node_id]} node's KV")
+                       reason=f"no eligible decode rank can read a {_kind(engines[c.node_id])} node's KV")
                for c in pre]
         p = pick(pre, _prefill_key, self._turn)
         # A prefill node that has left the view: assume the strictest (only vLLM decode reads both).
-        source = engines.get(prefill_node, "vllm") if prefill_node else engines[p.node_id] if p else None
+        source = (engines.get(prefill_node, ("vllm", "tcp")) if prefill_node else engines[p.node_id] if p else None)
         if source is not None:
             dec = [c if not c.eligible or can_read(source, engines[c.node_id]) else
-                   replace(c, eligible=False, reason=f"a {engines[c.node_id]} decode node cannot read a {source} "
-                                                     "node's KV")
+                   replace(c, eligible=False, reason=f"a {_kind(engines[c.node_id])} decode node cannot read a "
+                                                     f"{_kind(source)} node's KV")
                    for c in dec]
         d = pick(dec, _decode_key, self._turn)
         if p is not None:
@@ -308,9 +308,15 @@ class Router:
         return Route(plan.prefill, plan.decode)
 
 
-def can_read(prefill_engine: str, decode_engine: str) -> bool:
-    """Whether a decode node of ``decode_engine`` can pull the KV a ``prefill_engine`` node holds."""
-    return prefill_engine != "vllm" or decode_engine == "vllm"
+def can_read(prefill: tuple[str, str], decode: tuple[str, str]) -> bool:
+    """Whether a decode node of (engine, KV protocol) ``decode`` can pull the KV a ``prefill`` node holds:
+    a vLLM prefill node's only into vLLM decode nodes, and both ends on the same Mooncake protocol."""
+    (p_engine, p_proto), (d_engine, d_proto) = prefill, decode
+    return (p_engine != "vllm" or d_engine == "vllm") and p_proto == d_proto
+
+
+def _kind(kind: tuple[str, str]) -> str:
+    return f"{kind[0]} ({kind[1]})"
 
 
 def _with_reason(c: C, reason: str) -> C:

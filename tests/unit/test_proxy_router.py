@@ -21,10 +21,10 @@ MODEL = "m"
 def node(node_id: str, role: str = "prefill", *, pcp: int = 1, dp: int = 1, queued: int | list[int] = 0,
          running: int | list[int] = 0, free: int | None = 1000, draining: bool = False, healthy: bool = True,
          model: str = MODEL, max_model_len: int = 100_000, num_blocks: int = 1000,
-         engine: str = "native") -> NodeState:
+         engine: str = "native", kv_protocol: str = "tcp") -> NodeState:
     info = NodeInfo(node_id=node_id, role=role, address=f"{node_id}:1", model=model, max_model_len=max_model_len,
                     dp=dp, pcp=pcp, pp=1, kv_layout="sharded", block_size=16, num_blocks=num_blocks,
-                    started_at=time.time(), engine=engine)
+                    started_at=time.time(), engine=engine, kv_protocol=kv_protocol)
     q = queued if isinstance(queued, list) else [queued] * dp
     r = running if isinstance(running, list) else [running] * dp
     replicas = () if free is None else tuple(
@@ -170,6 +170,22 @@ def test_pcp_reason_mentions_effective_speedup() -> None:
     assert p.cost == pytest.approx(1024 / 1.5 + 16)
 
 
+def test_kv_protocols_pair_only_with_the_same_protocol() -> None:
+    """A prefill node on NVLink hands its KV only to decode nodes on NVLink (Mooncake needs both ends on
+    one protocol); with none, it is not eligible and says why."""
+    nv_pre = node("a-nv", kv_protocol="nvlink_intra")
+    tcp_pre = node("b-tcp")
+    nv_dec = node("d-nv", "decode", num_blocks=10_000, free=10_000, running=5, kv_protocol="nvlink_intra")
+    tcp_dec = node("e-tcp", "decode", num_blocks=10_000, free=10_000)
+    route = Router(MODEL).route([nv_pre, nv_dec, tcp_dec], 100, 16)
+    assert (route.prefill.node_id, route.decode.node_id) == ("a-nv", "d-nv")  # not the idler tcp node
+    plan = Router(MODEL).plan([nv_pre, tcp_pre, tcp_dec], 100, 16)
+    assert plan.prefill.node_id == "b-tcp"
+    assert "can read a native (nvlink_intra) node's KV" in plan.prefill_candidates[0].reason
+    dec = {c.node_id: c for c in Router(MODEL).plan([nv_pre, nv_dec, tcp_dec], 100, 16).decode_candidates}
+    assert not dec["e-tcp"].eligible and "native (tcp) decode node cannot read" in dec["e-tcp"].reason
+
+
 def test_engines_pair_only_where_the_decode_side_can_read_the_kv() -> None:
     """A vLLM prefill node's KV goes only to vLLM decode nodes; a native node's handle to either."""
     vllm_pre = node("a-vllm", engine="vllm")  # sorts first: the tie would pick it
@@ -179,7 +195,7 @@ def test_engines_pair_only_where_the_decode_side_can_read_the_kv() -> None:
     # Only native decode: the vLLM prefill node is not eligible, and says why.
     plan = Router(MODEL).plan([vllm_pre, native_pre, native_dec], 100, 16)
     assert plan.prefill.node_id == "b-native" and plan.decode.node_id == "d-native"
-    assert "can read a vllm node's KV" in plan.prefill_candidates[0].reason
+    assert "can read a vllm (tcp) node's KV" in plan.prefill_candidates[0].reason
     # Both decode engines: the vLLM prefill node is chosen, so only the (busier) vLLM decode node fits.
     route = Router(MODEL).route([vllm_pre, native_pre, native_dec, vllm_dec], 100, 16)
     assert (route.prefill.node_id, route.decode.node_id) == ("a-vllm", "e-vllm")
@@ -193,7 +209,7 @@ def test_engines_pair_only_where_the_decode_side_can_read_the_kv() -> None:
     assert plan.decode.node_id == "e-vllm"
     with pytest.raises(NoRoute) as e:
         Router(MODEL).route([vllm_pre, native_dec], 100, 16)
-    assert e.value.code == "no_prefill_node" and "can read a vllm node's KV" in e.value.message
+    assert e.value.code == "no_prefill_node" and "can read a vllm (tcp) node's KV" in e.value.message
     # A decode leg moved after a prefill node left the view: only decode nodes that read any KV.
     plan = Router(MODEL).plan([native_pre, native_dec, vllm_dec], 100, 16, prefill_node="gone")
     assert plan.decode.node_id == "e-vllm"
