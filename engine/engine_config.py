@@ -33,7 +33,8 @@ class EngineConfig:
         "help": "KV cache blocks per rank (default: sized from memory: --gpu-memory-utilization, --cpu-kv-cache-gb)"})
     cpu_kv_cache_gb: float = field(default=0.5, metadata={"help": "on CPU: the KV cache's size per rank in GiB"})
     gpu_memory_utilization: float = field(default=0.9, metadata={
-        "help": "on GPU: the share of its memory the weights and the KV cache may use"})
+        "help": "on GPU: the share of the device's memory this engine's weights, KV cache and workspace may "
+                "use, whatever other processes use (two nodes can share a GPU with 0.4 each)"})
     load_format: str = field(default="auto", metadata={
         "help": "dummy = random weights from config.json alone (benchmarks)", "choices": LOAD_FORMATS})
     seed: int = field(default=0, metadata={"help": "seed of the sampler (and of dummy weights)"})

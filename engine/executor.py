@@ -54,9 +54,13 @@ def kv_blocks_for_memory(
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks
     if device.type == "cuda":
+        # gpu_memory_utilization is this engine's share of the device (as vLLM's): its weights, cache and
+        # workspace, whatever other processes use, so two nodes can share a GPU on purpose; never more
+        # than is free now.
         free, total = torch.cuda.mem_get_info(device)
-        reserve = total * (1 - config.gpu_memory_utilization) + 2 * 2**30  # activations and workspace
-        return min(full, int(max(0, free - reserve) // per_block))
+        workspace = 2 * 2**30  # activations, graphs' pools
+        budget = total * config.gpu_memory_utilization - torch.cuda.memory_reserved(device) - workspace
+        return min(full, int(max(0, min(budget, free - workspace)) // per_block))
     return min(full, int(config.cpu_kv_cache_gb * 2**30 // per_block))
 
 
