@@ -127,10 +127,18 @@ class ProxyConfig:
     prefill_timeout_s: float = field(default=300.0, metadata={"help": "the longest wait for a prefill answer"})
     token_timeout_s: float = field(default=60.0, metadata={"help": "the longest wait between two decode events"})
     refresh_s: float = field(default=0.5, metadata={"help": "how often the proxy refreshes its view of the registry"})
+    local_prefill_max_tokens: int = field(default=0, metadata={
+        "help": "prompts of at most this many tokens are prefilled on the decode node itself (conditional "
+                "disaggregation; native decode nodes); 0: none"})
+    local_prefill_fallback: bool = field(default=True, metadata={
+        "help": "prefill on a decode node when no prefill node can take a request (a cluster of decode nodes "
+                "only serves colocated)"})
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65536), got {self.port}")
+        if self.local_prefill_max_tokens < 0:
+            raise ValueError(f"local_prefill_max_tokens must be >= 0, got {self.local_prefill_max_tokens}")
         for name in ("prefill_timeout_s", "token_timeout_s", "refresh_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")

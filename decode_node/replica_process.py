@@ -47,7 +47,7 @@ class StartJob:
     prompt: list[int]
     params: SamplingParams
     first: bytes  # pb.Token, serialized
-    source: KVSource
+    source: KVSource | None  # None: a local prefill
     t_submit: float  # time.monotonic() (system-wide on Linux)
 
 

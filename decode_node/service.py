@@ -38,21 +38,27 @@ class DecodeService(pb_grpc.DecodeServiceServicer):
                                 f"dp_rank {request.dp_rank} outside [-1, {len(self.worker.replicas)})")
         if self.state.stopping:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the node is stopping")
+        local = request.WhichOneof("kv_source") == "local_prefill"  # prefilled here, no KV to pull
+        source = None
         try:
             params = sampling_from_pb(request.sampling)
-            source = from_handle(request.kv)
+            if not local:
+                source = from_handle(request.kv)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        if source.block_size != self.block_size:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"block size {source.block_size} differs from this node's {self.block_size}")
-        want_blocks = -(-len(request.prompt_token_ids) // self.block_size)
-        if source.request.num_blocks != want_blocks:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"the KV handle has {source.request.num_blocks} blocks, the prompt needs {want_blocks}")
-        if not 0 <= request.first_token.token_id < self.vocab_size:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"first token {request.first_token.token_id} outside the vocabulary")
+        if source is not None:
+            if source.block_size != self.block_size:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                    f"block size {source.block_size} differs from this node's {self.block_size}")
+            want_blocks = -(-len(request.prompt_token_ids) // self.block_size)
+            if source.request.num_blocks != want_blocks:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"the KV handle has "
+                                    f"{source.request.num_blocks} blocks, the prompt needs {want_blocks}")
+            if not 0 <= request.first_token.token_id < self.vocab_size:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                    f"first token {request.first_token.token_id} outside the vocabulary")
+        elif any(not 0 <= t < self.vocab_size for t in request.prompt_token_ids):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt token ids outside the vocabulary")
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
         job = DecodeJob(rid, list(request.prompt_token_ids), params, request.first_token, source, loop, events)

@@ -61,8 +61,8 @@ class DecodeJob:
     request_id: str
     prompt: list[int]
     params: SamplingParams
-    first: pb.Token
-    source: KVSource
+    first: pb.Token  # sampled by the prefill node (unset with a local prefill)
+    source: KVSource | None  # None: the replica prefills the prompt itself (DecodeRequest.local_prefill)
     loop: asyncio.AbstractEventLoop | None
     events: asyncio.Queue | None  # of pb.DecodeEvent, then None (end) or an Exception
     seq: Sequence | None = None
@@ -155,6 +155,10 @@ class Replica(EngineLoop):
         self.jobs.clear()
 
     def _start(self, job: DecodeJob) -> None:
+        source = job.source
+        if source is None:
+            self._start_local(job)
+            return
         try:
             job.seq = self.engine.begin_prefilled(job.prompt, job.params, request_id=job.request_id)
         except (ValueError, TypeError, MemoryError) as e:
@@ -163,7 +167,6 @@ class Replica(EngineLoop):
         job.replica = self.index
         self.jobs[job.request_id] = job
         blocks = list(job.seq.block_ids)
-        source = job.source
 
         def pull() -> None:
             try:
@@ -178,6 +181,20 @@ class Replica(EngineLoop):
                 self.send(Pulled(job, None, e))
 
         self.pool.submit(pull)
+
+    def _start_local(self, job: DecodeJob) -> None:
+        """Prefill here (colocated serving): the request joins the scheduler like any other; every token,
+        the first too, goes out as the steps make them."""
+        try:
+            job.seq = self.engine.add_request(job.prompt, job.params, request_id=job.request_id)
+        except (ValueError, TypeError, MemoryError) as e:
+            job.emit(e)
+            return
+        job.replica = self.index
+        job.sent = 0
+        job.admitted = True
+        self.jobs[job.request_id] = job
+        job.emit(pb.DecodeEvent(admitted=pb.Admitted(dp_rank=self.index)))
 
     def _admit(self, job: DecodeJob, table: list[int] | None, error: BaseException | None) -> None:
         rid = job.request_id

@@ -155,7 +155,8 @@ def node_info(config: NodeConfig, served: str, worker: NodeWorker) -> NodeInfo:
                     max_model_len=worker.max_model_len, dp=ec.dp, pcp=ec.pcp, pp=ec.pp,
                     kv_layout=_kv_layout(config),
                     block_size=worker.block_size, num_blocks=worker.num_blocks, started_at=time.time(),
-                    engine=config.engine_backend, kv_protocol=getattr(worker, "kv_protocol", "tcp"))
+                    engine=config.engine_backend, kv_protocol=getattr(worker, "kv_protocol", "tcp"),
+                    local_prefill=config.role == "decode" and config.engine_backend == "native")
 
 
 async def serve(

@@ -71,7 +71,7 @@ class DecodeCandidate:
 class Route:
     """Where the proxy would send a prompt of a given length now, and why."""
 
-    prefill: PrefillChoice
+    prefill: PrefillChoice | None  # None: the decode rank prefills locally
     decode: DecodeChoice
     candidates: tuple[Candidate, ...]  # prefill replicas
     decode_candidates: tuple[DecodeCandidate, ...] = ()
@@ -105,8 +105,9 @@ class AdminClient:
         try:
             p, d = body["prefill"], body["decode"]
             return Route(
-                prefill=PrefillChoice(str(p["node_id"]), int(p["dp_rank"]), int(p.get("pcp", 1)),
-                                      float(p.get("cost", 0.0)), str(p.get("reason", ""))),
+                prefill=None if p is None and body.get("local_prefill") else
+                PrefillChoice(str(p["node_id"]), int(p["dp_rank"]), int(p.get("pcp", 1)),
+                              float(p.get("cost", 0.0)), str(p.get("reason", ""))),
                 decode=DecodeChoice(str(d["node_id"]), int(d["dp_rank"]), str(d.get("reason", ""))),
                 candidates=tuple(
                     Candidate(str(c["node_id"]), int(c["dp_rank"]), int(c.get("pcp", 1)), float(c.get("cost", 0.0)),

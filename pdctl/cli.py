@@ -86,7 +86,8 @@ def up(
     served_model_name: str | None = typer.Option(None, help="the model name clients use (default: directory name)"),
     proxy_host: str | None = typer.Option(None, help=f"proxy listen host (default: {ProxySpec.host})"),
     proxy_port: int | None = typer.Option(None, help=f"proxy port, 0 = free (default: {ProxySpec.port})"),
-    prefill_nodes: int | None = typer.Option(None, min=1, help="number of prefill nodes (default: 1)"),
+    prefill_nodes: int | None = typer.Option(None, min=0, help="number of prefill nodes (default: 1; 0: decode "
+                                                              "nodes prefill locally, a colocated cluster)"),
     prefill_dp: int | None = typer.Option(None, min=1, help=f"DP replicas per node (default: {_PREFILL('dp')})"),
     prefill_pcp: int | None = typer.Option(None, min=1, help=f"PCP ranks per replica (default: {_PREFILL('pcp')})"),
     prefill_pp: int | None = typer.Option(None, min=1, help=f"PP stages per replica (default: {_PREFILL('pp')})"),
@@ -255,8 +256,11 @@ def route(prompt_tokens: int = typer.Option(..., "--prompt-tokens", min=1, help=
     """Where the proxy would send a prompt of this length now, and why."""
     chosen = _admin(proxy, admin_key, run_dir, cluster, lambda c: c.route(prompt_tokens, max_tokens))
     p, d = chosen.prefill, chosen.decode
-    console.print(f"prefill: {p.node_id} replica {p.dp_rank} (PCP {p.pcp}), cost {p.cost:g}: {p.reason}",
-                  markup=False, highlight=False, soft_wrap=True)
+    if p is None:
+        console.print("prefill: local, on the decode rank below", markup=False, highlight=False)
+    else:
+        console.print(f"prefill: {p.node_id} replica {p.dp_rank} (PCP {p.pcp}), cost {p.cost:g}: {p.reason}",
+                      markup=False, highlight=False, soft_wrap=True)
     console.print(f"decode:  {d.node_id} rank {d.dp_rank}: {d.reason}", markup=False, highlight=False,
                   soft_wrap=True)
     if chosen.candidates:

@@ -139,6 +139,10 @@ def proxy_command(topology: Topology, registry_url: str, port: int, python: str 
     if topology.served_model_name is not None:
         argv += ["--served-model-name", topology.served_model_name]
     argv += ["--host", proxy.host, "--port", str(port), "--registry-url", registry_url, "--cluster", topology.cluster]
+    if proxy.local_prefill_max_tokens:
+        argv += ["--local-prefill-max-tokens", str(proxy.local_prefill_max_tokens)]
+    if not proxy.local_prefill_fallback:
+        argv += ["--no-local-prefill-fallback"]
     env = []
     if proxy.api_key is not None:
         env.append((envs.API_KEY, proxy.api_key))

@@ -163,9 +163,14 @@ class ProxySpec:
     port: int = 8000  # 0 = a free port, chosen by the launcher
     api_key: str | None = None
     admin_key: str | None = None
+    local_prefill_max_tokens: int = 0  # prompts up to this long are prefilled on a decode node
+    local_prefill_fallback: bool = True  # and others when no prefill node can take them
 
     def __post_init__(self) -> None:
         _port(self, "port")
+        if not isinstance(self.local_prefill_max_tokens, int) or self.local_prefill_max_tokens < 0:
+            raise ValueError("proxy.local_prefill_max_tokens must be an int >= 0, got "
+                             f"{self.local_prefill_max_tokens!r}")
         for name in ("api_key", "admin_key"):
             if getattr(self, name) == "":
                 raise ValueError(f"proxy.{name} must be non-empty when set (use null for none)")
@@ -215,8 +220,11 @@ class Topology:
             raise ValueError("tp and dcp are for engine vllm; the native engine runs DP x PCP x PP")
         if not self.model:
             raise ValueError("model (the model directory) is required")
-        if not self.prefill or not self.decode:
-            raise ValueError("a cluster needs at least one prefill node and one decode node")
+        if not self.decode:
+            raise ValueError("a cluster needs at least one decode node")
+        if not self.prefill and not any(self.engine_of(s) == "native" for s in self.decode):
+            raise ValueError("a cluster without prefill nodes (colocated: decode nodes prefill locally) needs "
+                             "native decode nodes")
         if (any(self.engine_of(s) == "vllm" for s in self.prefill)
                 and not any(self.engine_of(s) == "vllm" for s in self.decode)):
             raise ValueError("a vLLM prefill node's KV can be read only by vLLM decode nodes: add one "

@@ -56,9 +56,10 @@ def admin_router(view: NodeView, router: Router, guard: Callable[..., Awaitable[
             "candidates": [_pick(c.to_dict(), "pcp", "cost", "eligible") for c in plan.prefill_candidates],
             "decode_candidates": [_pick(c.to_dict(), "running", "free_blocks", "eligible")
                                   for c in plan.decode_candidates],
+            "local_prefill": plan.local,  # the decode rank would prefill it itself (prefill is null)
         }
-        if plan.prefill is None or plan.decode is None:
-            role = "prefill" if plan.prefill is None else "decode"
+        if (plan.prefill is None and not plan.local) or plan.decode is None:
+            role = "prefill" if plan.prefill is None and not plan.local else "decode"
             refused = plan.prefill_candidates if plan.prefill is None else plan.decode_candidates
             why = "; ".join(f"{c.node_id} rank {c.dp_rank}: {c.reason}" for c in refused) or f"no {role} node"
             err = APIError(503, f"no eligible {role} node for {prompt_tokens} prompt tokens ({why})",

@@ -83,7 +83,8 @@ def create_app(config: ProxyConfig, tokenizer: Tokenizer, nodes: NodeSource, *, 
     name = served_model_name(config)
     metrics = ProxyMetrics()
     view = NodeView(nodes, hold_s=max(5.0, 10 * config.refresh_s), unreachable_s=config.registry.ttl_s)
-    router = Router(name)
+    router = Router(name, local_prefill_max_tokens=config.local_prefill_max_tokens,
+                    local_prefill_fallback=config.local_prefill_fallback)
     clients = NodeClients()
     pipeline = Pipeline(clients, router, metrics, config.prefill_timeout_s, config.token_timeout_s, view)
     handlers = Serving(model_name=name, tokenizer=tokenizer, view=view, pipeline=pipeline, metrics=metrics,

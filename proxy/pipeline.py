@@ -74,21 +74,25 @@ class _Counted:
         self._load, self._route = load, route
         self._tokens, self._blocks = prompt_tokens, blocks
         p, d = route.prefill, route.decode
-        load.add(p.node_id, p.dp_rank, tokens=prompt_tokens, requests=1)
+        if p is not None:  # a local prefill loads only its decode rank
+            load.add(p.node_id, p.dp_rank, tokens=prompt_tokens, requests=1)
         load.add(d.node_id, d.dp_rank, seqs=1, blocks=blocks, requests=1)
-        self._prefill_tokens = self._prefill_request = self._decode = True
+        self._prefill_tokens = self._prefill_request = p is not None
+        self._decode = True
 
     def prefill_answered(self) -> None:
-        if self._prefill_tokens:
+        p = self._route.prefill
+        if self._prefill_tokens and p is not None:
             self._prefill_tokens = False
-            self._load.remove(self._route.prefill.node_id, self._route.prefill.dp_rank, tokens=self._tokens)
+            self._load.remove(p.node_id, p.dp_rank, tokens=self._tokens)
 
     def prefill_released(self) -> None:
         """The prefill node holds nothing for the request any more."""
         self.prefill_answered()
-        if self._prefill_request:
+        p = self._route.prefill
+        if self._prefill_request and p is not None:
             self._prefill_request = False
-            self._load.remove(self._route.prefill.node_id, self._route.prefill.dp_rank, requests=1)
+            self._load.remove(p.node_id, p.dp_rank, requests=1)
 
     def move_decode(self, route: Route) -> None:
         """The decode leg moved to ``route.decode``."""
@@ -130,8 +134,10 @@ class Legs:
         if self.view is None:
             return None
         failed = (route.decode.node_id, route.decode.dp_rank)
+        # a local prefill moves to another rank that prefills locally
+        source = route.prefill.node_id if route.prefill is not None else None
         plan = self.router.plan(self.view.snapshot(), len(req.prompt_token_ids), req.sampling.max_tokens,
-                                prefill_node=route.prefill.node_id, exclude_decode=[failed])
+                                prefill_node=source, exclude_decode=[failed], local=True if source is None else None)
         if plan.decode is None or (whole_node and plan.decode.node_id == route.decode.node_id):
             return None
         self.metrics.routing.labels("decode", plan.decode.node_id).inc()
@@ -172,15 +178,22 @@ class Pipeline:
                 if last_error is not None:  # no other replica to retry on: the node's error it is
                     raise rpc_error("prefill", last_error) from None
                 raise APIError(503, e.message, code=e.code, cause="no_route") from None
+            if route.prefill is None:  # the decode rank prefills: its stream brings the first token
+                legs.metrics.routing.labels("prefill", "local").inc()
+                legs.metrics.routing.labels("decode", route.decode.node_id).inc()
+                legs.metrics.prompt_tokens.inc(len(req.prompt_token_ids))
+                counted = _Counted(legs.router.load, route, len(req.prompt_token_ids), route.decode.needed_blocks)
+                return Generation(legs, req, route, None, counted)
+            prefill_route = route.prefill
             try:
                 reply, counted = await self._prefill(req, route)
             except grpc.aio.AioRpcError as e:
                 if e.code() != grpc.StatusCode.UNAVAILABLE or len(failed) + 1 >= PREFILL_ATTEMPTS:
                     raise rpc_error("prefill", e) from None
                 log.warning("prefill of %s on %s unavailable (%s); trying another replica", req.request_id,
-                            route.prefill.node_id, e.details())
-                legs.unreachable(route.prefill.node_id)
-                failed.append(route.prefill.node_id)
+                            prefill_route.node_id, e.details())
+                legs.unreachable(prefill_route.node_id)
+                failed.append(prefill_route.node_id)
                 last_error = e
                 continue
             legs.metrics.ttft.labels(req.endpoint).observe(time.perf_counter() - req.arrival)
@@ -189,6 +202,7 @@ class Pipeline:
     async def _prefill(self, req: GenerationRequest, route: Route) -> tuple[pb.PrefillResponse, _Counted]:
         legs = self.legs
         n = len(req.prompt_token_ids)
+        assert route.prefill is not None
         legs.metrics.routing.labels("prefill", route.prefill.node_id).inc()
         legs.metrics.routing.labels("decode", route.decode.node_id).inc()
         legs.metrics.prompt_tokens.inc(n)
@@ -219,17 +233,19 @@ class GenerationError(Exception):
 
 
 class Generation:
-    """A prefilled request: its first token, then the decode node's tokens."""
+    """A prefilled request: its first token, then the decode node's tokens. Without a prefill ``reply``
+    (a local prefill on the decode rank) every token, the first too, comes from the decode stream."""
 
-    def __init__(self, legs: Legs, req: GenerationRequest, route: Route, reply: pb.PrefillResponse,
+    def __init__(self, legs: Legs, req: GenerationRequest, route: Route, reply: pb.PrefillResponse | None,
                  counted: _Counted) -> None:
         self._legs = legs
         self.request = req
         self.route = route
         self._reply = reply
         self._counted = counted
-        self._first_taken = False
-        self._finished = bool(reply.finish_reason)  # the nodes ended it themselves: nothing to abort
+        self._first_taken = reply is None  # nothing to hand out before the stream's tokens
+        self._ttft_pending = reply is None  # observed at the stream's first token
+        self._finished = reply is not None and bool(reply.finish_reason)  # the nodes ended it: nothing to abort
         self._closed = False
         self._last_token_at = time.perf_counter()
         self._call: Any = None
@@ -243,9 +259,11 @@ class Generation:
     def _open_decode(self) -> None:
         req, reply = self.request, self._reply
         decode = pb.DecodeRequest(request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
-                                  sampling=req.sampling, first_token=reply.first_token,
-                                  dp_rank=self.route.decode.dp_rank)
-        if reply.WhichOneof("kv_source") == "kv":
+                                  sampling=req.sampling, dp_rank=self.route.decode.dp_rank,
+                                  first_token=reply.first_token if reply is not None else None)
+        if reply is None:
+            decode.local_prefill = True
+        elif reply.WhichOneof("kv_source") == "kv":
             decode.kv.CopyFrom(reply.kv)
         elif reply.WhichOneof("kv_source") == "vllm_kv_params_json":
             decode.vllm_kv_params_json = reply.vllm_kv_params_json
@@ -264,6 +282,7 @@ class Generation:
         if not self._first_taken:
             self._first_taken = True
             self._legs.metrics.generation_tokens.inc()
+            assert self._reply is not None
             return [self._reply.first_token], self._reply.finish_reason
         if self._finished or self._call is None:
             raise RuntimeError("the generation is already finished")
@@ -276,6 +295,17 @@ class Generation:
                 self._counted.prefill_released()
             elif kind == "tokens" and (event.tokens.tokens or event.tokens.finish_reason):
                 tokens = list(event.tokens.tokens)
+                if self._ttft_pending and tokens:
+                    self._ttft_pending = False
+                    self._legs.metrics.ttft.labels(self.request.endpoint).observe(
+                        time.perf_counter() - self.request.arrival)
+                    self._legs.metrics.generation_tokens.inc()
+                    self._last_token_at = time.perf_counter()
+                    tokens_after_first = len(tokens) - 1
+                    self._observe_tokens(tokens_after_first)
+                    if event.tokens.finish_reason:
+                        self._finished = True
+                    return tokens, event.tokens.finish_reason
                 self._observe_tokens(len(tokens))
                 if event.tokens.finish_reason:
                     self._finished = True
@@ -332,6 +362,7 @@ class Generation:
         if not self._finished:
             if self._call is not None:
                 self._call.cancel()
-            self._legs.spawn(self._legs.clients.abort_prefill(self.route.prefill.address, self.request.request_id))
+            if self.route.prefill is not None:
+                self._legs.spawn(self._legs.clients.abort_prefill(self.route.prefill.address, self.request.request_id))
         self._counted.release()
 

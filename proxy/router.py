@@ -133,17 +133,19 @@ class DecodeCandidate:
 
 @dataclass(frozen=True)
 class RoutePlan:
-    """Every candidate with its verdict, and the choice (None where there is none)."""
+    """Every candidate with its verdict, and the choice (None where there is none). ``local``: the
+    decode rank prefills the request itself (no prefill replica is chosen)."""
 
     prefill: PrefillCandidate | None
     decode: DecodeCandidate | None
     prefill_candidates: list[PrefillCandidate]
     decode_candidates: list[DecodeCandidate]
+    local: bool = False
 
 
 @dataclass(frozen=True)
 class Route:
-    prefill: PrefillCandidate
+    prefill: PrefillCandidate | None  # None: a local prefill on the decode rank
     decode: DecodeCandidate
 
 
@@ -254,27 +256,54 @@ def _decode_key(c: DecodeCandidate) -> tuple[float, ...]:
 class Router:
     """Picks routes for one served model and keeps the proxy's local load."""
 
-    def __init__(self, model: str, long_prompt_tokens: int = LONG_PROMPT_TOKENS) -> None:
+    def __init__(self, model: str, long_prompt_tokens: int = LONG_PROMPT_TOKENS, local_prefill_max_tokens: int = 0,
+                 local_prefill_fallback: bool = True) -> None:
+        """``local_prefill_max_tokens``: prompts up to this long are prefilled on the decode rank (conditional
+        disaggregation); ``local_prefill_fallback``: so are others when no prefill replica can take them."""
         if long_prompt_tokens <= 0:
             raise ValueError(f"long_prompt_tokens must be > 0, got {long_prompt_tokens}")
+        if local_prefill_max_tokens < 0:
+            raise ValueError(f"local_prefill_max_tokens must be >= 0, got {local_prefill_max_tokens}")
         self.model = model
         self.long_prompt_tokens = long_prompt_tokens
+        self.local_prefill_max_tokens = local_prefill_max_tokens
+        self.local_prefill_fallback = local_prefill_fallback
         self.load = LocalLoad()
         self._turn = 0
 
     def plan(self, nodes: Sequence[NodeState], prompt_tokens: int, max_tokens: int,
              exclude_prefill: Collection[str] = (), prefill_node: str | None = None,
-             exclude_decode: Collection[tuple[str, int]] = ()) -> RoutePlan:
+             exclude_decode: Collection[tuple[str, int]] = (), local: bool | None = None) -> RoutePlan:
         """Judge every candidate and choose, without changing any state.
 
         ``prefill_node``: the request was prefilled there already; choose only a decode rank that
-        can read its KV. ``exclude_decode``: (node id, DP rank) pairs not to choose.
+        can read its KV. ``exclude_decode``: (node id, DP rank) pairs not to choose. ``local``: True
+        for a decode rank that prefills itself only, False never, None by the router's settings.
         """
         total = prompt_tokens + max_tokens
+        dec = decode_candidates(nodes, self.model, total, self.load, exclude_decode)
+        plan = self._disaggregated(nodes, prompt_tokens, total, dec, exclude_prefill, prefill_node)
+        if prefill_node is not None or local is False:
+            return plan
+        short = prompt_tokens <= self.local_prefill_max_tokens
+        if not (local or short or (self.local_prefill_fallback and plan.prefill is None)):
+            return plan
+        capable = {n.info.node_id for n in nodes if n.info.local_prefill}
+        d = pick([c for c in dec if c.node_id in capable], _decode_key, self._turn)
+        if d is None and not local:
+            return plan
+        why = ("local prefill (asked)" if local else
+               f"local prefill: a prompt of {prompt_tokens} <= {self.local_prefill_max_tokens} tokens" if short
+               else "local prefill: no prefill replica can take it")
+        return RoutePlan(None, None if d is None else _with_reason(d, f"{why}; least loaded: {d.reason}"),
+                         plan.prefill_candidates, dec, local=True)
+
+    def _disaggregated(self, nodes: Sequence[NodeState], prompt_tokens: int, total: int, dec: list[DecodeCandidate],
+                       exclude_prefill: Collection[str], prefill_node: str | None) -> RoutePlan:
+        """A prefill replica and a decode rank that can read its KV."""
         engines = {n.info.node_id: (n.info.engine, n.info.kv_protocol) for n in nodes}
         pre = prefill_candidates(nodes, self.model, prompt_tokens, total, self.load, self.long_prompt_tokens,
                                  exclude_prefill)
-        dec = decode_candidates(nodes, self.model, total, self.load, exclude_decode)
         readable = {e for e in set(engines.values())
                     if any(c.eligible and can_read(e, engines[c.node_id]) for c in dec)}
         pre = [c if not c.eligible or engines[c.node_id] in readable or not readable else
@@ -298,8 +327,12 @@ class Router:
 
     def route(self, nodes: Sequence[NodeState], prompt_tokens: int, max_tokens: int,
               exclude_prefill: Collection[str] = ()) -> Route:
-        """Choose a prefill replica and a decode rank; raises ``NoRoute``."""
+        """Choose a prefill replica and a decode rank (or a decode rank that prefills locally: ``prefill``
+        None); raises ``NoRoute``."""
         plan = self.plan(nodes, prompt_tokens, max_tokens, exclude_prefill)
+        if plan.local and plan.decode is not None:
+            self._turn += 1
+            return Route(None, plan.decode)
         if plan.prefill is None:
             raise NoRoute("no_prefill_node", _no_route_message("prefill", plan.prefill_candidates))
         if plan.decode is None:

@@ -165,7 +165,7 @@ class ReleaseResponse(_message.Message):
     def __init__(self, found: _Optional[bool] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "first_token", "dp_rank", "kv", "vllm_kv_params_json")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "first_token", "dp_rank", "kv", "vllm_kv_params_json", "local_prefill")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -173,6 +173,7 @@ class DecodeRequest(_message.Message):
     DP_RANK_FIELD_NUMBER: _ClassVar[int]
     KV_FIELD_NUMBER: _ClassVar[int]
     VLLM_KV_PARAMS_JSON_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_PREFILL_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
@@ -180,7 +181,8 @@ class DecodeRequest(_message.Message):
     dp_rank: int
     kv: KVHandle
     vllm_kv_params_json: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., first_token: _Optional[_Union[Token, _Mapping]] = ..., dp_rank: _Optional[int] = ..., kv: _Optional[_Union[KVHandle, _Mapping]] = ..., vllm_kv_params_json: _Optional[str] = ...) -> None: ...
+    local_prefill: bool
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., first_token: _Optional[_Union[Token, _Mapping]] = ..., dp_rank: _Optional[int] = ..., kv: _Optional[_Union[KVHandle, _Mapping]] = ..., vllm_kv_params_json: _Optional[str] = ..., local_prefill: _Optional[bool] = ...) -> None: ...
 
 class Admitted(_message.Message):
     __slots__ = ("dp_rank", "transfer_bytes", "transfer_s")

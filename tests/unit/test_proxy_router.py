@@ -21,10 +21,10 @@ MODEL = "m"
 def node(node_id: str, role: str = "prefill", *, pcp: int = 1, dp: int = 1, queued: int | list[int] = 0,
          running: int | list[int] = 0, free: int | None = 1000, draining: bool = False, healthy: bool = True,
          model: str = MODEL, max_model_len: int = 100_000, num_blocks: int = 1000,
-         engine: str = "native", kv_protocol: str = "tcp") -> NodeState:
+         engine: str = "native", kv_protocol: str = "tcp", local_prefill: bool = False) -> NodeState:
     info = NodeInfo(node_id=node_id, role=role, address=f"{node_id}:1", model=model, max_model_len=max_model_len,
                     dp=dp, pcp=pcp, pp=1, kv_layout="sharded", block_size=16, num_blocks=num_blocks,
-                    started_at=time.time(), engine=engine, kv_protocol=kv_protocol)
+                    started_at=time.time(), engine=engine, kv_protocol=kv_protocol, local_prefill=local_prefill)
     q = queued if isinstance(queued, list) else [queued] * dp
     r = running if isinstance(running, list) else [running] * dp
     replicas = () if free is None else tuple(
@@ -168,6 +168,33 @@ def test_pcp_reason_mentions_effective_speedup() -> None:
     p = Router(MODEL).plan(nodes, 1024, 10).prefill
     assert "effective PCP 1.50" in p.reason and "PCP overhead 16" in p.reason
     assert p.cost == pytest.approx(1024 / 1.5 + 16)
+
+
+def test_local_prefill_for_short_prompts_and_as_the_fallback() -> None:
+    """Conditional disaggregation: prompts up to the threshold are prefilled on a decode rank that can
+    (native decode nodes say so), others go to a prefill replica; with no prefill replica that can take a
+    request, a capable decode rank prefills it unless the fallback is off."""
+    pre = node("p")
+    dec = node("d", "decode", num_blocks=10_000, free=10_000, running=3, local_prefill=True)
+    other = node("e", "decode", num_blocks=10_000, free=10_000)  # idler, but cannot prefill
+    router = Router(MODEL, local_prefill_max_tokens=64)
+    short = router.route([pre, dec, other], 64, 16)
+    assert short.prefill is None and short.decode.node_id == "d"
+    assert short.decode.reason.startswith("local prefill: a prompt of 64 <= 64 tokens")
+    long = router.route([pre, dec, other], 65, 16)
+    assert long.prefill is not None and long.decode.node_id == "e"  # disaggregated: the least loaded rank
+    # No prefill node (a colocated cluster, or all drained): local prefill on the capable rank.
+    fallback = Router(MODEL).route([node("p", draining=True), dec, other], 5000, 16)
+    assert fallback.prefill is None and "no prefill replica can take it" in fallback.decode.reason
+    with pytest.raises(NoRoute) as e:
+        Router(MODEL, local_prefill_fallback=False).route([dec], 100, 16)
+    assert e.value.code == "no_prefill_node"
+    with pytest.raises(NoRoute):  # no decode node can prefill: the request cannot be served
+        Router(MODEL).route([other], 100, 16)
+    # A decode leg moved after a local prefill failed stays local (another capable rank).
+    dec2 = node("f", "decode", num_blocks=10_000, free=10_000, running=9, local_prefill=True)
+    plan = Router(MODEL).plan([pre, dec, dec2, other], 5000, 16, exclude_decode=[("d", 0)], local=True)
+    assert plan.local and plan.prefill is None and plan.decode.node_id == "f"
 
 
 def test_kv_protocols_pair_only_with_the_same_protocol() -> None:

@@ -59,7 +59,9 @@ def test_minimal_yaml_and_absolute_model(tmp_path) -> None:
 @pytest.mark.parametrize(("text", "message"), [
     ("prefill: [{}]\n", "'model'"),
     ("model: m\nprefil: []\n", r"unknown keys \['prefil'\]"),
-    ("model: m\nprefill: []\n", "at least one prefill node and one decode node"),
+    ("model: m\ndecode: []\n", "at least one decode node"),
+    ("model: m\nprefill: []\ndecode: [{engine: vllm}]\n", "needs native decode nodes"),
+    ("model: m\nproxy: {local_prefill_max_tokens: -1}\n", "local_prefill_max_tokens must be an int >= 0"),
     ("model: m\nprefill: [{dp: 0}]\n", r"prefill\[0\]: dp must be an integer > 0"),
     ("model: m\nprefill: [{pcp: 1.5}]\n", r"prefill\[0\]: pcp must be an integer > 0"),
     ("model: m\nprefill: [{pp: true}]\n", r"prefill\[0\]: pp must be an integer > 0"),
