@@ -120,8 +120,10 @@ def create_app(config: ProxyConfig, tokenizer: Tokenizer, nodes: NodeSource, *, 
     async def health() -> JSONResponse:
         snapshot = view.snapshot()
         counts = {role: len(available(snapshot, name, role)) for role in ("prefill", "decode")}
-        if all(counts.values()):
-            return JSONResponse({"status": "ok", "model": name, **counts})
+        # without prefill nodes the decode nodes that prefill locally serve alone (a colocated cluster)
+        local = config.local_prefill_fallback and any(n.info.local_prefill for n in available(snapshot, name, "decode"))
+        if counts["decode"] and (counts["prefill"] or local):
+            return JSONResponse({"status": "ok", "model": name, **counts, "local_prefill": local})
         missing = [role for role, n in counts.items() if n == 0]
         err = APIError(503, f"no healthy, non-draining {' or '.join(missing)} node for model {name!r}",
                        code=f"no_{missing[0]}_node")

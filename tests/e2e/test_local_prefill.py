@@ -80,6 +80,8 @@ def test_with_the_prefill_node_drained_every_prompt_is_prefilled_locally(local_c
     want = colocated(c, [LONG], [8])
     assert c.admin.post("/admin/nodes/prefill-0/drain").json()["draining"]
     try:
+        health = httpx.get(f"{c.url}/health", timeout=10)  # decode nodes that prefill serve alone
+        assert health.status_code == 200 and health.json()["local_prefill"] and health.json()["prefill"] == 0
         before = routed(c)
         out = client(c).completions.create(model=MODEL, prompt=LONG, max_tokens=8, temperature=0)
         assert out.choices[0].text == want[0][1]

@@ -240,7 +240,8 @@ def test_models_and_health(c: Cluster) -> None:
     assert models.data[0].model_extra["max_model_len"] == MAX_MODEL_LEN
     with c.http(None) as h:
         r = h.get("/health")
-    assert r.status_code == 200 and r.json() == {"status": "ok", "model": MODEL, "prefill": 2, "decode": 1}
+    assert r.status_code == 200 and r.json() == {"status": "ok", "model": MODEL, "prefill": 2, "decode": 1,
+                                                 "local_prefill": False}
 
 
 # --- bad input -----------------------------------------------------------------------------------
