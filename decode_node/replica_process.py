@@ -211,11 +211,11 @@ class RemoteReplica:
 class ReplicaProcesses:
     """Starts the replica processes, relays their messages to jobs (on a reader thread), stops them."""
 
-    def __init__(self, worker: DecodeWorker, configs: list[EngineConfig], first_gpu: int, transfer_host: str,
+    def __init__(self, worker: DecodeWorker, configs: list[EngineConfig], gpus: list[int] | None, transfer_host: str,
                  kv_protocol: str, timeout_s: float, start_timeout_s: float) -> None:
         self.worker = worker
         specs = [ReplicaSpec(d, c, transfer_host, kv_protocol, timeout_s) for d, c in enumerate(configs)]
-        self.group = RankGroup(serve_replica, len(specs), specs, backend=None, first_gpu=first_gpu)
+        self.group = RankGroup(serve_replica, len(specs), specs, backend=None, gpus=gpus)
         self.replicas = [RemoteReplica(d, self) for d in range(len(specs))]
         self._lock = threading.Lock()
         self._stopping = False

@@ -284,13 +284,13 @@ class DecodeWorker:
         self.config = config
         ec = config.engine
         on_gpu = ec.torch_device().type == "cuda"
-        first = ec.first_gpu()
-        if on_gpu and torch.cuda.device_count() < first + ec.dp:
-            raise ValueError(f"dp={ec.dp} from device {ec.device} needs GPUs {first}..{first + ec.dp - 1}, "
-                             f"{torch.cuda.device_count()} visible")
-        # Replica d on GPU first + d (--device cuda:K: K, K+1, ...).
-        configs = [dataclasses.replace(ec, dp=1, device=f"cuda:{first + d}" if on_gpu else ec.device, seed=ec.seed + d)
-                   for d in range(ec.dp)]
+        gpus = ec.gpu_ids(ec.dp) if on_gpu else []
+        if gpus and max(gpus) >= torch.cuda.device_count():
+            source = f"gpus {ec.gpus}" if ec.gpus else f"device {ec.device}"
+            raise ValueError(f"dp={ec.dp} needs GPUs {gpus} (from {source}), {torch.cuda.device_count()} visible")
+        # Replica d on GPU gpus[d] (--gpus 2,3; or --device cuda:K: K, K+1, ...).
+        configs = [dataclasses.replace(ec, dp=1, device=f"cuda:{gpus[d]}" if on_gpu else ec.device, gpus=None,
+                                       seed=ec.seed + d) for d in range(ec.dp)]
         self.vocab_size = ModelConfig.from_pretrained(ec.model).vocab_size
         self.block_size = ec.block_size
         self.address = ""  # set once the server listens
@@ -304,7 +304,7 @@ class DecodeWorker:
         if use_processes:
             if transport is not None or confirm is not None:
                 raise ValueError("decode replicas in processes use their own transport and confirmer")
-            self.processes = ReplicaProcesses(self, configs, first if on_gpu else -1, transfer_host,
+            self.processes = ReplicaProcesses(self, configs, gpus or None, transfer_host,
                                               self.kv_protocol, config.transfer_timeout_s, ec.rank_timeout_s)
             self.replicas: list[Replica] | list[RemoteReplica] = self.processes.replicas
             self.max_model_len = self.processes.max_model_len

@@ -21,6 +21,9 @@ class EngineConfig:
     dtype: str = field(default="auto", metadata={
         "help": "auto = the checkpoint's torch_dtype", "choices": ("auto", *DTYPES)})
     device: str = field(default="auto", metadata={"help": "cpu, cuda or cuda:N; auto = cuda if available, else cpu"})
+    gpus: str | None = field(default=None, metadata={
+        "help": "the GPUs of this engine's ranks (or a decode node's DP replicas), in order, e.g. 2,3 "
+                "(default: K, K+1, ... from --device cuda:K)", "metavar": "LIST"})
     max_model_len: int | None = field(default=None, metadata={
         "help": "context limit (default: the model's max_position_embeddings)"})
     max_num_batched_tokens: int = field(default=2048, metadata={
@@ -63,6 +66,10 @@ class EngineConfig:
             raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
+        if self.gpus is not None:
+            self.gpu_list()  # validates
+            if self.device == "cpu":
+                raise ValueError("gpus lists GPUs, but device is cpu")
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError(f"max_model_len must be > 0, got {self.max_model_len}")
         if self.max_num_batched_tokens <= 0:
@@ -89,11 +96,38 @@ class EngineConfig:
         )
 
     def first_gpu(self) -> int:
-        """K of ``cuda:K`` (else 0): an engine on several GPUs (rank processes, a decode node's DP
-        replicas) takes GPUs K, K+1, ..., as vLLM's workers take K.. of a ``cuda:K`` node."""
+        """The first of ``gpus``, else K of ``cuda:K`` (else 0)."""
+        if self.gpus is not None:
+            return self.gpu_list()[0]
         return int(self.device.split(":", 1)[1]) if self.device.startswith("cuda:") else 0
 
+    def gpu_list(self) -> list[int]:
+        """``gpus`` parsed ("2,3" -> [2, 3]); [] when unset."""
+        if self.gpus is None:
+            return []
+        try:
+            ids = [int(x) for x in self.gpus.split(",")]
+        except ValueError:
+            raise ValueError(f"gpus must be GPU indices separated by commas (e.g. 2,3), got {self.gpus!r}") from None
+        if not ids or any(i < 0 for i in ids) or len(set(ids)) != len(ids):
+            raise ValueError(f"gpus must list distinct GPU indices >= 0, got {self.gpus!r}")
+        return ids
+
+    def gpu_ids(self, n: int) -> list[int]:
+        """The GPUs of ``n`` ranks or replicas: ``gpus`` (which must list at least n), else K, K+1, ... of
+        ``cuda:K``, as vLLM's workers take K.. of a ``cuda:K`` node."""
+        ids = self.gpu_list()
+        if ids:
+            if len(ids) < n:
+                raise ValueError(f"gpus {self.gpus} lists {len(ids)} GPUs; this engine needs {n} (one per rank "
+                                 "or DP replica)")
+            return ids[:n]
+        k = self.first_gpu()
+        return list(range(k, k + n))
+
     def torch_device(self) -> torch.device:
+        if self.gpus is not None:
+            return torch.device("cuda", self.first_gpu())
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)

@@ -90,6 +90,8 @@ class NodeSpec:
             raise ValueError(f"unknown keys {unknown}{where}; a {self.role} node takes the EngineConfig fields "
                              f"{sorted(engine_keys)} and the node settings {sorted(node_keys)}")
         values = {**NODE_DEFAULTS, **keys}
+        if isinstance(values.get("gpus"), (list, tuple)):  # YAML's gpus: [2, 3] is the flag's "2,3"
+            values["gpus"] = ",".join(str(g) for g in values["gpus"])
         for key, value in values.items():
             if key in _CHECKS:
                 _CHECKS[key](key, value)
@@ -353,6 +355,14 @@ def _port_value(name: str, value: Any) -> None:
         raise ValueError(f"{name} must be a port in [0, 65536), got {value!r}")
 
 
+def _gpus(name: str, value: Any) -> None:
+    if value is None:
+        return
+    parts = str(value).split(",")
+    if not all(p.strip().isdigit() for p in parts) or len(set(parts)) != len(parts):
+        raise ValueError(f"{name} must list distinct GPU indices (e.g. [2, 3]), got {value!r}")
+
+
 # Value checks of node keys, beyond their types (flags.type_error): what the launcher needs, and the
 # mistakes worth catching before anything starts. Each node validates its whole config again.
 _CHECKS: dict[str, Callable[[str, Any], None]] = {
@@ -361,7 +371,7 @@ _CHECKS: dict[str, Callable[[str, Any], None]] = {
     **dict.fromkeys(("max_model_len", "num_kv_blocks", "kv_interleave"), _positive_int_or_none),
     **dict.fromkeys(("lease_s", "transfer_timeout_s"), _positive),
     "kv_layout": _one_of(KV_LAYOUTS), "dtype": _one_of(DTYPES), "device": _device, "port": _port_value,
-    "grace_s": _grace,
+    "grace_s": _grace, "gpus": _gpus,
     "engine": lambda name, value: None if value is None else _one_of(ENGINES)(name, value),  # None: the topology's
 }
 

@@ -58,7 +58,7 @@ def engine_args(config: NodeConfig, transfer_host: str) -> Any:
     # vLLM's own rules for the layout (a bad shape fails here, with its reason, not in vLLM's workers).
     layout = VllmKVLayout(tp=config.tp, pcp=ec.pcp, dcp=config.dcp, pp=ec.pp, interleave=interleave,
                           block_size=ec.block_size)
-    place_devices(ec.device, layout.world_size)
+    place_devices(ec.device, layout.world_size, ec.gpu_list() or None)
     return AsyncEngineArgs(
         model=ec.model, dtype=ec.dtype, max_model_len=ec.max_model_len, enforce_eager=True,
         tensor_parallel_size=config.tp, pipeline_parallel_size=ec.pp, prefill_context_parallel_size=ec.pcp,
@@ -72,13 +72,20 @@ def engine_args(config: NodeConfig, transfer_host: str) -> Any:
     )
 
 
-def place_devices(device: str, n: int) -> None:
+def place_devices(device: str, n: int, gpus: list[int] | None = None) -> None:
     """``cuda:K``: the engine's ``n`` workers get GPUs ``K .. K+n-1`` of those visible (narrowing
-    ``CUDA_VISIBLE_DEVICES`` when it is set).
+    ``CUDA_VISIBLE_DEVICES`` when it is set); ``gpus``: those of the visible GPUs.
 
     vLLM numbers its workers' devices from 0 within the visible set, so a node's device range is
-    how nodes share a host. ``cpu``/``cuda``/``auto`` leave the environment alone.
+    how nodes share a host. ``cpu``/``cuda``/``auto`` without ``gpus`` leave the environment alone.
     """
+    if gpus is not None:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        ids = visible.split(",") if visible else [str(i) for i in range(max(gpus) + 1)]
+        if len(gpus) < n or max(gpus) >= len(ids):
+            raise ValueError(f"gpus {gpus} for {n} workers: {len(ids)} GPUs are visible")
+        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(ids[g] for g in gpus[:n])
+        return
     if device.startswith("cuda:"):
         first = int(device.split(":", 1)[1])
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")

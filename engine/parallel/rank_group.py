@@ -44,7 +44,7 @@ def _rank_main(
     init_method: str,
     backend: str | None,
     timeout_s: float,
-    first_gpu: int,
+    gpus: list[int] | None,
 ) -> None:
     import logging
 
@@ -55,10 +55,10 @@ def _rank_main(
     # the node's log format and level, with the process name (pd-rank-N): spawned processes start unconfigured
     logging.basicConfig(level=envs.log_level(), format=envs.LOG_FORMAT)
     try:
-        if first_gpu >= 0:  # one GPU per rank, chosen before NCCL (or anything else) sees the process
+        if gpus is not None:  # one GPU per rank, chosen before NCCL (or anything else) sees the process
             import torch
 
-            torch.cuda.set_device(first_gpu + rank)
+            torch.cuda.set_device(gpus[rank])
         if backend is not None:
             dist.init_process_group(
                 backend, init_method=init_method, rank=rank, world_size=world_size,
@@ -88,10 +88,10 @@ class RankGroup:
         host: str = "127.0.0.1",
         port: int | None = None,
         collective_timeout_s: float = 300.0,
-        first_gpu: int = 0,
+        gpus: list[int] | None = None,
     ) -> None:
-        """With NCCL (or ``first_gpu`` >= 0 and no backend), rank r runs on GPU ``first_gpu + r``.
-        ``backend`` None: independent processes, no ``torch.distributed`` world (decode DP replicas)."""
+        """With ``gpus``, rank r runs on GPU ``gpus[r]`` (NCCL needs them). ``backend`` None: independent
+        processes, no ``torch.distributed`` world (decode DP replicas)."""
         if len(payloads) != world_size:
             raise ValueError(f"{world_size} ranks but {len(payloads)} payloads")
         self.world_size = world_size
@@ -100,7 +100,9 @@ class RankGroup:
         self._backend = backend
         self._init = f"tcp://{host}:{port or free_port(host)}"
         self._timeout = collective_timeout_s
-        self._first_gpu = first_gpu if backend == "nccl" or backend is None else -1
+        if gpus is not None and len(gpus) < world_size:
+            raise ValueError(f"{world_size} ranks but {len(gpus)} GPUs")
+        self._gpus = gpus
         self._procs: list[mp.process.BaseProcess] = []
         self._stopped: str | None = None  # why the group was stopped, once it was
         self._conns: list[Connection] = []
@@ -112,7 +114,7 @@ class RankGroup:
             p = ctx.Process(
                 target=_rank_main,
                 args=(self._target, rank, self.world_size, self._payloads[rank], child, self._init,
-                      self._backend, self._timeout, self._first_gpu),
+                      self._backend, self._timeout, self._gpus),
                 name=f"pd-rank-{rank}",
                 daemon=True,
             )

@@ -46,7 +46,7 @@ class RankSpec:
 def rank_device(config: EngineConfig, rank: int) -> torch.device:
     dev = config.torch_device()
     if dev.type == "cuda":
-        return torch.device("cuda", config.first_gpu() + rank)
+        return torch.device("cuda", config.gpu_ids(config.parallel().world_size)[rank])
     return dev
 
 

@@ -43,15 +43,15 @@ class ParallelNode:
             raise ValueError(f"pp={self.par.pp} exceeds the model's {self.num_layers} layers")
         ws = self.par.world_size
         on_gpu = config.torch_device().type == "cuda"
-        first = config.first_gpu()
-        if on_gpu and first + ws > torch.cuda.device_count():
-            raise ValueError(f"dp x pcp x pp = {ws} ranks need GPUs {first}..{first + ws - 1} (one each, from "
-                             f"device {config.device}); {torch.cuda.device_count()} visible")
+        gpus = config.gpu_ids(ws) if on_gpu else None
+        if gpus is not None and max(gpus) >= torch.cuda.device_count():
+            raise ValueError(f"dp x pcp x pp = {ws} ranks need GPUs {gpus} (one each, from "
+                             f"{'gpus ' + str(config.gpus) if config.gpus else 'device ' + config.device}); "
+                             f"{torch.cuda.device_count()} visible")
         backend = "nccl" if on_gpu else "gloo"
         self.group = RankGroup(
             serve_rank, ws, [RankSpec(config, max_model_len, exporter)] * ws, backend=backend,
-            host=config.dist_host, port=config.dist_port, collective_timeout_s=config.rank_timeout_s,
-            first_gpu=config.first_gpu(),
+            host=config.dist_host, port=config.dist_port, collective_timeout_s=config.rank_timeout_s, gpus=gpus,
         )
         t = config.rank_timeout_s
         self.group.start(ready_timeout_s=t)

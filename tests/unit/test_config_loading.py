@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import shutil
 
+import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
@@ -82,3 +83,21 @@ def test_an_engine_on_several_gpus_takes_them_from_its_device() -> None:
     cfg = EngineConfig(model="m", device="cuda:2", pcp=2)
     assert [rank_device(cfg, r) for r in range(2)] == [torch.device("cuda", 2), torch.device("cuda", 3)]
     assert rank_device(EngineConfig(model="m", device="cpu", pcp=2), 1) == torch.device("cpu")
+
+
+def test_an_engine_takes_the_gpus_it_lists() -> None:
+    """``--gpus 5,2``: rank r (or DP replica r) runs on the r-th GPU listed, whatever the device."""
+    from engine.engine_config import EngineConfig
+    from engine.parallel.rank_worker import rank_device
+
+    cfg = EngineConfig(model="m", gpus="5,2", pcp=2)
+    assert cfg.gpu_ids(2) == [5, 2] and cfg.first_gpu() == 5 and cfg.torch_device() == torch.device("cuda", 5)
+    assert [rank_device(cfg, r) for r in range(2)] == [torch.device("cuda", 5), torch.device("cuda", 2)]
+    assert EngineConfig(model="m", device="cuda:3").gpu_ids(2) == [3, 4]
+    with pytest.raises(ValueError, match="lists 1 GPUs; this engine needs 2"):
+        EngineConfig(model="m", gpus="1").gpu_ids(2)
+    for bad in ("a,b", "1,1", "-1", ""):
+        with pytest.raises(ValueError, match="gpus must"):
+            EngineConfig(model="m", gpus=bad)
+    with pytest.raises(ValueError, match="device is cpu"):
+        EngineConfig(model="m", gpus="0", device="cpu")

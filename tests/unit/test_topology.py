@@ -219,6 +219,17 @@ def test_mixed_engines_per_node(monkeypatch) -> None:
         PrefillSpec(engine="trt")
 
 
+def test_gpus_of_a_node_in_yaml_become_its_flag(tmp_path) -> None:
+    from pdctl.launcher import cluster_commands
+
+    t = load_topology(write(tmp_path, "model: /m\nprefill: [{pcp: 2, gpus: [2, 3]}]\ndecode: [{gpus: '1'}]\n"))
+    argv = {c.name: c.argv for c in cluster_commands(t, "redis://x", 8000)}
+    assert argv["prefill-0"][argv["prefill-0"].index("--gpus") + 1] == "2,3"
+    assert argv["decode-0"][argv["decode-0"].index("--gpus") + 1] == "1"
+    with pytest.raises(ValueError, match="gpus must"):
+        load_topology(write(tmp_path, "model: /m\nprefill: [{gpus: [a]}]\n"))
+
+
 def test_vllm_node_device_range(monkeypatch) -> None:
     """``cuda:K`` gives a vLLM node's workers GPUs K.. of those visible."""
     from vllm_backend.engine import place_devices
@@ -234,3 +245,6 @@ def test_vllm_node_device_range(monkeypatch) -> None:
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
     place_devices("cpu", 4)
     assert os.environ["CUDA_VISIBLE_DEVICES"] == "0"
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
+    place_devices("cuda", 2, gpus=[3, 1])  # --gpus picks among the visible ones
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "7,5"
