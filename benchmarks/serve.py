@@ -57,7 +57,12 @@ URL_VOCAB = 1000  # --url without --vocab-size: ids below this exist in any real
 # The proxy's series (proxy/metrics.py): histograms reported as their mean over the run, and counters.
 P = "pdcluster_proxy_"
 PROXY_HISTOGRAMS = {"ttft_s": "time_to_first_token_seconds", "itl_s": "inter_token_latency_seconds",
-                    "e2e_s": "request_latency_seconds", "kv_transfer_s": "kv_transfer_seconds"}
+                    "e2e_s": "request_latency_seconds", "kv_transfer_s": "kv_transfer_seconds",
+                    # the phases: prefill queue and compute (the node's report), the Prefill call as the
+                    # proxy saw it, and the decode call to admission and to its first tokens
+                    "prefill_queue_s": "prefill_queue_seconds", "prefill_s": "prefill_seconds",
+                    "prefill_rpc_s": "prefill_rpc_seconds", "decode_admission_s": "decode_admission_seconds",
+                    "first_decode_token_s": "first_decode_token_seconds"}
 PROXY_COUNTERS = {"kv_transfer_bytes": "kv_transfer_bytes_total", "generation_tokens": "generation_tokens_total",
                   "prompt_tokens": "prompt_tokens_total"}
 QUANTILES = (50, 90, 99)

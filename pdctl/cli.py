@@ -199,7 +199,7 @@ def status(proxy: str | None = PROXY, admin_key: str | None = ADMIN_KEY, run_dir
     """The cluster's nodes, their health, flags and load, as the proxy sees them."""
     url, nodes = _admin(proxy, admin_key, run_dir, cluster, lambda c: (c.base_url, c.nodes()))
     table = Table(title=f"proxy {url}")
-    for column in ("node", "role", "address", "DP/PCP/PP", "KV", "KV transport", "health", "drain", "in flight",
+    for column in ("node", "role", "address", "DP/PCP/PP", "KV, transport", "health", "drain", "in flight",
                    "queued tok / running", "KV blocks used / free"):
         table.add_column(column, no_wrap=column != "queued tok / running")
     for n in nodes:
@@ -208,14 +208,14 @@ def status(proxy: str | None = PROXY, admin_key: str | None = ADMIN_KEY, run_dir
             # Text from the proxy is escaped: it is not rich markup.
             escape(s.info.node_id), escape(s.info.role + ("" if s.info.engine == "native" else f" ({s.info.engine})")),
             escape(s.info.address),
-            f"{s.info.dp}/{s.info.pcp}/{s.info.pp}", escape(s.info.kv_layout), escape(s.info.kv_protocol),
+            f"{s.info.dp}/{s.info.pcp}/{s.info.pp}", escape(f"{s.info.kv_layout}, {s.info.kv_protocol}"),
             "[green]healthy[/green]" if s.healthy else "[red]unhealthy[/red]",
             "[yellow]draining[/yellow]" if s.draining else "-", str(n.inflight),
             f"{sum(x.queued_prefill_tokens for x in r)} / {sum(x.running for x in r)}",
             f"{sum(x.used_blocks for x in r)} / {sum(x.free_blocks for x in r)}",
         )
     # Not a terminal (a pipe, a log): rich would squeeze the table into 80 columns.
-    Console(width=console.width if console.is_terminal else 140).print(table)
+    Console(width=console.width if console.is_terminal else 170).print(table)
     if not nodes:
         console.print("no nodes registered")
 

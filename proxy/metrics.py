@@ -42,6 +42,20 @@ class ProxyMetrics:
                              ["endpoint"], buckets=_LATENCY_BUCKETS, registry=r)
         self.kv_transfer_s = Histogram(f"{PREFIX}_kv_transfer_seconds", "KV transfer time (decode node's report)",
                                        buckets=_LATENCY_BUCKETS, registry=r)
+        # A request's phases, for the split of TTFT and of the first decode step (benchmarks/serve.py):
+        self.prefill_queue_s = Histogram(f"{PREFIX}_prefill_queue_seconds",
+                                         "Waiting on the prefill node before the first prefill step (node's report)",
+                                         buckets=_LATENCY_BUCKETS, registry=r)
+        self.prefill_s = Histogram(f"{PREFIX}_prefill_seconds", "Prefill node: first prefill step to first token "
+                                   "(node's report)", buckets=_LATENCY_BUCKETS, registry=r)
+        self.prefill_rpc_s = Histogram(f"{PREFIX}_prefill_rpc_seconds", "The Prefill call as the proxy waits for it "
+                                       "(route to answer)", buckets=_LATENCY_BUCKETS, registry=r)
+        self.decode_admission_s = Histogram(f"{PREFIX}_decode_admission_seconds",
+                                            "Decode call opened to the request admitted there (KV pulled, or a "
+                                            "local prefill queued)", buckets=_LATENCY_BUCKETS, registry=r)
+        self.first_decode_token_s = Histogram(f"{PREFIX}_first_decode_token_seconds",
+                                              "Decode call opened to its first tokens event",
+                                              buckets=_LATENCY_BUCKETS, registry=r)
         self.kv_transfer_bytes = Counter(f"{PREFIX}_kv_transfer_bytes", "KV bytes moved from prefill to decode",
                                          registry=r)
         self.prompt_tokens = Counter(f"{PREFIX}_prompt_tokens", "Prompt tokens of routed requests", registry=r)

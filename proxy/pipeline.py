@@ -209,8 +209,12 @@ class Pipeline:
         counted = _Counted(legs.router.load, route, n, route.decode.needed_blocks)
         prefill = pb.PrefillRequest(request_id=req.request_id, token_ids=req.prompt_token_ids, sampling=req.sampling,
                                     dp_rank=route.prefill.dp_rank)
+        t0 = time.perf_counter()
         try:
             reply = await legs.clients.prefill(route.prefill.address).Prefill(prefill, timeout=legs.prefill_timeout_s)
+            legs.metrics.prefill_rpc_s.observe(time.perf_counter() - t0)
+            legs.metrics.prefill_queue_s.observe(reply.queue_s)
+            legs.metrics.prefill_s.observe(reply.prefill_s)
         except BaseException:  # an RPC error, or cancelled because the client left
             # The node may have finished the prefill and hold the KV: free it there.
             legs.spawn(legs.clients.abort_prefill(route.prefill.address, req.request_id))
@@ -249,6 +253,8 @@ class Generation:
         self._closed = False
         self._last_token_at = time.perf_counter()
         self._call: Any = None
+        self._opened_at = time.perf_counter()
+        self._first_event_seen = False
         self._events = 0  # decode events received
         self._decode_attempts = 1
         if self._finished:
@@ -268,6 +274,8 @@ class Generation:
         elif reply.WhichOneof("kv_source") == "vllm_kv_params_json":
             decode.vllm_kv_params_json = reply.vllm_kv_params_json
         self._call = self._legs.clients.decode(self.route.decode.address).Decode(decode)
+        self._opened_at = time.perf_counter()
+        self._first_event_seen = False
 
     @property
     def finished(self) -> bool:
@@ -290,11 +298,15 @@ class Generation:
             event = await self._read()
             kind = event.WhichOneof("event")
             if kind == "admitted":
+                self._legs.metrics.decode_admission_s.observe(time.perf_counter() - self._opened_at)
                 self._legs.metrics.kv_transfer_s.observe(event.admitted.transfer_s)
                 self._legs.metrics.kv_transfer_bytes.inc(event.admitted.transfer_bytes)
                 self._counted.prefill_released()
             elif kind == "tokens" and (event.tokens.tokens or event.tokens.finish_reason):
                 tokens = list(event.tokens.tokens)
+                if not self._first_event_seen:
+                    self._first_event_seen = True
+                    self._legs.metrics.first_decode_token_s.observe(time.perf_counter() - self._opened_at)
                 if self._ttft_pending and tokens:
                     self._ttft_pending = False
                     self._legs.metrics.ttft.labels(self.request.endpoint).observe(

@@ -24,7 +24,8 @@ KEYS = {"benchmark", "url", "model", "max_model_len", "mode", "concurrency", "ra
         "window_s", "prompt_len", "request_throughput", "output_throughput", "ttft_ms", "tpot_ms", "itl_ms",
         "e2e_ms", "goodput", "proxy"}
 PROXY_KEYS = {"mean_ttft_s", "mean_itl_s", "mean_e2e_s", "mean_kv_transfer_s", "kv_transfer_bytes",
-              "generation_tokens", "prompt_tokens", "errors"}
+              "generation_tokens", "prompt_tokens", "errors", "mean_prefill_queue_s", "mean_prefill_s",
+              "mean_prefill_rpc_s", "mean_decode_admission_s", "mean_first_decode_token_s"}
 
 
 def processes_naming(text: str) -> list[psutil.Process]:
@@ -75,4 +76,8 @@ def test_serve_benchmark_tiny_cluster(tmp_path: Path) -> None:
     # The proxy saw exactly the measured requests, each with its KV transfer and all its tokens.
     proxy = result["proxy"]
     assert proxy["ttft_s_count"] == proxy["kv_transfer_s_count"] == REQUESTS
+    # Every phase was observed once per request; the node's queue and compute fit in the Prefill call.
+    for phase in ("prefill_queue_s", "prefill_s", "prefill_rpc_s", "decode_admission_s", "first_decode_token_s"):
+        assert proxy[f"{phase}_count"] == REQUESTS, phase
+    assert proxy["mean_prefill_queue_s"] + proxy["mean_prefill_s"] <= proxy["mean_prefill_rpc_s"]
     assert proxy["generation_tokens"] == REQUESTS * 4 and proxy["errors"] == 0

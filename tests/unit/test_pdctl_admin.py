@@ -128,8 +128,8 @@ def test_status_table(pdctl, proxy_url) -> None:
     assert result.exit_code == 0, result.output
     out = result.output
     assert f"proxy {proxy_url}" in out
-    for expected in ("decode-0", "decode (vllm)", "prefill-0", "prefill-1", "2/2/1", "sharded", "unhealthy", "draining",
-                     "120 / 3", "15 / 113"):
+    for expected in ("decode-0", "decode (vllm)", "prefill-0", "prefill-1", "2/2/1", "sharded, tcp", "unhealthy",
+                     "draining", "120 / 3", "15 / 113"):
         assert expected in out
 
 
