@@ -79,7 +79,9 @@ def urls(mla_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
             _wait_healthy(url[name], proc, logs / f"{name}.log", deadline)
         procs.append(subprocess.Popen(
             [ROUTER, "--vllm-pd-disaggregation", "--prefill", url["prefill"], "--decode", url["decode"],
-             "--host", "127.0.0.1", "--port", str(ports["router"]), "--kv-connector", "nixl"],
+             "--host", "127.0.0.1", "--port", str(ports["router"]), "--kv-connector", "nixl",
+             # its metrics exporter's default port (29000) may be taken by another router on this host
+             "--prometheus-port", str(free_port())],
             stdout=(logs / "router.log").open("wb"), stderr=subprocess.STDOUT, start_new_session=True))
         _wait_healthy(url["router"], procs[-1], logs / "router.log", time.monotonic() + 60)
         yield url["router"], url["decode"]

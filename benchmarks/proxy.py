@@ -1,0 +1,428 @@
+"""The front end alone: our proxy against vllm-router on null engines, same load, interleaved runs.
+
+  python benchmarks/proxy.py                      # concurrency 1, 32, 128; 3 repetitions of 3 s each
+  python benchmarks/proxy.py --concurrency 1 32 --seconds 5 --repeats 5
+
+Null engines answer at once, so what is measured is the front end: for our proxy, a null prefill and
+a null decode node (grpc.aio, the real ``pdcluster.v1`` contract, registered in a local Redis as
+nodes register) behind ``python -m proxy``; for vllm-router (``pip install vllm-router``; its
+``--vllm-pd-disaggregation`` mode, round robin), a null prefill and a null decode vLLM HTTP server
+(aiohttp: the prefill answers ``max_tokens`` 1 with ``kv_transfer_params``, the decode streams). Every
+request is a streamed ``/v1/completions`` of a ``--prompt-tokens`` token-id prompt for
+``--max-tokens`` tokens, one token per event, from a closed-loop aiohttp client at each concurrency.
+The runs interleave (repetition, then front end, then concurrency) and each figure is the median over
+repetitions. Reported per front end and concurrency: req/s, e2e / TTFT / ITL p50 and p99, the front
+end's CPU time per request and its share of one core, and RSS; at concurrency 1 also the latency it
+adds over calling the two null legs directly (the same client code, no front end). Everything runs on
+this machine's cores (the client, the null engines and the front end). The last line is one JSON
+object. Without vllm-router installed only our proxy is measured (the JSON says so).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import numpy as np
+import psutil
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from cluster.net import free_port  # noqa: E402
+
+MODEL = "tiny"
+
+
+# -- null engines ------------------------------------------------------------------------------------
+def serve_null_grpc(redis_url: str, cluster: str, max_model_len: int) -> None:
+    """A null prefill and a null decode node in this process, registered like real nodes."""
+    import grpc
+
+    from cluster.config import RegistryConfig
+    from cluster.nodes import NodeInfo, ReplicaLoad
+    from cluster.proto_gen import pdcluster_v1_pb2 as pb
+    from cluster.proto_gen import pdcluster_v1_pb2_grpc as pb_grpc
+    from cluster.registry import Registry
+
+    class Prefill(pb_grpc.PrefillServiceServicer):
+        async def Prefill(self, request: pb.PrefillRequest, context: Any) -> pb.PrefillResponse:  # noqa: N802
+            reply = pb.PrefillResponse(request_id=request.request_id, first_token=pb.Token(token_id=300, logprob=-0.1))
+            reply.kv.prefill_address = "null"
+            return reply
+
+        async def Release(self, request: pb.ReleaseRequest, context: Any) -> pb.ReleaseResponse:  # noqa: N802
+            return pb.ReleaseResponse(found=True)
+
+        async def Abort(self, request: pb.AbortRequest, context: Any) -> pb.AbortResponse:  # noqa: N802
+            return pb.AbortResponse(found=False)
+
+    class Decode(pb_grpc.DecodeServiceServicer):
+        async def Decode(self, request: pb.DecodeRequest, context: Any):  # noqa: ANN201, N802
+            yield pb.DecodeEvent(admitted=pb.Admitted(dp_rank=0))
+            n = request.sampling.max_tokens
+            for i in range(1, n):
+                yield pb.DecodeEvent(tokens=pb.Tokens(tokens=[pb.Token(token_id=300 + i % 200, logprob=-0.1)],
+                                                      finish_reason="length" if i == n - 1 else ""))
+
+        async def Abort(self, request: pb.AbortRequest, context: Any) -> pb.AbortResponse:  # noqa: N802
+            return pb.AbortResponse(found=False)
+
+    async def main() -> None:
+        ports = {}
+        servers = []
+        for role, servicer, add in (("prefill", Prefill(), pb_grpc.add_PrefillServiceServicer_to_server),
+                                    ("decode", Decode(), pb_grpc.add_DecodeServiceServicer_to_server)):
+            server = grpc.aio.server()
+            add(servicer, server)
+            ports[role] = server.add_insecure_port("127.0.0.1:0")
+            await server.start()
+            servers.append(server)
+        registry = Registry(RegistryConfig(url=redis_url, cluster=cluster))
+        infos = [NodeInfo(node_id=f"null-{role}", role=role, address=f"127.0.0.1:{port}", model=MODEL,
+                          max_model_len=max_model_len, dp=1, pcp=1, pp=1, kv_layout="replicated", block_size=16,
+                          num_blocks=1 << 20, started_at=time.time()) for role, port in ports.items()]
+        print(json.dumps(ports), flush=True)
+        while True:
+            for info in infos:
+                registry.heartbeat(info, [ReplicaLoad(dp_rank=0, free_blocks=1 << 20)])
+            await asyncio.sleep(1.0)
+
+    asyncio.run(main())
+
+
+def serve_null_http(role: str, port: int) -> None:
+    """A null vLLM OpenAI server: prefill answers one token with kv_transfer_params, decode streams."""
+    from aiohttp import web
+
+    async def health(request: web.Request) -> web.Response:
+        return web.Response(text="")
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        if not body.get("stream"):
+            return web.json_response({"id": "cmpl-null", "object": "text_completion", "model": MODEL,
+                                      "choices": [{"index": 0, "text": " t", "finish_reason": "length"}],
+                                      "kv_transfer_params": {"remote_engine_id": "null", "remote_block_ids": [0]},
+                                      "usage": {"prompt_tokens": len(body.get("prompt", [])), "completion_tokens": 1,
+                                                "total_tokens": len(body.get("prompt", [])) + 1}})
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        n = int(body.get("max_tokens", 16))
+        for i in range(n):
+            chunk = {"id": "cmpl-null", "object": "text_completion", "model": MODEL,
+                     "choices": [{"index": 0, "text": f" t{i}", "finish_reason": "length" if i == n - 1 else None}]}
+            await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    app = web.Application()
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", health)
+    app.router.add_post("/v1/completions", completions)
+    web.run_app(app, host="127.0.0.1", port=port, print=None, access_log=None)
+
+
+# -- the client --------------------------------------------------------------------------------------
+@dataclass
+class Run:
+    e2e: list[float] = field(default_factory=list)
+    ttft: list[float] = field(default_factory=list)
+    itl: list[float] = field(default_factory=list)
+    errors: int = 0
+    seconds: float = 0.0
+
+
+async def stream_once(session: aiohttp.ClientSession, url: str, body: dict, run: Run | None) -> int:
+    """One streamed request; records e2e, TTFT and ITL; returns the number of data events with text."""
+    t0 = time.perf_counter()
+    first = last = None
+    events = 0
+    async with session.post(url, json=body) as r:
+        if r.status != 200:
+            raise RuntimeError(f"{url} answered {r.status}: {(await r.text())[:200]}")
+        buf = b""
+        async for chunk in r.content.iter_any():
+            buf += chunk
+            while b"\n\n" in buf:
+                frame, buf = buf.split(b"\n\n", 1)
+                if not frame.startswith(b"data: {"):
+                    continue
+                now = time.perf_counter()
+                if first is None:
+                    first = now
+                elif run is not None and last is not None:
+                    run.itl.append(now - last)
+                last = now
+                events += 1
+    if run is not None and first is not None:
+        run.ttft.append(first - t0)
+        run.e2e.append(time.perf_counter() - t0)
+    return events
+
+
+async def closed_loop(fn: Callable[[Run | None], Any], concurrency: int, seconds: float, warmup_s: float) -> Run:
+    run = Run()
+    stop_warm = time.perf_counter() + warmup_s
+    end = stop_warm + seconds
+
+    async def worker() -> None:
+        while time.perf_counter() < end:
+            measured = time.perf_counter() >= stop_warm
+            try:
+                await fn(run if measured else None)
+            except Exception:  # counted; the load goes on
+                if measured:
+                    run.errors += 1
+
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    run.seconds = seconds
+    return run
+
+
+def body_for(args: argparse.Namespace) -> dict:
+    return {"model": MODEL, "prompt": [(i * 7) % 900 + 10 for i in range(args.prompt_tokens)],
+            "max_tokens": args.max_tokens, "stream": True, "temperature": 0, "ignore_eos": True}
+
+
+async def direct_grpc(ports: dict, args: argparse.Namespace, n: int) -> Run:
+    """The two null legs called directly (our nodes' gRPC), at concurrency 1."""
+    import grpc
+
+    from cluster.proto_gen import pdcluster_v1_pb2 as pb
+    from cluster.proto_gen import pdcluster_v1_pb2_grpc as pb_grpc
+
+    prompt = body_for(args)["prompt"]
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{ports['prefill']}") as pc, \
+            grpc.aio.insecure_channel(f"127.0.0.1:{ports['decode']}") as dc:
+        prefill, decode = pb_grpc.PrefillServiceStub(pc), pb_grpc.DecodeServiceStub(dc)
+        sampling = pb.SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+        run = Run()
+        for k in range(n + 5):
+            t0 = time.perf_counter()
+            reply = await prefill.Prefill(pb.PrefillRequest(request_id=f"d{k}", token_ids=prompt, sampling=sampling))
+            first = time.perf_counter()
+            req = pb.DecodeRequest(request_id=f"d{k}", prompt_token_ids=prompt, sampling=sampling,
+                                   first_token=reply.first_token, kv=reply.kv)
+            async for _ in decode.Decode(req):
+                pass
+            if k >= 5:
+                run.ttft.append(first - t0)
+                run.e2e.append(time.perf_counter() - t0)
+        return run
+
+
+async def direct_http(prefill_url: str, decode_url: str, args: argparse.Namespace, n: int) -> Run:
+    """The two null vLLM legs called directly (as vllm-router calls them), at concurrency 1."""
+    body = body_for(args)
+    run = Run()
+    async with aiohttp.ClientSession() as s:
+        for k in range(n + 5):
+            t0 = time.perf_counter()
+            async with s.post(prefill_url, json={**body, "stream": False, "max_tokens": 1}) as r:
+                kv = (await r.json())["kv_transfer_params"]
+            first = time.perf_counter()
+            await stream_once(s, decode_url, {**body, "kv_transfer_params": kv}, None)
+            if k >= 5:
+                run.ttft.append(first - t0)
+                run.e2e.append(time.perf_counter() - t0)
+    return run
+
+
+# -- the benchmark -----------------------------------------------------------------------------------
+def wait_http(url: str, timeout_s: float = 60.0) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"{url} did not answer 200 within {timeout_s:g}s")
+
+
+def pct(xs: list[float], q: float) -> float | None:
+    return float(np.percentile(xs, q)) * 1e3 if xs else None
+
+
+def summarize(run: Run, cpu_s: float) -> dict:
+    n = len(run.e2e)
+    return {"req_s": n / run.seconds, "requests": n, "errors": run.errors,
+            "e2e_p50_ms": pct(run.e2e, 50), "e2e_p99_ms": pct(run.e2e, 99),
+            "ttft_p50_ms": pct(run.ttft, 50), "ttft_p99_ms": pct(run.ttft, 99),
+            "itl_p50_ms": pct(run.itl, 50), "itl_p99_ms": pct(run.itl, 99),
+            "cpu_ms_per_req": cpu_s / n * 1e3 if n else None, "cpu_share": cpu_s / run.seconds}
+
+
+def cpu_seconds(proc: psutil.Process) -> float:
+    t = proc.cpu_times()
+    own = t.user + t.system
+    for c in proc.children(recursive=True):
+        try:
+            ct = c.cpu_times()
+            own += ct.user + ct.system
+        except psutil.NoSuchProcess:
+            pass
+    return own
+
+
+def median_of(reps: list[dict]) -> dict:
+    out = {}
+    for k in reps[0]:
+        vals = [r[k] for r in reps if r[k] is not None]
+        out[k] = round(statistics.median(vals), 3) if vals else None
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 32, 128])
+    ap.add_argument("--seconds", type=float, default=3.0, help="measured seconds of each run")
+    ap.add_argument("--warmup", type=float, default=0.5, help="seconds of load before each run's measurement")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--prompt-tokens", type=int, default=512)
+    ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--router", default=shutil.which("vllm-router") or "", help="vllm-router's binary ('' = skip)")
+    ap.add_argument("--proxy-args", default="", help="extra flags for python -m proxy")
+    ap.add_argument("--null-grpc", nargs=3, metavar=("REDIS", "CLUSTER", "LEN"), help=argparse.SUPPRESS)
+    ap.add_argument("--null-http", nargs=2, metavar=("ROLE", "PORT"), help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.null_grpc:
+        serve_null_grpc(args.null_grpc[0], args.null_grpc[1], int(args.null_grpc[2]))
+        return
+    if args.null_http:
+        serve_null_http(args.null_http[0], int(args.null_http[1]))
+        return
+
+    from pdctl.redis_server import start_redis
+    from pdctl.tiny_model import make_tiny_model
+
+    tmp = Path(tempfile.mkdtemp(prefix="pdproxybench-"))
+    model = make_tiny_model(tmp / MODEL)
+    procs: list[subprocess.Popen] = []
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+
+    def spawn(argv: list[str], **kw: Any) -> subprocess.Popen:
+        p = subprocess.Popen(argv, env=env, start_new_session=True, **kw)
+        procs.append(p)
+        return p
+
+    redis = start_redis(data_dir=tmp / "redis")
+    fronts: dict[str, tuple[str, psutil.Process]] = {}
+    result: dict[str, Any] = {"bench": "proxy", "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens,
+                              "seconds": args.seconds, "repeats": args.repeats, "cores": os.cpu_count()}
+    try:
+        null = spawn([sys.executable, __file__, "--null-grpc", redis.url, "bench", "4096"], stdout=subprocess.PIPE)
+        assert null.stdout is not None
+        ports = json.loads(null.stdout.readline())
+        port = free_port("127.0.0.1")
+        proxy = spawn([sys.executable, "-m", "proxy", "--model", str(model), "--port", str(port), "--registry-url",
+                       redis.url, "--cluster", "bench", *args.proxy_args.split()],
+                      stdout=subprocess.DEVNULL, stderr=open(tmp / "proxy.log", "wb"))  # noqa: SIM115
+        wait_http(f"http://127.0.0.1:{port}/health")
+        fronts["pdcluster"] = (f"http://127.0.0.1:{port}/v1/completions", psutil.Process(proxy.pid))
+        if args.router:
+            hp, hd, rp = free_port("127.0.0.1"), free_port("127.0.0.1"), free_port("127.0.0.1")
+            for role, http_port in (("prefill", hp), ("decode", hd)):
+                spawn([sys.executable, __file__, "--null-http", role, str(http_port)])
+            for http_port in (hp, hd):
+                wait_http(f"http://127.0.0.1:{http_port}/health")
+            router = spawn([args.router, "--host", "127.0.0.1", "--port", str(rp), "--vllm-pd-disaggregation",
+                            "--prefill", f"http://127.0.0.1:{hp}", "--decode", f"http://127.0.0.1:{hd}",
+                            "--policy", "round_robin", "--log-level", "warning",
+                            "--prometheus-port", str(free_port("127.0.0.1"))],
+                           stdout=subprocess.DEVNULL, stderr=open(tmp / "router.log", "wb"))  # noqa: SIM115
+            wait_http(f"http://127.0.0.1:{rp}/health")
+            fronts["vllm-router"] = (f"http://127.0.0.1:{rp}/v1/completions", psutil.Process(router.pid))
+        result["router"] = "vllm-router 0.1.17" if args.router else None
+        body = body_for(args)
+
+        async def measure() -> dict:
+            per: dict[str, dict[int, list[dict]]] = {f: {c: [] for c in args.concurrency} for f in fronts}
+            conn = aiohttp.TCPConnector(limit=0)
+            async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=60)) as s:
+                for rep in range(args.repeats):
+                    for name, (url, proc) in fronts.items():
+                        for c in args.concurrency:
+                            c0 = cpu_seconds(proc)
+                            run = await closed_loop(lambda r, url=url: stream_once(s, url, body, r), c,
+                                                    args.seconds, args.warmup)
+                            per[name][c].append(summarize(run, cpu_seconds(proc) - c0 - 0.0))
+                            print(f"rep {rep} {name:>11} conc {c:>3}: {per[name][c][-1]['req_s']:7.1f} req/s",
+                                  flush=True)
+            direct = {"pdcluster": await direct_grpc(ports, args, 100)}
+            if "vllm-router" in fronts:
+                direct["vllm-router"] = await direct_http(f"http://127.0.0.1:{hp}/v1/completions",
+                                                          f"http://127.0.0.1:{hd}/v1/completions", args, 100)
+            return {"per": per, "direct": direct}
+
+        m = asyncio.run(measure())
+        for name, (_, proc) in fronts.items():
+            res: dict[str, Any] = {"rss_mib": round(proc.memory_info().rss / 2**20, 1)}
+            for c in args.concurrency:
+                res[f"c{c}"] = median_of(m["per"][name][c])
+            d = m["direct"][name]
+            res["direct_e2e_p50_ms"], res["direct_e2e_p99_ms"] = pct(d.e2e, 50), pct(d.e2e, 99)
+            if 1 in args.concurrency:
+                res["added_p50_ms"] = round(res["c1"]["e2e_p50_ms"] - res["direct_e2e_p50_ms"], 3)
+                res["added_p99_ms"] = round(res["c1"]["e2e_p99_ms"] - res["direct_e2e_p99_ms"], 3)
+            result[name] = res
+        print_table(result, fronts, args.concurrency)
+        if "vllm-router" in fronts:
+            result["ratio_req_s"] = {f"c{c}": round(result["pdcluster"][f"c{c}"]["req_s"]
+                                                   / result["vllm-router"][f"c{c}"]["req_s"], 3)
+                                     for c in args.concurrency}
+    finally:
+        for p in reversed(procs):
+            try:
+                os.killpg(p.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        for p in procs:
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+        redis.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
+    print(json.dumps(result))
+
+
+def print_table(result: dict, fronts: dict, concurrency: list[int]) -> None:
+    print(f"\n{'front end':>12} {'conc':>5} {'req/s':>8} {'e2e p50':>9} {'e2e p99':>9} {'TTFT p50':>9} "
+          f"{'ITL p50':>8} {'CPU/req':>8} {'CPU':>6}")
+    for name in fronts:
+        for c in concurrency:
+            r = result[name][f"c{c}"]
+
+            def f(v: float | None, w: int, d: int = 1) -> str:
+                return f"{v:{w}.{d}f}" if v is not None and not math.isnan(v) else " " * (w - 1) + "-"
+            print(f"{name:>12} {c:>5} {f(r['req_s'], 8)} {f(r['e2e_p50_ms'], 9, 2)} {f(r['e2e_p99_ms'], 9, 2)} "
+                  f"{f(r['ttft_p50_ms'], 9, 2)} {f(r['itl_p50_ms'], 8, 3)} {f(r['cpu_ms_per_req'], 8, 2)} "
+                  f"{f(r['cpu_share'] * 100, 5, 0)}%")
+        res = result[name]
+        added = f", adds {res['added_p50_ms']:.2f} ms p50 / {res['added_p99_ms']:.2f} ms p99 over the direct legs" \
+            if "added_p50_ms" in res else ""
+        print(f"{name:>12}: RSS {res['rss_mib']} MiB{added}")
+
+
+if __name__ == "__main__":
+    main()
