@@ -100,7 +100,7 @@ class _Link:
 
     def __init__(self, ctx: RankContext) -> None:
         self.conn = ctx.conn
-        self.lock = threading.Lock()
+        self.lock = threading.Lock()  # the engine thread and the main loop both send
 
     def send(self, msg: object) -> None:
         with self.lock:
@@ -195,10 +195,15 @@ class RemoteReplica:
 
         match message:
             case Start(job):
-                job.replica = self.index
-                self.jobs[job.request_id] = job
-                self.processes.send(self.index, StartJob(job.request_id, job.prompt, job.params,
-                                                         job.first.SerializeToString(), job.source, job.t_submit))
+                with self.processes.lock:
+                    if job.request_id in self.jobs:  # the engine would refuse it, and this node lose the first
+                        job.emit(ValueError(f"request id {job.request_id!r} is already in flight"))
+                        return
+                    job.replica = self.index
+                    self.jobs[job.request_id] = job
+                    self.processes.send(self.index, StartJob(job.request_id, job.prompt, job.params,
+                                                             job.first.SerializeToString(), job.source,
+                                                             job.t_submit))
             case Abort(rid):
                 if rid in self.jobs:
                     self.processes.send(self.index, AbortJob(rid))
@@ -217,7 +222,7 @@ class ReplicaProcesses:
         specs = [ReplicaSpec(d, c, transfer_host, kv_protocol, timeout_s) for d, c in enumerate(configs)]
         self.group = RankGroup(serve_replica, len(specs), specs, backend=None, gpus=gpus)
         self.replicas = [RemoteReplica(d, self) for d in range(len(specs))]
-        self._lock = threading.Lock()
+        self.lock = threading.RLock()  # the pipes' sends and the jobs tables
         self._stopping = False
         self.group.start(ready_timeout_s=start_timeout_s)
         try:
@@ -242,7 +247,7 @@ class ReplicaProcesses:
                 raise RankFailure(f"replica {d} sent {str(msg)[:80]} before it was up")
 
     def send(self, d: int, msg: object) -> None:
-        with self._lock:
+        with self.lock:
             try:
                 self.group.send(d, msg)
             except RankFailure as e:
@@ -251,40 +256,43 @@ class ReplicaProcesses:
     def _read(self) -> None:
         while not self._stopping:
             try:
-                got = self.group.recv_any(0.5)
-            except RankFailure as e:
+                for d, msg in self.group.recv_ready(0.5):
+                    self._dispatch(d, msg)
+            except Exception as e:  # a dead replica, or anything else: no event would be read again
                 if not self._stopping:
-                    self._failed(str(e))
+                    self._failed(str(e) if isinstance(e, RankFailure) else f"{type(e).__name__}: {e}")
                 return
-            if got is None:
-                continue
-            d, msg = got
-            replica = self.replicas[d]
-            match msg:
-                case JobEvent(rid, item):
+
+    def _dispatch(self, d: int, msg: object) -> None:
+        replica = self.replicas[d]
+        match msg:
+            case JobEvent(rid, item):
+                with self.lock:
                     job = replica.jobs.get(rid)
-                    if job is None:
-                        continue
-                    if item is None or isinstance(item, BaseException):
-                        replica.jobs.pop(rid, None)
-                    else:
-                        item = pb.DecodeEvent.FromString(item)
-                        job.admitted = job.admitted or item.HasField("admitted")
-                    job.emit(item)
-                case LoadReport(load, transfers):
-                    replica.load = load
-                    replica.transfers = transfers
-                case ReplicaFailed(why):
-                    self._failed(f"replica {d}: {why}")
-                case _:
-                    log.warning("replica %d sent an unknown message %r", d, msg)
+                    if job is not None and (item is None or isinstance(item, BaseException)):
+                        del replica.jobs[rid]
+                if job is None:
+                    return
+                if isinstance(item, bytes):
+                    item = pb.DecodeEvent.FromString(item)
+                    job.admitted = job.admitted or item.HasField("admitted")
+                job.emit(item)
+            case LoadReport(load, transfers):
+                replica.load = load
+                replica.transfers = transfers
+            case ReplicaFailed(why):
+                self._failed(f"replica {d}: {why}")
+            case _:
+                log.warning("replica %d sent an unknown message %r", d, msg)
 
     def _failed(self, why: str) -> None:
         self.worker.fail(why)
         for r in self.replicas:
-            for job in r.jobs.values():
+            with self.lock:  # submit() adds jobs from the event loop's thread
+                jobs = list(r.jobs.values())
+                r.jobs.clear()
+            for job in jobs:
                 job.emit(RuntimeError("the decode engine failed"))
-            r.jobs.clear()
 
     def stats(self) -> tuple[int, int, float, dict[str, int]]:
         done, nbytes, secs = 0, 0, 0.0

@@ -34,8 +34,9 @@ def _filter_sorted(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tenso
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     rank = torch.arange(logits.shape[-1], device=logits.device)
     drop = rank[None, :] >= top_k[:, None]
-    probs = sorted_logits.softmax(-1)
-    # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
+    # top-p over what top-k kept, renormalised (as vLLM and transformers apply them): keep the smallest
+    # prefix whose mass reaches top_p (the first token always stays)
+    probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(-1)
     drop |= probs.cumsum(-1) - probs >= top_p[:, None]
     return torch.empty_like(logits).scatter_(1, order, sorted_logits.masked_fill(drop, float("-inf")))
 

@@ -326,12 +326,14 @@ class Generation:
 
     async def _read(self) -> pb.DecodeEvent:
         while True:
+            # A local prefill's first token comes after its prefill (and its queue): the prefill's limit.
+            limit = self._legs.prefill_timeout_s if self._ttft_pending else self._legs.token_timeout_s
             try:
-                event = await asyncio.wait_for(self._call.read(), self._legs.token_timeout_s)
+                event = await asyncio.wait_for(self._call.read(), limit)
                 break
             except asyncio.TimeoutError:
                 raise GenerationError(APIError(
-                    503, f"decode timed out: no token for {self._legs.token_timeout_s:g}s", code="token_timeout",
+                    503, f"decode timed out: no token for {limit:g}s", code="token_timeout",
                     cause="token_timeout")) from None
             except grpc.aio.AioRpcError as e:
                 if e.code() not in MOVABLE:

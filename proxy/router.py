@@ -286,7 +286,8 @@ class Router:
         if prefill_node is not None or local is False:
             return plan
         short = prompt_tokens <= self.local_prefill_max_tokens
-        if not (local or short or (self.local_prefill_fallback and plan.prefill is None)):
+        stuck = plan.prefill is None or plan.decode is None  # no disaggregated route
+        if not (local or short or (self.local_prefill_fallback and stuck)):
             return plan
         capable = {n.info.node_id for n in nodes if n.info.local_prefill}
         d = pick([c for c in dec if c.node_id in capable], _decode_key, self._turn)

@@ -167,13 +167,15 @@ class RankGroup:
                     i = sentinels[s]
                     self._fail(self._last_words(i) or f"rank {i} exited with code {self._procs[i].exitcode}")
 
-    def recv_any(self, timeout_s: float) -> tuple[int, Any] | None:
-        """The next message from any rank as (rank, message), or None after ``timeout_s``; raises
-        RankFailure if a rank dies or errs."""
+    def recv_ready(self, timeout_s: float) -> list[tuple[int, Any]]:
+        """One message from every rank that has one, as (rank, message), waiting up to ``timeout_s`` for
+        the first (every ready rank is read, so a busy one cannot starve the others); raises RankFailure
+        if a rank dies or errs."""
         self._check_running()
         sentinels = {p.sentinel: i for i, p in enumerate(self._procs)}
         conns = {c: i for i, c in enumerate(self._conns)}
         ready = wait([*conns, *sentinels], timeout=timeout_s)
+        out = []
         for c in ready:
             if c in conns:
                 rank = conns[c]
@@ -183,12 +185,13 @@ class RankGroup:
                     self._fail(f"rank {rank} closed its pipe")
                 if isinstance(msg, RankError):
                     self._fail(msg.text)
-                return rank, msg
-        for s in ready:
-            if s in sentinels:
-                i = sentinels[s]
-                self._fail(self._last_words(i) or f"rank {i} exited with code {self._procs[i].exitcode}")
-        return None
+                out.append((rank, msg))
+        if not out:
+            for s in ready:
+                if s in sentinels:
+                    i = sentinels[s]
+                    self._fail(self._last_words(i) or f"rank {i} exited with code {self._procs[i].exitcode}")
+        return out
 
     def _last_words(self, rank: int) -> str | None:
         """The error a dead rank sent before exiting, if it is still in its pipe."""

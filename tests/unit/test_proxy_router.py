@@ -186,6 +186,9 @@ def test_local_prefill_for_short_prompts_and_as_the_fallback() -> None:
     # No prefill node (a colocated cluster, or all drained): local prefill on the capable rank.
     fallback = Router(MODEL).route([node("p", draining=True), dec, other], 5000, 16)
     assert fallback.prefill is None and "no prefill replica can take it" in fallback.decode.reason
+    # A prefill node whose KV no decode rank can read (another protocol): prefilled locally as well.
+    nv_dec = node("g", "decode", num_blocks=10_000, free=10_000, kv_protocol="nvlink_intra", local_prefill=True)
+    assert Router(MODEL).route([pre, nv_dec], 5000, 16).prefill is None
     with pytest.raises(NoRoute) as e:
         Router(MODEL, local_prefill_fallback=False).route([dec], 100, 16)
     assert e.value.code == "no_prefill_node"

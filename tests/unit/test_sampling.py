@@ -114,3 +114,14 @@ def test_max_tokens_is_capped_by_max_model_len(llm) -> None:
     out = llm.generate([_prompt(8, 250)], SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True))[0]
     assert len(out.token_ids) == 6 and out.finish_reason == "length"
     assert llm.engine.num_used_blocks == 0
+
+
+def test_top_p_applies_to_what_top_k_kept() -> None:
+    """top_k first, then top_p over the renormalised survivors (vLLM's and transformers' order)."""
+    from engine.sampler import _filter_sorted
+
+    logits = torch.tensor([[0.3, 0.2, 0.125, 0.125, 0.125, 0.125]]).log()
+    kept = _filter_sorted(logits, torch.tensor([2]), torch.tensor([0.45])).isfinite()[0].tolist()
+    assert kept == [True, False, False, False, False, False]  # 0.3 / 0.5 = 0.6 already reaches 0.45
+    kept = _filter_sorted(logits, torch.tensor([6]), torch.tensor([0.45])).isfinite()[0].tolist()
+    assert kept == [True, True, False, False, False, False]  # without top_k: 0.3 + 0.2 reaches 0.45
