@@ -170,8 +170,10 @@ class LLMEngine:
         first_logprob: float = float("nan"),
         first_top: dict[int, float] | None = None,
     ) -> bool:
-        """Second half: the blocks hold the prompt's KV in the order ``table``; join the running batch
-        with ``first_token`` as the first output. Returns True if that token already finished it."""
+        """Second half: the blocks hold the prompt's KV in the order ``table``; with ``first_token`` as
+        its first output the request queues to join the running batch, which the scheduler lets it do
+        within ``max_num_seqs`` (a decode node never runs more; the queued ones count as waiting).
+        Returns True if that token already finished it."""
         if self._requests.get(seq.request_id) is not seq:
             raise KeyError(f"request {seq.request_id!r} is not waiting for admission (aborted?)")
         if sorted(table) != sorted(seq.block_ids):
@@ -180,8 +182,8 @@ class LLMEngine:
             raise ValueError(f"first token {first_token} outside the vocabulary")
         seq.block_ids = list(table)
         seq.num_computed = len(seq.prompt_token_ids)
-        seq.status = SeqStatus.RUNNING
-        self.scheduler.running.append(seq)
+        seq.status = SeqStatus.WAITING
+        self.scheduler.waiting.append(seq)
         top = first_top if seq.params.logprobs is not None else None
         if self._append(seq, first_token, first_logprob, top):  # max_tokens=1, or a stop token
             self._requests.pop(seq.request_id, None)

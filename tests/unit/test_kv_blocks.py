@@ -100,3 +100,35 @@ def test_add_prefilled_frees_its_blocks_unless_the_transfer_succeeds(tiny_model)
             eng.step()
         assert len(seq.output_token_ids) == 3 and seq.output_token_ids[0] == 9
         assert eng.num_used_blocks == 0
+
+
+def test_transferred_requests_never_exceed_max_num_seqs(tiny_model) -> None:
+    """A decode engine with max_num_seqs 1 runs admitted transfers one at a time (the others wait,
+    counted as waiting, their blocks kept), and each ends as it would alone."""
+    prompts = _prompts((40, 17, 33), seed=3)
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    with LLM(str(tiny_model), dtype="float32", device="cpu", max_model_len=256) as ref, \
+            LLM(str(tiny_model), dtype="float32", device="cpu", max_model_len=256, max_num_seqs=1) as llm:
+        want = [o.token_ids for o in ref.generate(prompts, params)]
+        src, eng = ref.engine, llm.engine
+        seqs = []
+        for i, p in enumerate(prompts):
+            held = src.add_request(p, SamplingParams(max_tokens=1, temperature=0.0), request_id=f"s{i}", hold_kv=True)
+            while src.has_unfinished():
+                src.step()
+
+            def fill(ids: list[int], rid: str = f"s{i}") -> list[int]:
+                for layer, cache in eng.cache_layers.items():
+                    cache[ids] = src.cache_layers[layer][src.held[rid].block_ids]
+                return ids
+
+            seqs.append(eng.add_prefilled(p, held.output_token_ids[0], params, fill, request_id=f"d{i}"))
+            src.release(f"s{i}")
+        assert len(eng.scheduler.waiting) == 3 and not eng.scheduler.running
+        most = 0
+        while eng.has_unfinished():
+            eng.step()
+            most = max(most, len(eng.scheduler.running))
+        assert most == 1, "more transferred requests ran at once than max_num_seqs"
+        assert [s.output_token_ids for s in seqs] == want
+        assert eng.num_used_blocks == 0
