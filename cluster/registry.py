@@ -13,7 +13,8 @@ Key layout, all under ``<cluster>:`` so that clusters can share one Redis:
   record has expired are pruned by readers.
 - ``<cluster>:draining``: the set of draining node ids. Kept apart from the record so heartbeats
   do not overwrite it; ``deregister()`` clears it. A node that crashes keeps its flag, so a drained
-  node restarted by a supervisor comes back still draining.
+  node restarted by a supervisor comes back still draining; a Redis that restarts empty gets the
+  flags back from the draining nodes' next heartbeats (each remembers the flag it last heard).
 - ``<cluster>:events``: pub/sub channel; a message whenever a node joins or leaves or a draining
   flag changes, so watchers refresh at once instead of at their next poll.
 
@@ -80,8 +81,12 @@ class Registry:
         self._set_draining_script = self._client.register_script(_SET_DRAINING)
         self._prune_script = self._client.register_script(_PRUNE)
 
-    def heartbeat(self, info: NodeInfo, replicas: Sequence[ReplicaLoad]) -> bool:
-        """Write the node's record with a fresh TTL; returns whether the node is draining."""
+    def heartbeat(self, info: NodeInfo, replicas: Sequence[ReplicaLoad], was_draining: bool = False) -> bool:
+        """Write the node's record with a fresh TTL; returns whether the node is draining.
+
+        ``was_draining``: what the node last heard. When its record is gone (Redis restarted without
+        persistence, or it expired in an outage) a draining node sets its flag again, so a registry
+        restart does not undrain the cluster."""
         record = json.dumps({
             "info": info.to_dict(),
             "replicas": [asdict(r) for r in replicas],
@@ -97,6 +102,9 @@ class Registry:
             pipe.sismember(self._draining_key, info.node_id)
             existed, _, _, draining = pipe.execute()
             if not existed:  # first heartbeat, or back after its record expired or Redis restarted
+                if was_draining and not draining:
+                    self._client.sadd(self._draining_key, info.node_id)
+                    draining = True
                 self._notify("join", info.node_id)
         return bool(draining)
 

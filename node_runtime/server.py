@@ -82,10 +82,12 @@ class Heartbeat(threading.Thread):
         self.stopped = threading.Event()
         self.registered = threading.Event()  # the registry has taken a heartbeat
         self.last_error: str | None = None
+        self.draining = False  # the flag as last heard: set again if the registry loses it
 
     def beat(self) -> None:
         try:
-            self.registry.heartbeat(self.info, self.load())  # its drain flag is for the proxy, not for us
+            # The drain flag is for the proxy; the node only remembers it for the registry's sake.
+            self.draining = self.registry.heartbeat(self.info, self.load(), was_draining=self.draining)
             self.registered.set()
             if self.last_error:
                 log.info("registry reachable again")

@@ -88,6 +88,21 @@ def test_draining_survives_heartbeats_and_clears_on_deregister(registry: Registr
     assert registry.heartbeat(info("prefill-0"), LOADS) is False  # a new life starts undrained
 
 
+def test_a_draining_node_sets_its_flag_again_after_redis_loses_everything(registry: Registry,
+                                                                         config: RegistryConfig) -> None:
+    registry.heartbeat(info("prefill-0"), LOADS)
+    registry.set_draining("prefill-0", True)
+    was = registry.heartbeat(info("prefill-0"), LOADS)
+    assert was
+    raw = redis.Redis.from_url(config.url)
+    raw.flushdb()  # as a restart of a Redis without persistence
+    raw.close()
+    assert registry.heartbeat(info("prefill-0"), LOADS, was_draining=was) is True
+    assert registry.nodes()[0].draining  # the proxy sees it draining again
+    assert registry.set_draining("prefill-0", False) is True  # and an undrain still works
+    assert registry.heartbeat(info("prefill-0"), LOADS, was_draining=True) is False  # the record existed
+
+
 def test_two_clusters_on_one_redis_do_not_see_each_other(server: RedisServer) -> None:
     a = Registry(RegistryConfig(url=server.url, cluster="alpha", ttl_s=1.0, heartbeat_s=0.25))
     b = Registry(RegistryConfig(url=server.url, cluster="beta", ttl_s=1.0, heartbeat_s=0.25))
