@@ -127,6 +127,9 @@ class ProxyConfig:
     prefill_timeout_s: float = field(default=300.0, metadata={"help": "the longest wait for a prefill answer"})
     token_timeout_s: float = field(default=60.0, metadata={"help": "the longest wait between two decode events"})
     refresh_s: float = field(default=0.5, metadata={"help": "how often the proxy refreshes its view of the registry"})
+    insecure_admin: bool = field(default=False, metadata={
+        "help": "serve /admin/* without an admin key on a non-loopback address (refused otherwise: anyone who "
+                "reaches the port could drain nodes)"})
     local_prefill_max_tokens: int = field(default=0, metadata={
         "help": "prompts of at most this many tokens are prefilled on the decode node itself (conditional "
                 "disaggregation; native decode nodes); 0: none"})

@@ -44,7 +44,19 @@ def parse_args(argv: list[str] | None = None) -> tuple[ProxyConfig, str]:
                              registry=flags.build(RegistryConfig, a, exclude=_REGISTRY_NOT_FLAGS, renames=_RENAMES))
     except ValueError as e:
         ap.error(str(e))
+    if config.admin_key is None and not config.insecure_admin and not _loopback(config.host):
+        ap.error(f"--host {config.host} is reachable from other machines and no admin key is set: anyone could "
+                 f"drain nodes through /admin. Set --admin-key (or ${envs.ADMIN_KEY}), or pass --insecure-admin")
     return config, a.log_level
+
+
+def _loopback(host: str) -> bool:
+    import ipaddress
+
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 class RegistrySource:

@@ -35,9 +35,10 @@ FLAGS = {
                     "--dp", "--dtype", "--device", "--max-model-len", "--max-num-seqs", "--num-kv-blocks",
                     "--transfer-timeout-s"},
     "proxy": {"--model", "--served-model-name", "--host", "--port", "--registry-url", "--cluster", "--api-key",
-              "--admin-key"},
+              "--admin-key", "--insecure-admin"},
 }
-OPTIONAL = {"--num-kv-blocks", "--api-key", "--admin-key"}
+OPTIONAL = {"--num-kv-blocks", "--api-key", "--admin-key", "--insecure-admin"}
+SWITCHES = {"--insecure-admin"}  # flags without a value
 APP_SERVICES = {  # service -> (module, profile)
     "prefill": ("prefill_node", "cpu"), "decode": ("decode_node", "cpu"), "proxy": ("proxy", "cpu"),
     "prefill-gpu": ("prefill_node", "gpu"), "decode-gpu": ("decode_node", "gpu"), "proxy-gpu": ("proxy", "gpu"),
@@ -100,6 +101,9 @@ def _flags(argv: list[str]) -> tuple[str, dict[str, str]]:
         assert args[i].startswith("--"), f"{module}: unexpected argument {args[i]!r} in {args}"
         if "=" in args[i]:
             flag, value = args[i].split("=", 1)
+            i += 1
+        elif args[i] in SWITCHES:
+            flag, value = args[i], "true"
             i += 1
         else:
             flag, value = args[i], args[i + 1]
@@ -257,9 +261,17 @@ def test_proxy_port_and_keys(name, tmp_path):
     knobs = {"PDCLUSTER_PROXY_BIND": "0.0.0.0", "PDCLUSTER_PROXY_PORT": "9000"}
     assert _load(knobs)["services"][name]["ports"] == ["0.0.0.0:9000:8000"]
     service = _load()["services"][name]
-    assert set(service["environment"]) == {"PDCLUSTER_API_KEY", "PDCLUSTER_ADMIN_KEY"}
+    assert set(service["environment"]) == {"PDCLUSTER_API_KEY", "PDCLUSTER_ADMIN_KEY", "PDCLUSTER_PROXY_BIND"}
     _, flags = _flags(_argv(service, tmp=tmp_path))  # unset keys add no flag
     assert "--api-key" not in flags and "--admin-key" not in flags
+    # No admin key: /admin is open only where the port is published on the host's loopback.
+    _, flags = _flags(_argv(service, env={"PDCLUSTER_PROXY_BIND": "127.0.0.1"}, tmp=tmp_path))
+    assert "--insecure-admin" in flags
+    _, flags = _flags(_argv(service, env={"PDCLUSTER_PROXY_BIND": "0.0.0.0"}, tmp=tmp_path))
+    assert "--insecure-admin" not in flags  # then the proxy refuses to start without a key
+    _, flags = _flags(_argv(service, env={"PDCLUSTER_PROXY_BIND": "127.0.0.1", "PDCLUSTER_ADMIN_KEY": "a"},
+                            tmp=tmp_path))
+    assert "--insecure-admin" not in flags and flags["--admin-key"] == "a"
     keys = {"PDCLUSTER_API_KEY": "s3cret key$1", "PDCLUSTER_ADMIN_KEY": "adm'in"}
     _, flags = _flags(_argv(service, env=keys, tmp=tmp_path))
     assert (flags["--api-key"], flags["--admin-key"]) == ("s3cret key$1", "adm'in")

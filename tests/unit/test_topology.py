@@ -248,3 +248,18 @@ def test_vllm_node_device_range(monkeypatch) -> None:
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
     place_devices("cuda", 2, gpus=[3, 1])  # --gpus picks among the visible ones
     assert os.environ["CUDA_VISIBLE_DEVICES"] == "7,5"
+
+
+def test_the_proxy_refuses_an_open_admin_api_off_loopback(monkeypatch, capsys) -> None:
+    """/admin without a key is allowed on loopback only, unless --insecure-admin says so."""
+    proxy_main = pytest.importorskip("proxy.__main__")
+    monkeypatch.delenv("PDCLUSTER_ADMIN_KEY", raising=False)
+    base = ["--model", "/m"]
+    assert proxy_main.parse_args(base)[0].host == "127.0.0.1"  # the default: no key needed
+    with pytest.raises(SystemExit):
+        proxy_main.parse_args([*base, "--host", "0.0.0.0"])
+    assert "--admin-key" in capsys.readouterr().err
+    assert proxy_main.parse_args([*base, "--host", "0.0.0.0", "--insecure-admin"])[0].insecure_admin
+    assert proxy_main.parse_args([*base, "--host", "0.0.0.0", "--admin-key", "k"])[0].admin_key == "k"
+    monkeypatch.setenv("PDCLUSTER_ADMIN_KEY", "env-key")
+    assert proxy_main.parse_args([*base, "--host", "0.0.0.0"])[0].admin_key == "env-key"
