@@ -59,6 +59,9 @@ class NodeConfig:
     lease_s: float = field(default=30.0, metadata={
         "help": "prefill: how long a finished prefill keeps its KV for the decode side"})
     transfer_timeout_s: float = field(default=30.0, metadata={"help": "decode: the longest a KV pull may take"})
+    max_queued_prefills: int = field(default=256, metadata={
+        "help": "prefill: requests the node queues (waiting or prefilling); more are refused with "
+                "RESOURCE_EXHAUSTED, which the proxy takes to another replica"})
     kv_protocol: str = field(default="auto", metadata={
         "help": "the KV transport's Mooncake protocol: nvlink_intra (GPU caches, nodes on one host), rdma, "
                 "tcp; auto: nvlink_intra for a GPU cache on a loopback address, else rdma where the host "
@@ -84,6 +87,8 @@ class NodeConfig:
             raise ValueError(f"node_id must be non-empty without ':', got {self.node_id!r}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65536), got {self.port}")
+        if self.max_queued_prefills <= 0:
+            raise ValueError(f"max_queued_prefills must be > 0, got {self.max_queued_prefills}")
         for name in ("lease_s", "transfer_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
@@ -127,6 +132,8 @@ class ProxyConfig:
     prefill_timeout_s: float = field(default=300.0, metadata={"help": "the longest wait for a prefill answer"})
     token_timeout_s: float = field(default=60.0, metadata={"help": "the longest wait between two decode events"})
     refresh_s: float = field(default=0.5, metadata={"help": "how often the proxy refreshes its view of the registry"})
+    max_inflight_requests: int = field(default=4096, metadata={
+        "help": "generation requests in flight at once; more get 503 with Retry-After (0: no limit)"})
     insecure_admin: bool = field(default=False, metadata={
         "help": "serve /admin/* without an admin key on a non-loopback address (refused otherwise: anyone who "
                 "reaches the port could drain nodes)"})
@@ -140,6 +147,8 @@ class ProxyConfig:
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65536), got {self.port}")
+        if self.max_inflight_requests < 0:
+            raise ValueError(f"max_inflight_requests must be >= 0, got {self.max_inflight_requests}")
         if self.local_prefill_max_tokens < 0:
             raise ValueError(f"local_prefill_max_tokens must be >= 0, got {self.local_prefill_max_tokens}")
         for name in ("prefill_timeout_s", "token_timeout_s", "refresh_s"):
@@ -160,8 +169,8 @@ NODE_NOT_FLAGS = frozenset({
 })
 # One role's fields: flags of that role only.
 NODE_ROLE_ONLY = {
-    "prefill": frozenset({"pcp", "pp", "kv_layout", "kv_interleave", "lease_s"}),
-    "decode": frozenset({"transfer_timeout_s"}),
+    "prefill": frozenset({"pcp", "pp", "kv_layout", "kv_interleave", "lease_s", "max_queued_prefills"}),
+    "decode": frozenset({"transfer_timeout_s", "dp_processes"}),
 }
 # Historic flag names (field -> key): --engine is NodeConfig.engine_backend, --registry-url RegistryConfig.url.
 NODE_RENAMES = {"engine_backend": "engine", "url": "registry_url"}

@@ -33,6 +33,10 @@ class PrefillService(pb_grpc.PrefillServiceServicer):
                                 f"dp_rank {request.dp_rank} outside [-1, {len(self.worker.engines)})")
         if self.state.stopping:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the node is stopping")
+        queued, bound = len(self.worker.jobs), self.worker.config.max_queued_prefills  # waiting or prefilling
+        if queued >= bound:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"{queued} requests queued (max_queued_prefills {bound})")
         try:
             params = sampling_from_pb(request.sampling)
         except ValueError as e:

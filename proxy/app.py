@@ -88,7 +88,7 @@ def create_app(config: ProxyConfig, tokenizer: Tokenizer, nodes: NodeSource, *, 
     clients = NodeClients()
     pipeline = Pipeline(clients, router, metrics, config.prefill_timeout_s, config.token_timeout_s, view)
     handlers = Serving(model_name=name, tokenizer=tokenizer, view=view, pipeline=pipeline, metrics=metrics,
-                       max_model_len=max_model_len, vocab_size=vocab_size)
+                       max_model_len=max_model_len, vocab_size=vocab_size, max_inflight=config.max_inflight_requests)
     state = ProxyState(config, name, view, router, clients, pipeline, metrics, handlers)
     created = int(time.time())
 

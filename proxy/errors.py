@@ -36,8 +36,10 @@ class APIError(Exception):
         param: str | None = None,
         type: str | None = None,
         cause: str | None = None,
+        retry_after_s: int | None = None,
     ) -> None:
         super().__init__(message)
+        self.retry_after_s = retry_after_s  # answered as a Retry-After header (overload: come back later)
         self.status = status
         self.message = message
         self.code = code
@@ -54,7 +56,8 @@ def error_body(message: str, *, type: str, param: str | None = None, code: str |
 
 
 def error_response(err: APIError) -> JSONResponse:
-    return JSONResponse(err.body(), status_code=err.status)
+    headers = {"Retry-After": str(err.retry_after_s)} if err.retry_after_s is not None else None
+    return JSONResponse(err.body(), status_code=err.status, headers=headers)
 
 
 def bad_request(message: str, *, param: str | None = None, code: str | None = None) -> APIError:
@@ -98,7 +101,8 @@ def rpc_error(phase: str, err: grpc.aio.AioRpcError) -> APIError:
     status, code = _RPC_STATUS.get(err.code(), (502, "node_error"))
     details = err.details() or err.code().name
     message = details if status == 400 else f"{phase} failed: {err.code().name}: {details}"
-    return APIError(status, message, code=code, cause=f"{phase}_{code}")
+    retry = 1 if err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED else None  # full: worth trying again soon
+    return APIError(status, message, code=code, cause=f"{phase}_{code}", retry_after_s=retry)
 
 
 def install_error_handlers(app: FastAPI, count: Callable[[str], None] = lambda cause: None) -> None:

@@ -188,11 +188,12 @@ class Pipeline:
             try:
                 reply, counted = await self._prefill(req, route)
             except grpc.aio.AioRpcError as e:
-                if e.code() != grpc.StatusCode.UNAVAILABLE or len(failed) + 1 >= PREFILL_ATTEMPTS:
+                if e.code() not in MOVABLE or len(failed) + 1 >= PREFILL_ATTEMPTS:
                     raise rpc_error("prefill", e) from None
-                log.warning("prefill of %s on %s unavailable (%s); trying another replica", req.request_id,
-                            prefill_route.node_id, e.details())
-                legs.unreachable(prefill_route.node_id)
+                log.warning("prefill of %s on %s %s (%s); trying another replica", req.request_id,
+                            prefill_route.node_id, e.code().name, e.details())
+                if e.code() == grpc.StatusCode.UNAVAILABLE:  # a full node (RESOURCE_EXHAUSTED) is still there
+                    legs.unreachable(prefill_route.node_id)
                 failed.append(prefill_route.node_id)
                 last_error = e
                 continue

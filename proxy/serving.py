@@ -42,8 +42,11 @@ class Serving:
     """Handlers of the two generation endpoints for one served model."""
 
     def __init__(self, *, model_name: str, tokenizer: Tokenizer, view: NodeView, pipeline: Pipeline,
-                 metrics: ProxyMetrics, max_model_len: int, vocab_size: int | None = None) -> None:
+                 metrics: ProxyMetrics, max_model_len: int, vocab_size: int | None = None,
+                 max_inflight: int = 0) -> None:
         self.model_name = model_name
+        self.max_inflight = max_inflight  # 0: no limit
+        self.inflight = 0  # generation requests this proxy holds (the event loop's thread only)
         self.tokenizer = tokenizer
         self.view = view
         self.pipeline = pipeline
@@ -94,6 +97,11 @@ class Serving:
                                logprobs=req.top_logprobs_n is not None, include_usage=req.include_usage,
                                texts=self.texts)
         out = OutputText(self.tokenizer, req.stop_list)
+        if self.max_inflight and self.inflight >= self.max_inflight:
+            raise APIError(503, f"the proxy has {self.inflight} requests in flight (max_inflight_requests "
+                                f"{self.max_inflight}); try again shortly", code="overloaded", cause="proxy_full",
+                           retry_after_s=1)
+        self.inflight += 1
         self.metrics.inflight.inc()
         handed_off = False  # once the stream response owns the request, it ends it
         try:
@@ -104,6 +112,7 @@ class Serving:
 
             def close(disconnected: bool) -> None:
                 gen.close()
+                self.inflight -= 1
                 self.metrics.inflight.dec()
                 if disconnected:
                     self.metrics.errors.labels("client_disconnect").inc()
@@ -115,6 +124,7 @@ class Serving:
             return Response(status_code=499)  # nobody reads it; the metrics middleware counts it
         finally:
             if not handed_off:
+                self.inflight -= 1
                 self.metrics.inflight.dec()
 
     async def _complete(self, req: GenerationRequest, nodes: list[NodeState], fmt: Format,

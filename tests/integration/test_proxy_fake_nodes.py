@@ -345,6 +345,31 @@ def test_prefill_failure_maps_to_http(c: Cluster, fault: grpc.StatusCode, status
     assert c.d0.requests == []
 
 
+def test_a_full_prefill_node_is_retried_on_another_and_all_full_is_503_retry_after(c: Cluster) -> None:
+    c.p0.fail = grpc.StatusCode.RESOURCE_EXHAUSTED  # a short prompt goes to p0 first
+    r = c.client().completions.create(model=MODEL, prompt="x", max_tokens=3)
+    assert r.choices[0].text == c.text(3)
+    assert len(c.p0.requests) == 1 and len(c.p1.requests) == 1
+    c.p1.fail = grpc.StatusCode.RESOURCE_EXHAUSTED
+    with c.http() as h:
+        r = h.post("/v1/completions", json={"model": MODEL, "prompt": "x"})
+    assert r.status_code == 503 and r.json()["error"]["code"] == "overloaded" and r.headers["Retry-After"] == "1"
+
+
+def test_the_proxy_caps_requests_in_flight(c: Cluster) -> None:
+    handlers = c.app.state.proxy.serving
+    handlers.max_inflight, handlers.inflight = 2, 2  # as if two requests were in flight
+    try:
+        with c.http() as h:
+            r = h.post("/v1/completions", json={"model": MODEL, "prompt": "x"})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "overloaded"
+        assert r.headers["Retry-After"] == "1" and "max_inflight_requests" in r.json()["error"]["message"]
+    finally:
+        handlers.max_inflight, handlers.inflight = 0, 0
+    r = c.client().completions.create(model=MODEL, prompt="x", max_tokens=2)
+    assert r.usage.completion_tokens == 2
+
+
 def test_unavailable_prefill_node_is_retried_on_another(c: Cluster) -> None:
     c.p0.fail = grpc.StatusCode.UNAVAILABLE  # a short prompt goes to p0 first
     r = c.client().completions.create(model=MODEL, prompt="x", max_tokens=3)
