@@ -9,12 +9,9 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
-import psutil
 import pytest
-from e2e_cluster import ADMIN_KEY, Cluster
+from e2e_cluster import ADMIN_KEY, Cluster, running_cluster
 
-from pdctl.launcher import down, up
 from pdctl.topology import Topology
 
 
@@ -33,20 +30,5 @@ def cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory,
         "decode": [{"dp": 2, "max_model_len": 1024, "num_kv_blocks": 256, "dp_processes": "on"},
                    {"dp": 1, "max_model_len": 1024, "num_kv_blocks": 256}],
     })
-    before = {p.pid for p in psutil.Process().children(recursive=True)}
-    state = up(topo, run_dir, timeout_s=240)
-    cluster_run_dirs.append(run_dir)
-    admin = httpx.Client(base_url=state.proxy_url, headers={"Authorization": f"Bearer {ADMIN_KEY}"}, timeout=30)
-    try:
-        yield Cluster(state.proxy_url, run_dir, tiny_model, admin)
-    finally:
-        admin.close()
-        try:
-            down(run_dir, grace_s=10)
-        finally:
-            cluster_run_dirs.remove(run_dir)
-    left = [p for p in psutil.Process().children(recursive=True) if p.pid not in before and p.is_running()
-            and p.status() != psutil.STATUS_ZOMBIE]
-    for p in left:
-        p.kill()
-    assert not left, f"the cluster left processes behind: {[(p.pid, p.name()) for p in left]}"
+    with running_cluster(topo, run_dir, tiny_model, cluster_run_dirs) as c:
+        yield c

@@ -1,11 +1,18 @@
-"""What the e2e tests share: the running cluster's handles (a module name unique across test folders)."""
+"""What the e2e tests share: a running cluster (started and stopped as pdctl does) and its handles (a module
+name unique across test folders)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import psutil
+
+from pdctl.launcher import down, up
+from pdctl.topology import Topology
 
 ADMIN_KEY = "e2e-admin"
 
@@ -21,3 +28,26 @@ class Cluster:
         r = self.admin.get("/admin/nodes")
         r.raise_for_status()
         return {n["node_id"]: n for n in r.json()["nodes"]}
+
+
+@contextmanager
+def running_cluster(topo: Topology, run_dir: Path, model: Path, run_dirs: list[Path]) -> Iterator[Cluster]:
+    """``topo`` started as ``pdctl up`` starts it, stopped as ``pdctl down`` stops it; fails if anything it
+    started outlives it."""
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    state = up(topo, run_dir, timeout_s=240)
+    run_dirs.append(run_dir)
+    admin = httpx.Client(base_url=state.proxy_url, headers={"Authorization": f"Bearer {ADMIN_KEY}"}, timeout=30)
+    try:
+        yield Cluster(state.proxy_url, run_dir, model, admin)
+    finally:
+        admin.close()
+        try:
+            down(run_dir, grace_s=10)
+        finally:
+            run_dirs.remove(run_dir)
+    left = [p for p in psutil.Process().children(recursive=True) if p.pid not in before and p.is_running()
+            and p.status() != psutil.STATUS_ZOMBIE]
+    for p in left:
+        p.kill()
+    assert not left, f"the cluster left processes behind: {[(p.pid, p.name()) for p in left]}"

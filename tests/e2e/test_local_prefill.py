@@ -10,12 +10,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
-import psutil
 import pytest
-from e2e_cluster import ADMIN_KEY, Cluster
+from e2e_cluster import ADMIN_KEY, Cluster, running_cluster
 from test_cluster import MODEL, client, colocated, pdctl, routed, wait_all_free
 
-from pdctl.launcher import down, up
 from pdctl.topology import Topology
 
 SHORT = [5, 9, 17, 33, 65, 129, 257, 11, 3, 7]  # 10 tokens: prefilled on the decode node
@@ -32,23 +30,8 @@ def local_cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory,
         "prefill": [{"max_model_len": 1024, "num_kv_blocks": 128, "lease_s": 10}],
         "decode": [{"max_model_len": 1024, "num_kv_blocks": 256}],
     })
-    before = {p.pid for p in psutil.Process().children(recursive=True)}
-    state = up(topo, run_dir, timeout_s=240)
-    cluster_run_dirs.append(run_dir)
-    admin = httpx.Client(base_url=state.proxy_url, headers={"Authorization": f"Bearer {ADMIN_KEY}"}, timeout=30)
-    try:
-        yield Cluster(state.proxy_url, run_dir, tiny_model, admin)
-    finally:
-        admin.close()
-        try:
-            down(run_dir, grace_s=10)
-        finally:
-            cluster_run_dirs.remove(run_dir)
-    left = [p for p in psutil.Process().children(recursive=True) if p.pid not in before and p.is_running()
-            and p.status() != psutil.STATUS_ZOMBIE]
-    for p in left:
-        p.kill()
-    assert not left, f"the cluster left processes behind: {[(p.pid, p.name()) for p in left]}"
+    with running_cluster(topo, run_dir, tiny_model, cluster_run_dirs) as c:
+        yield c
 
 
 def test_short_prompts_prefill_on_the_decode_node_long_ones_on_the_prefill_node(local_cluster: Cluster) -> None:
