@@ -365,7 +365,7 @@ def main() -> None:
                             c0 = cpu_seconds(proc)
                             run = await closed_loop(lambda r, url=url: stream_once(s, url, body, r), c,
                                                     args.seconds, args.warmup)
-                            per[name][c].append(summarize(run, cpu_seconds(proc) - c0 - 0.0))
+                            per[name][c].append(summarize(run, cpu_seconds(proc) - c0))
                             print(f"rep {rep} {name:>11} conc {c:>3}: {per[name][c][-1]['req_s']:7.1f} req/s",
                                   flush=True)
             direct = {"pdcluster": await direct_grpc(ports, args, 100)}
