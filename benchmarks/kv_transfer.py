@@ -29,10 +29,31 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from engine.parallel.grid import ParallelConfig  # noqa: E402
 from engine.parallel.kv_layout import ShardedBlockAllocator, kv_ownership  # noqa: E402
 from kv_transfer.layout import RequestKV, describe_cache  # noqa: E402
-from kv_transfer.planner import arrange_destination, plan_transfer  # noqa: E402
+from kv_transfer.planner import TransferPlan, arrange_destination, plan_transfer  # noqa: E402
 from kv_transfer.transports.mooncake import MooncakeTransport  # noqa: E402
 
-LAYERS, DIM, BLOCK = 27, 576, 64
+LAYERS, DIM, BLOCK = 27, 576, 64  # BLOCK: tokens per KV block (--block-size sets it)
+
+
+def sharded_request(tokens: int, pcp: int) -> tuple[int, int, list]:
+    """A ``tokens``-token request's blocks sharded over ``pcp`` ranks: (blocks, blocks per rank, holders)."""
+    nblocks = -(-tokens // BLOCK)
+    per_rank = -(-nblocks // pcp) + 1
+    ids = ShardedBlockAllocator(per_rank, pcp, BLOCK, BLOCK).allocate(nblocks)
+    return nblocks, per_rank, kv_ownership(ids, ParallelConfig(pcp=pcp, kv_interleave=BLOCK), dp=0,
+                                           num_layers=LAYERS)
+
+
+def planned_pull(receiver: MooncakeTransport, dest: dict, own: list, nblocks: int,
+                 layouts: dict) -> tuple[TransferPlan, list[int], dict]:
+    """Register ``dest`` with the receiver and plan the request's pull: (plan, destination blocks, segments
+    by source endpoint)."""
+    dest_layout = describe_cache(receiver.endpoint, dest)
+    receiver.register(dest_layout)
+    request = RequestKV(own, nblocks)
+    dest_blocks = arrange_destination(request, list(range(nblocks)))
+    plan = plan_transfer(request, layouts, dest_layout, dest_blocks)
+    return plan, dest_blocks, {layouts[src].endpoint: segs for src, segs in plan.pull_segments().items()}
 
 
 def best(fn, repeats: int) -> float:
@@ -50,20 +71,16 @@ def main() -> None:
     ap.add_argument("--pcp", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    ap.add_argument("--block-size", type=int, default=BLOCK, help="tokens per KV block (engine default 16)")
+    ap.add_argument("--block-size", type=int, default=64, help="tokens per KV block (engine default 16)")
     ap.add_argument("--protocol", default=None, help="Mooncake protocol (default: tcp on cpu, nvlink_intra on cuda)")
     args = ap.parse_args()
-    global BLOCK
+    global BLOCK  # the helpers read it (the source process gets it as an argument)
     BLOCK = args.block_size
     if args.device == "cuda":
         main_cuda(args)
         return
     torch.set_num_threads(1)
-    nblocks = -(-args.tokens // BLOCK)
-    par = ParallelConfig(pcp=args.pcp, kv_interleave=BLOCK)
-    per_rank = -(-nblocks // args.pcp) + 1
-    ids = ShardedBlockAllocator(per_rank, args.pcp, BLOCK, BLOCK).allocate(nblocks)
-    own = kv_ownership(ids, par, dp=0, num_layers=LAYERS)
+    nblocks, per_rank, own = sharded_request(args.tokens, args.pcp)
     sources, layouts, keep = [], {}, []
     for h in own:
         layers = {i: torch.randn(per_rank, BLOCK, DIM).to(torch.bfloat16) for i in range(LAYERS)}
@@ -74,13 +91,8 @@ def main() -> None:
         keep.append(layers)
     dest = {i: torch.zeros(nblocks, BLOCK, DIM, dtype=torch.bfloat16) for i in range(LAYERS)}
     receiver = MooncakeTransport()
-    dest_layout = describe_cache(receiver.endpoint, dest)
-    receiver.register(dest_layout)
-    request = RequestKV(own, nblocks)
-    dest_blocks = arrange_destination(request, list(range(nblocks)))
-    plan = plan_transfer(request, layouts, dest_layout, dest_blocks)
+    plan, dest_blocks, segments = planned_pull(receiver, dest, own, nblocks, layouts)
     nbytes = plan.total_bytes
-    segments = {layouts[src].endpoint: segs for src, segs in plan.pull_segments().items()}
 
     def pull() -> None:
         receiver.read_all(segments, timeout_s=120)
@@ -148,11 +160,7 @@ def main_cuda(args: argparse.Namespace) -> None:
     import multiprocessing as mp
 
     protocol = args.protocol or "nvlink_intra"
-    nblocks = -(-args.tokens // BLOCK)
-    par = ParallelConfig(pcp=args.pcp, kv_interleave=BLOCK)
-    per_rank = -(-nblocks // args.pcp) + 1
-    ids = ShardedBlockAllocator(per_rank, args.pcp, BLOCK, BLOCK).allocate(nblocks)
-    own = kv_ownership(ids, par, dp=0, num_layers=LAYERS)
+    nblocks, per_rank, own = sharded_request(args.tokens, args.pcp)
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=_sources, args=(child, own, per_rank, protocol, BLOCK), daemon=True)
@@ -164,14 +172,9 @@ def main_cuda(args: argparse.Namespace) -> None:
         torch.cuda.set_device(1)
         dest = {i: torch.zeros(nblocks, BLOCK, DIM, dtype=torch.bfloat16, device="cuda:1") for i in range(LAYERS)}
         receiver = MooncakeTransport(protocol=protocol)
-        dest_layout = describe_cache(receiver.endpoint, dest)
-        receiver.register(dest_layout)
+        plan, dest_blocks, segments = planned_pull(receiver, dest, own, nblocks, layouts)
         torch.cuda.synchronize()
-        request = RequestKV(own, nblocks)
-        dest_blocks = arrange_destination(request, list(range(nblocks)))
-        plan = plan_transfer(request, layouts, dest_layout, dest_blocks)
         nbytes = plan.total_bytes
-        segments = {layouts[src].endpoint: segs for src, segs in plan.pull_segments().items()}
 
         def pull() -> None:
             receiver.read_all(segments, timeout_s=120)
