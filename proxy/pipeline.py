@@ -308,18 +308,15 @@ class Generation:
                 if not self._first_event_seen:
                     self._first_event_seen = True
                     self._legs.metrics.first_decode_token_s.observe(time.perf_counter() - self._opened_at)
-                if self._ttft_pending and tokens:
+                gaps = len(tokens)  # tokens that end an inter-token gap
+                if self._ttft_pending and tokens:  # a local prefill's first token: TTFT, not a gap
                     self._ttft_pending = False
                     self._legs.metrics.ttft.labels(self.request.endpoint).observe(
                         time.perf_counter() - self.request.arrival)
                     self._legs.metrics.generation_tokens.inc()
                     self._last_token_at = time.perf_counter()
-                    tokens_after_first = len(tokens) - 1
-                    self._observe_tokens(tokens_after_first)
-                    if event.tokens.finish_reason:
-                        self._finished = True
-                    return tokens, event.tokens.finish_reason
-                self._observe_tokens(len(tokens))
+                    gaps -= 1
+                self._observe_tokens(gaps)
                 if event.tokens.finish_reason:
                     self._finished = True
                     self._counted.prefill_released()
