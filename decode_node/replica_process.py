@@ -134,7 +134,7 @@ def _sink(link: _Link, request_id: str) -> Callable[[Any], None]:
 
 def serve_replica(ctx: RankContext) -> None:
     """Body of a replica process: build the replica, then relay messages until ``Stop``."""
-    from decode_node.worker import DecodeJob, Replica
+    from decode_node.worker import Abort, AbortAll, DecodeJob, Replica  # imports this module: not at the top
     from decode_node.worker import Start as StartMsg
     from kv_transfer.transports.mooncake import MooncakeTransport
 
@@ -145,7 +145,6 @@ def serve_replica(ctx: RankContext) -> None:
     pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kv-pull")
     worker = _ProcessWorker(link)
     replica = Replica(spec.index, spec.config, transport, stats, spec.timeout_s, pool, worker)  # type: ignore[arg-type]
-    from decode_node.worker import Abort, AbortAll
 
     link.send(ReplicaUp(replica.engine.max_model_len, replica.load.free_blocks))
     last: object = None
