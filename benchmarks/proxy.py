@@ -59,6 +59,7 @@ def serve_null_grpc(redis_url: str, cluster: str, max_model_len: int) -> None:
     from cluster.proto_gen import pdcluster_v1_pb2 as pb
     from cluster.proto_gen import pdcluster_v1_pb2_grpc as pb_grpc
     from cluster.registry import Registry
+    from decode_node.service import coalesced
 
     class Prefill(pb_grpc.PrefillServiceServicer):
         async def Prefill(self, request: pb.PrefillRequest, context: Any) -> pb.PrefillResponse:  # noqa: N802
@@ -74,11 +75,28 @@ def serve_null_grpc(redis_url: str, cluster: str, max_model_len: int) -> None:
 
     class Decode(pb_grpc.DecodeServiceServicer):
         async def Decode(self, request: pb.DecodeRequest, context: Any):  # noqa: ANN201, N802
-            yield pb.DecodeEvent(admitted=pb.Admitted(dp_rank=0))
-            n = request.sampling.max_tokens
-            for i in range(1, n):
-                yield pb.DecodeEvent(tokens=pb.Tokens(tokens=[pb.Token(token_id=300 + i % 200, logprob=-0.1)],
-                                                      finish_reason="length" if i == n - 1 else ""))
+            # As a decode node relays its engine's events: a queue filled one token per step (here one
+            # per turn of the event loop), drained by the node's own relay (``coalesced``).
+            events: asyncio.Queue = asyncio.Queue()
+
+            async def engine() -> None:
+                events.put_nowait(pb.DecodeEvent(admitted=pb.Admitted(dp_rank=0)))
+                n = request.sampling.max_tokens
+                for i in range(1, n):
+                    await asyncio.sleep(0)
+                    events.put_nowait(pb.DecodeEvent(tokens=pb.Tokens(
+                        tokens=[pb.Token(token_id=300 + i % 200, logprob=-0.1)],
+                        finish_reason="length" if i == n - 1 else "")))
+                events.put_nowait(None)
+
+            producer = asyncio.ensure_future(engine())
+            try:
+                async for event in coalesced(events):
+                    if event is None:
+                        return
+                    yield event
+            finally:
+                producer.cancel()
 
         async def Abort(self, request: pb.AbortRequest, context: Any) -> pb.AbortResponse:  # noqa: N802
             return pb.AbortResponse(found=False)

@@ -19,6 +19,36 @@ from node_runtime.server import Lifecycle
 log = logging.getLogger("pdcluster.decode")
 
 
+def _open_tokens(item: object) -> bool:
+    return isinstance(item, pb.DecodeEvent) and item.WhichOneof("event") == "tokens" and not item.tokens.finish_reason
+
+
+async def coalesced(events: asyncio.Queue) -> AsyncIterator[object]:
+    """The queue's items in order, with ``tokens`` events that are already queued merged into one.
+
+    When the stream's reader keeps up, each event goes out alone as soon as it is queued; when it is
+    behind (the previous write is still waiting), the tokens made meanwhile leave as one message
+    instead of one message each. Nothing waits for more tokens: a token is never held back.
+    """
+    held: object = None
+    has_held = False
+    while True:
+        item = held if has_held else await events.get()
+        has_held = False
+        if _open_tokens(item):
+            assert isinstance(item, pb.DecodeEvent)
+            while not events.empty():
+                nxt = events.get_nowait()
+                if not (isinstance(nxt, pb.DecodeEvent) and nxt.WhichOneof("event") == "tokens"):
+                    held, has_held = nxt, True
+                    break
+                item.tokens.tokens.extend(nxt.tokens.tokens)
+                if nxt.tokens.finish_reason:
+                    item.tokens.finish_reason = nxt.tokens.finish_reason
+                    break
+        yield item
+
+
 class DecodeService(pb_grpc.DecodeServiceServicer):
     def __init__(self, worker: DecodeWorker, node_id: str, state: Lifecycle) -> None:
         self.worker = worker
@@ -65,8 +95,7 @@ class DecodeService(pb_grpc.DecodeServiceServicer):
         self.worker.submit(job, request.dp_rank)
         finished = False
         try:
-            while True:
-                item = await events.get()
+            async for item in coalesced(events):
                 if item is None:
                     finished = True
                     return

@@ -27,6 +27,7 @@ from proxy.admin import admin_router
 from proxy.clients import NodeClients
 from proxy.discovery import NodeSource, NodeView, available, context_limit
 from proxy.errors import APIError, install_error_handlers
+from proxy.hot_path import GenerationEndpoints, ProxyApp
 from proxy.metrics import ProxyMetrics, RequestCounter
 from proxy.pipeline import Pipeline
 from proxy.router import Router
@@ -77,7 +78,7 @@ def bearer_guard(key: str | None) -> Callable[[Request], Awaitable[None]]:
 
 
 def create_app(config: ProxyConfig, tokenizer: Tokenizer, nodes: NodeSource, *, max_model_len: int,
-               vocab_size: int | None = None) -> FastAPI:
+               vocab_size: int | None = None) -> ProxyApp:
     """The proxy app. ``max_model_len`` is the model's context limit, used until nodes publish theirs;
     ``vocab_size`` (the model's) bounds the token ids a prompt may carry (None: not checked here)."""
     name = served_model_name(config)
@@ -100,12 +101,15 @@ def create_app(config: ProxyConfig, tokenizer: Tokenizer, nodes: NodeSource, *, 
             await pipeline.drain_background()  # aborts sent on the way out still reach the nodes
             await clients.close()
 
-    app = FastAPI(title="pdcluster proxy", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = ProxyApp(title="pdcluster proxy", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.proxy = state
     install_error_handlers(app, lambda cause: metrics.errors.labels(cause).inc())
     app.add_middleware(RequestCounter, metrics=metrics, endpoint_of=_endpoint_label)
+    api_guard = bearer_guard(config.api_key)
+    app.hot = GenerationEndpoints({"/v1/completions": handlers.completions, "/v1/chat/completions": handlers.chat},
+                                  api_guard, metrics, _endpoint_label)
 
-    v1 = APIRouter(prefix="/v1", dependencies=[Depends(bearer_guard(config.api_key))])
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(api_guard)])
     v1.add_api_route("/completions", handlers.completions, methods=["POST"], response_model=None)
     v1.add_api_route("/chat/completions", handlers.chat, methods=["POST"], response_model=None)
 

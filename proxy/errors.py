@@ -105,33 +105,32 @@ def rpc_error(phase: str, err: grpc.aio.AioRpcError) -> APIError:
     return APIError(status, message, code=code, cause=f"{phase}_{code}", retry_after_s=retry)
 
 
+def error_for(exc: Exception, count: Callable[[str], None]) -> JSONResponse:
+    """The OpenAI-shaped answer to an exception a handler raised (``count(cause)`` for the errors
+    metric); anything unexpected is logged and answered as a 500."""
+    if isinstance(exc, APIError):
+        count(exc.cause)
+        return error_response(exc)
+    if isinstance(exc, (RequestValidationError, ValidationError)):
+        count("bad_request")
+        return error_response(validation_error(list(exc.errors())))
+    if isinstance(exc, StarletteHTTPException):
+        code = "not_found" if exc.status_code == 404 else None
+        err = APIError(exc.status_code, str(exc.detail), code=code)
+        return JSONResponse(err.body(), status_code=exc.status_code, headers=exc.headers)
+    count("internal")
+    log.error("unexpected error", exc_info=exc)
+    return error_response(APIError(500, "internal server error", code="internal_error"))
+
+
 def install_error_handlers(app: FastAPI, count: Callable[[str], None] = lambda cause: None) -> None:
     """Make every error the app answers an OpenAI error body (never a 422, never HTML);
     ``count(cause)`` is called for each (the errors metric)."""
 
-    async def on_api_error(request: Request, exc: Exception) -> JSONResponse:
-        assert isinstance(exc, APIError)
-        count(exc.cause)
-        return error_response(exc)
+    async def on_error(request: Request, exc: Exception) -> JSONResponse:
+        if not isinstance(exc, (APIError, RequestValidationError, ValidationError, StarletteHTTPException)):
+            log.error("unexpected error on %s %s", request.method, request.url.path)
+        return error_for(exc, count)
 
-    async def on_validation(request: Request, exc: Exception) -> JSONResponse:
-        assert isinstance(exc, (RequestValidationError, ValidationError))
-        count("bad_request")
-        return error_response(validation_error(list(exc.errors())))
-
-    async def on_http(request: Request, exc: Exception) -> JSONResponse:
-        assert isinstance(exc, StarletteHTTPException)
-        code = "not_found" if exc.status_code == 404 else None
-        err = APIError(exc.status_code, str(exc.detail), code=code)
-        return JSONResponse(err.body(), status_code=exc.status_code, headers=exc.headers)
-
-    async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
-        count("internal")
-        log.exception("unexpected error on %s %s", request.method, request.url.path, exc_info=exc)
-        return error_response(APIError(500, "internal server error", code="internal_error"))
-
-    app.add_exception_handler(APIError, on_api_error)
-    app.add_exception_handler(RequestValidationError, on_validation)
-    app.add_exception_handler(ValidationError, on_validation)
-    app.add_exception_handler(StarletteHTTPException, on_http)
-    app.add_exception_handler(Exception, on_unexpected)
+    for kind in (APIError, RequestValidationError, ValidationError, StarletteHTTPException, Exception):
+        app.add_exception_handler(kind, on_error)

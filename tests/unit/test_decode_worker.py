@@ -13,6 +13,7 @@ import pytest
 from cluster.config import NodeConfig
 from cluster.proto_gen import pdcluster_v1_pb2 as pb
 from cluster.wire import token_pb
+from decode_node.service import coalesced
 from decode_node.worker import DecodeJob, DecodeWorker, KVLost
 from engine import LLM, SamplingParams
 from engine.engine_config import EngineConfig
@@ -190,3 +191,48 @@ def test_abort_during_the_pull_frees_the_blocks_when_it_returns(tiny_model: Path
         assert not s.engine.has_unfinished()
     finally:
         s.close()
+
+
+def _tokens(*ids: int, finish: str = "") -> pb.DecodeEvent:
+    return pb.DecodeEvent(tokens=pb.Tokens(tokens=[pb.Token(token_id=i) for i in ids], finish_reason=finish))
+
+
+def _relay(items: list[object]) -> list[object]:
+    """What the Decode stream sends for these queued items (all queued before it reads)."""
+
+    async def run() -> list[object]:
+        queue: asyncio.Queue = asyncio.Queue()
+        for item in items:
+            queue.put_nowait(item)
+        out = []
+        async for item in coalesced(queue):
+            out.append(item)
+            if item is None or isinstance(item, BaseException):
+                return out
+        return out
+
+    return asyncio.run(run())
+
+
+def test_the_decode_stream_merges_tokens_already_queued_and_keeps_every_other_event_in_order() -> None:
+    admitted = pb.DecodeEvent(admitted=pb.Admitted(dp_rank=0))
+    out = _relay([_tokens(1), admitted, _tokens(2), _tokens(3, 4), _tokens(5, finish="length"), _tokens(6), None])
+    assert out[0] == _tokens(1)  # an admitted event is not a token: it is not merged over
+    assert out[1] == admitted
+    assert out[2] == _tokens(2, 3, 4, 5, finish="length")  # ends at the finish reason
+    assert out[3:] == [_tokens(6), None]
+    boom = RuntimeError("kv lost")
+    assert _relay([_tokens(1), _tokens(2), boom]) == [_tokens(1, 2), boom]
+
+
+def test_the_decode_stream_sends_each_token_at_once_when_its_reader_keeps_up() -> None:
+    async def run() -> list[pb.DecodeEvent]:
+        queue: asyncio.Queue = asyncio.Queue()
+        stream = coalesced(queue)
+        got = []
+        for i in range(3):
+            queue.put_nowait(_tokens(i))
+            got.append(await asyncio.wait_for(stream.__anext__(), 1.0))  # nothing waits for a second token
+        return got
+
+    assert asyncio.run(run()) == [_tokens(0), _tokens(1), _tokens(2)]
