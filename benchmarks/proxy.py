@@ -2,6 +2,7 @@
 
   python benchmarks/proxy.py                      # concurrency 1, 32, 128; 3 repetitions of 3 s each
   python benchmarks/proxy.py --concurrency 1 32 --seconds 5 --repeats 5
+  python benchmarks/proxy.py --workers 1 2        # our proxy with one and with two worker processes
 
 Null engines answer at once, so what is measured is the front end: for our proxy, a null prefill and
 a null decode node (grpc.aio, the real ``pdcluster.v1`` contract, registered in a local Redis as
@@ -290,6 +291,17 @@ def summarize(run: Run, cpu_s: float) -> dict:
             "cpu_ms_per_req": cpu_s / n * 1e3 if n else None, "cpu_share": cpu_s / run.seconds}
 
 
+def tree_rss(proc: psutil.Process) -> int:
+    """RSS of a front end and its worker processes, summed (shared pages counted in each)."""
+    total = proc.memory_info().rss
+    for c in proc.children(recursive=True):
+        try:
+            total += c.memory_info().rss
+        except psutil.NoSuchProcess:
+            pass
+    return total
+
+
 def cpu_seconds(proc: psutil.Process) -> float:
     t = proc.cpu_times()
     own = t.user + t.system
@@ -319,6 +331,8 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=512)
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--router", default=shutil.which("vllm-router") or "", help="vllm-router's binary ('' = skip)")
+    ap.add_argument("--workers", type=int, nargs="+", default=[1],
+                    help="our proxy with each of these worker counts (one front end each)")
     ap.add_argument("--proxy-args", default="", help="extra flags for python -m proxy")
     ap.add_argument("--null-grpc", nargs=3, metavar=("REDIS", "CLUSTER", "LEN"), help=argparse.SUPPRESS)
     ap.add_argument("--null-http", nargs=2, metavar=("ROLE", "PORT"), help=argparse.SUPPRESS)
@@ -351,12 +365,15 @@ def main() -> None:
         null = spawn([sys.executable, __file__, "--null-grpc", redis.url, "bench", "4096"], stdout=subprocess.PIPE)
         assert null.stdout is not None
         ports = json.loads(null.stdout.readline())
-        port = free_port("127.0.0.1")
-        proxy = spawn([sys.executable, "-m", "proxy", "--model", str(model), "--port", str(port), "--registry-url",
-                       redis.url, "--cluster", "bench", *args.proxy_args.split()],
-                      stdout=subprocess.DEVNULL, stderr=open(tmp / "proxy.log", "wb"))  # noqa: SIM115
-        wait_http(f"http://127.0.0.1:{port}/health")
-        fronts["pdcluster"] = (f"http://127.0.0.1:{port}/v1/completions", psutil.Process(proxy.pid))
+        for workers in args.workers:  # one proxy per worker count, all on the same null nodes
+            port = free_port("127.0.0.1")
+            name = "pdcluster" if workers == 1 else f"pdcluster-w{workers}"
+            proxy = spawn([sys.executable, "-m", "proxy", "--model", str(model), "--port", str(port),
+                           "--registry-url", redis.url, "--cluster", "bench", "--workers", str(workers),
+                           *args.proxy_args.split()],
+                          stdout=subprocess.DEVNULL, stderr=open(tmp / f"{name}.log", "wb"))  # noqa: SIM115
+            wait_http(f"http://127.0.0.1:{port}/health")
+            fronts[name] = (f"http://127.0.0.1:{port}/v1/completions", psutil.Process(proxy.pid))
         if args.router:
             hp, hd, rp = free_port("127.0.0.1"), free_port("127.0.0.1"), free_port("127.0.0.1")
             for role, http_port in (("prefill", hp), ("decode", hd)):
@@ -386,7 +403,8 @@ def main() -> None:
                             per[name][c].append(summarize(run, cpu_seconds(proc) - c0))
                             print(f"rep {rep} {name:>11} conc {c:>3}: {per[name][c][-1]['req_s']:7.1f} req/s",
                                   flush=True)
-            direct = {"pdcluster": await direct_grpc(ports, args, 100)}
+            legs = await direct_grpc(ports, args, 100)
+            direct = {name: legs for name in fronts if name.startswith("pdcluster")}
             if "vllm-router" in fronts:
                 direct["vllm-router"] = await direct_http(f"http://127.0.0.1:{hp}/v1/completions",
                                                           f"http://127.0.0.1:{hd}/v1/completions", args, 100)
@@ -394,7 +412,7 @@ def main() -> None:
 
         m = asyncio.run(measure())
         for name, (_, proc) in fronts.items():
-            res: dict[str, Any] = {"rss_mib": round(proc.memory_info().rss / 2**20, 1)}
+            res: dict[str, Any] = {"rss_mib": round(tree_rss(proc) / 2**20, 1)}
             for c in args.concurrency:
                 res[f"c{c}"] = median_of(m["per"][name][c])
             d = m["direct"][name]
@@ -404,10 +422,13 @@ def main() -> None:
                 res["added_p99_ms"] = round(res["c1"]["e2e_p99_ms"] - res["direct_e2e_p99_ms"], 3)
             result[name] = res
         print_table(result, fronts, args.concurrency)
-        if "vllm-router" in fronts:
-            result["ratio_req_s"] = {f"c{c}": round(result["pdcluster"][f"c{c}"]["req_s"]
-                                                   / result["vllm-router"][f"c{c}"]["req_s"], 3)
-                                     for c in args.concurrency}
+        if "vllm-router" in fronts:  # each of ours against vllm-router, per concurrency
+            for name in fronts:
+                if name != "vllm-router":
+                    key = "ratio_req_s" if name == "pdcluster" else f"ratio_req_s_{name.split('-')[-1]}"
+                    result[key] = {f"c{c}": round(result[name][f"c{c}"]["req_s"]
+                                                 / result["vllm-router"][f"c{c}"]["req_s"], 3)
+                                   for c in args.concurrency}
     finally:
         for p in reversed(procs):
             try:

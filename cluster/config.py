@@ -143,8 +143,13 @@ class ProxyConfig:
     local_prefill_fallback: bool = field(default=True, metadata={
         "help": "prefill on a decode node when no prefill node can take a request (a cluster of decode nodes "
                 "only serves colocated)"})
+    workers: int = field(default=1, metadata={
+        "help": "HTTP worker processes sharing the port, each with its own view of the registry and its own "
+                "node connections (0: one per CPU core)"})
 
     def __post_init__(self) -> None:
+        if self.workers < 0:
+            raise ValueError(f"workers must be >= 0, got {self.workers}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65536), got {self.port}")
         if self.max_inflight_requests < 0:

@@ -143,6 +143,8 @@ def proxy_command(topology: Topology, registry_url: str, port: int, python: str 
         argv += ["--local-prefill-max-tokens", str(proxy.local_prefill_max_tokens)]
     if not proxy.local_prefill_fallback:
         argv += ["--no-local-prefill-fallback"]
+    if proxy.workers != 1:
+        argv += ["--workers", str(proxy.workers)]
     env = []
     if proxy.api_key is not None:
         env.append((envs.API_KEY, proxy.api_key))

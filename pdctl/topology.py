@@ -167,9 +167,12 @@ class ProxySpec:
     admin_key: str | None = None
     local_prefill_max_tokens: int = 0  # prompts up to this long are prefilled on a decode node
     local_prefill_fallback: bool = True  # and others when no prefill node can take them
+    workers: int = 1  # HTTP worker processes sharing the port (0: one per CPU core)
 
     def __post_init__(self) -> None:
         _port(self, "port")
+        if not isinstance(self.workers, int) or self.workers < 0:
+            raise ValueError(f"proxy.workers must be an int >= 0, got {self.workers!r}")
         if not isinstance(self.local_prefill_max_tokens, int) or self.local_prefill_max_tokens < 0:
             raise ValueError("proxy.local_prefill_max_tokens must be an int >= 0, got "
                              f"{self.local_prefill_max_tokens!r}")

@@ -73,32 +73,93 @@ class RegistrySource:
         return self._registry.set_draining(node_id, draining)
 
 
-def main(argv: list[str] | None = None) -> None:
-    config, log_level = parse_args(argv)
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    import uvicorn  # heavy imports after the arguments are checked
+ARGV_ENV = "PDCLUSTER_PROXY_ARGV"  # a worker's command line (JSON), set by the parent of several workers
 
+
+def build_app(config: ProxyConfig) -> Any:
+    """The app of one worker: the tokenizer, a cached view of the registry (stopped with the app).
+
+    Raises ``ValueError`` or ``OSError`` when the model directory cannot be loaded.
+    """
     from cluster.registry import Registry, RegistryView
     from engine.tokenizer import Tokenizer
     from proxy.app import create_app, model_limits
 
-    try:
-        tokenizer = Tokenizer(config.model)
-        max_len, vocab_size = model_limits(config.model)
-    except (ValueError, OSError) as e:
-        raise SystemExit(f"error: cannot load the model at {config.model}: {e}") from None
+    tokenizer = Tokenizer(config.model)
+    max_len, vocab_size = model_limits(config.model)
     registry = Registry(config.registry)
     view = RegistryView(registry, config.refresh_s)
     view.start()
-    try:
-        app = create_app(config, tokenizer, RegistrySource(view, registry), max_model_len=max_len,
-                         vocab_size=vocab_size)
-        log.info("serving %s on http://%s:%d (registry cluster %r)", app.state.proxy.model_name, config.host,
-                 config.port, config.registry.cluster)
-        uvicorn.run(app, host=config.host, port=config.port, log_level=log_level, timeout_graceful_shutdown=5)
-    finally:
+
+    def stop() -> None:
         view.stop()
         registry.close()
+
+    try:
+        return create_app(config, tokenizer, RegistrySource(view, registry), max_model_len=max_len,
+                          vocab_size=vocab_size, on_shutdown=stop)
+    except BaseException:
+        stop()
+        raise
+
+
+def worker_app() -> Any:
+    """uvicorn's app factory in each of several workers: the parent's command line from ``$ARGV_ENV``."""
+    import json
+    import os
+    import sys
+
+    from uvicorn.config import STARTUP_FAILURE
+
+    config, log_level = parse_args(json.loads(os.environ[ARGV_ENV]))
+    logging.basicConfig(level=log_level.upper(), format=_LOG_FORMAT)
+    try:
+        return build_app(config)
+    except (ValueError, OSError) as e:
+        log.error("cannot load the model at %s: %s", config.model, e)
+        sys.exit(STARTUP_FAILURE)  # uvicorn's supervisor stops instead of restarting the worker
+
+
+_LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+def main(argv: list[str] | None = None) -> None:
+    import json
+    import os
+    import sys
+    import tempfile
+
+    config, log_level = parse_args(argv)
+    logging.basicConfig(level=log_level.upper(), format=_LOG_FORMAT)
+    import uvicorn  # heavy imports after the arguments are checked
+
+    workers = config.workers or os.cpu_count() or 1
+    where = f"http://{config.host}:{config.port} (registry cluster {config.registry.cluster!r})"
+    if workers == 1:
+        try:
+            app = build_app(config)
+        except (ValueError, OSError) as e:
+            raise SystemExit(f"error: cannot load the model at {config.model}: {e}") from None
+        log.info("serving %s on %s", app.state.proxy.model_name, where)
+        uvicorn.run(app, host=config.host, port=config.port, log_level=log_level, timeout_graceful_shutdown=5)
+        return
+    from uvicorn.config import STARTUP_FAILURE
+    from uvicorn.supervisors import Multiprocess
+
+    from proxy.metrics import MULTIPROC_DIR
+
+    # Each worker parses the same command line, and writes its metrics where /metrics (in any worker)
+    # sums them: the environment is set before the workers import prometheus_client.
+    os.environ[ARGV_ENV] = json.dumps(sys.argv[1:] if argv is None else argv)
+    with tempfile.TemporaryDirectory(prefix="pdcluster-proxy-metrics-") as metrics_dir:
+        os.environ[MULTIPROC_DIR] = metrics_dir
+        server = uvicorn.Config("proxy.__main__:worker_app", factory=True, host=config.host, port=config.port,
+                                workers=workers, log_level=log_level, timeout_graceful_shutdown=5)
+        log.info("serving with %d workers on %s", workers, where)
+        supervisor = Multiprocess(server, sockets=[server.bind_socket()])
+        supervisor.run()
+    if any(p.exitcode == STARTUP_FAILURE for p in supervisor.processes):
+        raise SystemExit(f"error: a proxy worker could not start (its log says why): {config.model}")
 
 
 if __name__ == "__main__":

@@ -78,9 +78,10 @@ def bearer_guard(key: str | None) -> Callable[[Request], Awaitable[None]]:
 
 
 def create_app(config: ProxyConfig, tokenizer: Tokenizer, nodes: NodeSource, *, max_model_len: int,
-               vocab_size: int | None = None) -> ProxyApp:
+               vocab_size: int | None = None, on_shutdown: Callable[[], None] | None = None) -> ProxyApp:
     """The proxy app. ``max_model_len`` is the model's context limit, used until nodes publish theirs;
-    ``vocab_size`` (the model's) bounds the token ids a prompt may carry (None: not checked here)."""
+    ``vocab_size`` (the model's) bounds the token ids a prompt may carry (None: not checked here);
+    ``on_shutdown`` runs when the server stops (after the last cleanup calls to the nodes)."""
     name = served_model_name(config)
     metrics = ProxyMetrics()
     view = NodeView(nodes, hold_s=max(5.0, 10 * config.refresh_s), unreachable_s=config.registry.ttl_s)
@@ -100,6 +101,8 @@ def create_app(config: ProxyConfig, tokenizer: Tokenizer, nodes: NodeSource, *, 
         finally:
             await pipeline.drain_background()  # aborts sent on the way out still reach the nodes
             await clients.close()
+            if on_shutdown is not None:
+                on_shutdown()
 
     app = ProxyApp(title="pdcluster proxy", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.proxy = state

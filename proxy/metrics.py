@@ -7,12 +7,15 @@ client's disconnect.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.multiprocess import MultiProcessCollector
 
 PREFIX = "pdcluster_proxy"
+MULTIPROC_DIR = "PROMETHEUS_MULTIPROC_DIR"  # prometheus_client's: where each worker writes its series
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1, 2.5, 5)
@@ -33,7 +36,8 @@ class ProxyMetrics:
         self.requests = Counter(f"{PREFIX}_requests", "HTTP requests by endpoint and status code",
                                 ["endpoint", "status"], registry=r)
         self.errors = Counter(f"{PREFIX}_errors", "Failed requests by cause", ["cause"], registry=r)
-        self.inflight = Gauge(f"{PREFIX}_inflight_requests", "Generation requests in flight", registry=r)
+        self.inflight = Gauge(f"{PREFIX}_inflight_requests", "Generation requests in flight", registry=r,
+                              multiprocess_mode="livesum")
         self.ttft = Histogram(f"{PREFIX}_time_to_first_token_seconds", "Request arrival to first token",
                               ["endpoint"], buckets=_LATENCY_BUCKETS, registry=r)
         self.itl = Histogram(f"{PREFIX}_inter_token_latency_seconds", "Time between output tokens",
@@ -64,6 +68,13 @@ class ProxyMetrics:
                                ["role", "node_id"], registry=r)
 
     def render(self) -> bytes:
+        """The exposition text: this process's series or, with several proxy workers (prometheus_client's
+        multiprocess mode, ``$PROMETHEUS_MULTIPROC_DIR`` set before it was imported), every worker's
+        summed (the inflight gauge over live workers)."""
+        if os.environ.get(MULTIPROC_DIR):
+            merged = CollectorRegistry()
+            MultiProcessCollector(merged)
+            return generate_latest(merged)
         return generate_latest(self.registry)
 
 

@@ -11,11 +11,14 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
 import openai
+import psutil
 import pytest
 from proxy_fakes import FakeDecode, FakeNodes, FakePrefill, Script, node_state, wait_until
 
@@ -60,24 +63,41 @@ def registered_fakes(tiny_model: Path) -> Iterator[tuple[str, FakePrefill, FakeD
         fakes.stop()
 
 
-def test_main_serves_from_the_registry(tiny_model: Path, registered_fakes: tuple[str, FakePrefill, FakeDecode]) -> None:
-    redis_url, p0, d0 = registered_fakes
+@contextmanager
+def running_proxy(tiny_model: Path, redis_url: str, *extra: str) -> Iterator[tuple[str, subprocess.Popen]]:
+    """``python -m proxy`` on a free port, healthy; stopped with SIGTERM as a process manager would."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     proc = subprocess.Popen(
         [sys.executable, "-m", "proxy", "--model", str(tiny_model), "--served-model-name", MODEL,
          "--port", str(port), "--registry-url", redis_url, "--cluster", "proxytest", "--admin-key", ADMIN_KEY,
-         "--refresh-s", "0.2", "--log-level", "warning"],
+         "--refresh-s", "0.2", "--log-level", "warning", *extra],
         cwd=Path(__file__).parents[2], env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
     try:
-        def healthy() -> bool:
-            try:
-                return httpx.get(f"{url}/health", timeout=1).status_code == 200
-            except httpx.HTTPError:
-                return False
+        assert wait_until(lambda: _healthy(url), 60), "the proxy never became healthy"
+        yield url, proc
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            # uvicorn shuts down gracefully, then re-raises SIGTERM so the exit status says why
+            assert proc.wait(15) in (0, -signal.SIGTERM)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
 
-        assert wait_until(healthy, 30), "the proxy never became healthy"
+
+def _healthy(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/health", timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def test_main_serves_from_the_registry(tiny_model: Path, registered_fakes: tuple[str, FakePrefill, FakeDecode]) -> None:
+    redis_url, p0, d0 = registered_fakes
+    with running_proxy(tiny_model, redis_url) as (url, _):
         r = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0).completions.create(
             model=MODEL, prompt="hi", max_tokens=50)
         assert r.choices[0].text == "Hello from the fake nodes." and r.choices[0].finish_reason == "stop"
@@ -90,14 +110,43 @@ def test_main_serves_from_the_registry(tiny_model: Path, registered_fakes: tuple
         assert next(n for n in registry.nodes() if n.info.node_id == "p0").draining  # written through Redis
         registry.close()
         assert admin.post("/admin/nodes/p0/undrain").status_code == 200
-        assert wait_until(healthy, 5)
+        assert wait_until(lambda: _healthy(url), 5)
         admin.close()
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            # uvicorn shuts down gracefully, then re-raises SIGTERM so the exit status says why
-            assert proc.wait(10) in (0, -signal.SIGTERM)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+
+
+def test_several_workers_share_the_port_the_metrics_and_the_drain_flags(
+        tiny_model: Path, registered_fakes: tuple[str, FakePrefill, FakeDecode]) -> None:
+    redis_url, p0, d0 = registered_fakes
+    with running_proxy(tiny_model, redis_url, "--workers", "2") as (url, proc):
+        workers = psutil.Process(proc.pid).children(recursive=True)
+        assert len([w for w in workers if "spawn_main" in " ".join(w.cmdline())]) == 2
+        n = 12
+        for i in range(n):  # a new connection each: the kernel spreads them over the workers
+            with httpx.Client(base_url=url, timeout=10) as c:
+                r = c.post("/v1/completions", json={"model": MODEL, "prompt": f"hi {i}", "max_tokens": 50,
+                                                    "stream": i % 2 == 0})
+                assert r.status_code == 200, r.text
+        assert len(p0.requests) == n and len(d0.requests) == n
+        # Every worker answers /metrics with every worker's series summed.
+        for _ in range(4):
+            page = httpx.get(f"{url}/metrics", timeout=5).text
+            line = next(x for x in page.splitlines()
+                        if x.startswith('pdcluster_proxy_requests_total{endpoint="/v1/completions",status="200"}'))
+            assert float(line.split()[-1]) == n
+            assert "pdcluster_proxy_inflight_requests 0.0" in page
+        # A drain through one worker reaches the others through the registry's notification.
+        admin = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {ADMIN_KEY}"}, timeout=5)
+        assert admin.post("/admin/nodes/d0/drain").status_code == 200
+        time.sleep(1.0)
+        assert all(httpx.get(f"{url}/health", timeout=5).status_code == 503 for _ in range(8))
+        assert admin.post("/admin/nodes/d0/undrain").status_code == 200
+        admin.close()
+    assert not any(w.is_running() and w.status() != psutil.STATUS_ZOMBIE for w in workers)
+
+
+def test_a_worker_that_cannot_load_the_model_stops_the_proxy_with_an_error(tmp_path: Path) -> None:
+    r = subprocess.run([sys.executable, "-m", "proxy", "--model", str(tmp_path / "none"), "--workers", "2",
+                        "--port", str(free_port()), "--log-level", "warning"],
+                       cwd=Path(__file__).parents[2], capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0
+    assert "could not start" in r.stderr

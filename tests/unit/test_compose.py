@@ -35,7 +35,7 @@ FLAGS = {
                     "--dp", "--dtype", "--device", "--max-model-len", "--max-num-seqs", "--num-kv-blocks",
                     "--transfer-timeout-s"},
     "proxy": {"--model", "--served-model-name", "--host", "--port", "--registry-url", "--cluster", "--api-key",
-              "--admin-key", "--insecure-admin"},
+              "--admin-key", "--insecure-admin", "--workers"},
 }
 OPTIONAL = {"--num-kv-blocks", "--api-key", "--admin-key", "--insecure-admin"}
 SWITCHES = {"--insecure-admin"}  # flags without a value
@@ -193,7 +193,7 @@ def test_command_matches_the_cli_contract(services, name, tmp_path):
     assert flags["--model"] == ("/models/tiny" if APP_SERVICES[name][1] == "cpu" else "/models/deepseek")
     if module == "proxy":
         assert flags["--served-model-name"] == Path(flags["--model"]).name
-    for flag in ("--port", "--dp", "--pcp", "--pp", "--max-model-len", "--max-num-batched-tokens", "--max-num-seqs",
+    for flag in ("--port", "--workers", "--dp", "--pcp", "--pp", "--max-model-len", "--max-num-batched-tokens", "--max-num-seqs",
                  "--lease-s", "--transfer-timeout-s"):
         if flag in flags:
             assert int(flags[flag]) > 0, (name, flag)
