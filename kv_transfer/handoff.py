@@ -60,8 +60,10 @@ class Lease:
 class KVSender:
     """Held KV under leases; ``free(request_id)`` gives the blocks back (the engine's ``release``).
 
-    Not thread-safe: the owner calls it from one thread (the node's engine thread) or under its lock.
-    ``expire`` is called by the owner's loop; the clock is injectable for tests.
+    Thread-safe: a lease ends exactly once, by ``confirm``, ``take``, ``abort`` or ``expire``, whichever
+    comes first. ``free`` runs under the lock, on the thread that ended the lease (the owner's engine
+    thread, except through ``take``, which frees nothing). ``expire`` is called by the owner's loop;
+    the clock is injectable for tests.
     """
 
     def __init__(
@@ -76,6 +78,7 @@ class KVSender:
         self.lease_s = lease_s
         self._clock = clock
         self._leases: dict[str, Lease] = {}
+        self._lock = threading.Lock()
         self.expired_total = 0
 
     def __len__(self) -> int:
@@ -85,17 +88,26 @@ class KVSender:
         return request_id in self._leases
 
     def hold(self, request_id: str, lease_s: float | None = None) -> Lease:
-        if request_id in self._leases:
-            raise ValueError(f"request {request_id!r} already holds a lease")
-        lease = Lease(request_id, self._clock() + (lease_s if lease_s is not None else self.lease_s))
-        self._leases[request_id] = lease
-        return lease
+        with self._lock:
+            if request_id in self._leases:
+                raise ValueError(f"request {request_id!r} already holds a lease")
+            lease = Lease(request_id, self._clock() + (lease_s if lease_s is not None else self.lease_s))
+            self._leases[request_id] = lease
+            return lease
 
     def _end(self, request_id: str) -> bool:
-        if self._leases.pop(request_id, None) is None:
-            return False
-        self._free(request_id)
-        return True
+        with self._lock:
+            if self._leases.pop(request_id, None) is None:
+                return False
+            self._free(request_id)
+            return True
+
+    def take(self, request_id: str) -> bool:
+        """The receiver has the KV: end the lease without freeing; the caller frees the blocks later
+        (its engine between two steps). False if nothing was held (expired, aborted). From any thread:
+        an answer need not wait for the engine, and no lease can run out on the blocks meanwhile."""
+        with self._lock:
+            return self._leases.pop(request_id, None) is not None
 
     def confirm(self, request_id: str) -> bool:
         """The receiver has the KV: free the blocks. False if nothing was held (expired, aborted)."""
@@ -108,10 +120,12 @@ class KVSender:
     def expire(self) -> list[str]:
         """Free every lease past its deadline; returns their request ids."""
         now = self._clock()
-        gone = [rid for rid, lease in self._leases.items() if lease.deadline <= now]
-        for rid in gone:
-            self._end(rid)
-        self.expired_total += len(gone)
+        with self._lock:
+            gone = [rid for rid, lease in self._leases.items() if lease.deadline <= now]
+            for rid in gone:
+                del self._leases[rid]
+                self._free(rid)
+            self.expired_total += len(gone)
         return gone
 
 

@@ -65,7 +65,8 @@ class PrefillService(pb_grpc.PrefillServiceServicer):
         return pb.AbortResponse(found=await self._on_engine(self.worker.abort, request.request_id))
 
     async def _on_engine(self, call: Callable[[str, Callable[[bool], None]], None], request_id: str) -> bool:
-        """Run a release/abort on the engine thread and wait until the blocks are free."""
+        """Run a release/abort through the worker and wait for its answer (an abort's once the blocks are
+        free; a release's at once)."""
         loop = asyncio.get_running_loop()
         fut: asyncio.Future = loop.create_future()
         def done(found: bool) -> None:

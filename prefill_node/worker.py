@@ -9,7 +9,9 @@ Request lifecycle here:
    ends the request (a stop token, or ``max_tokens`` 1) the blocks are freed at once; otherwise
    they are held under a lease and the answer carries the KV handle: which rank holds which block
    and where each rank's registered cache is.
-3. ``release`` (the decode side has the KV), ``abort``, or the lease running out frees them.
+3. ``release`` (the decode side has the KV), ``abort``, or the lease running out frees them. A
+   release is answered at once, even while the engine is in a long prefill step: its lease ends on
+   the caller's thread (``KVSender.take``) and the blocks are freed between two steps.
 
 Every engine call happens on the engine thread (``node_runtime.engine_loop``); other threads send
 it the messages below. The sender side of the KV hand-off is ``kv_transfer.handoff.KVSender``.
@@ -93,8 +95,7 @@ class Abort:
 
 @dataclass(frozen=True)
 class Release:
-    request_id: str
-    done: Callable[[bool], None]  # done(found): False when the lease had already ended
+    request_id: str  # its lease ended by ``release``: free its blocks
 
 
 @dataclass(frozen=True)
@@ -138,7 +139,13 @@ class PrefillWorker(EngineLoop):
         self.send(Abort(request_id, done))
 
     def release(self, request_id: str, done: Callable[[bool], None]) -> None:
-        self.send(Release(request_id, done))
+        """The decode side has the KV: ``done(found)`` at once, from this thread (not after the step the
+        engine is in, which for a long prompt takes a prefill's time); the blocks are freed between
+        two steps. ``found`` is False when the lease had already ended (expired or aborted)."""
+        found = self.leases.take(request_id)
+        if found:
+            self.send(Release(request_id))
+        done(found)
 
     def load(self) -> list[ReplicaLoad]:
         return list(self._load)
@@ -171,9 +178,8 @@ class PrefillWorker(EngineLoop):
                 found = self._abort(rid)
                 if done is not None:
                     self.answer(functools.partial(done, found))
-            case Release(rid, done):
-                found = self.leases.confirm(rid)
-                self.answer(functools.partial(done, found))
+            case Release(rid):
+                self._release_held(rid)
             case AbortAll(why):
                 for rid in list(self.jobs) + list(self.held_on):
                     self._abort(rid, NodeFailed(f"aborted: {why}"))

@@ -193,8 +193,8 @@ def test_command_matches_the_cli_contract(services, name, tmp_path):
     assert flags["--model"] == ("/models/tiny" if APP_SERVICES[name][1] == "cpu" else "/models/deepseek")
     if module == "proxy":
         assert flags["--served-model-name"] == Path(flags["--model"]).name
-    for flag in ("--port", "--workers", "--dp", "--pcp", "--pp", "--max-model-len", "--max-num-batched-tokens", "--max-num-seqs",
-                 "--lease-s", "--transfer-timeout-s"):
+    for flag in ("--port", "--workers", "--dp", "--pcp", "--pp", "--max-model-len", "--max-num-batched-tokens",
+                 "--max-num-seqs", "--lease-s", "--transfer-timeout-s"):
         if flag in flags:
             assert int(flags[flag]) > 0, (name, flag)
     if module != "proxy":

@@ -96,3 +96,16 @@ def test_leases_free_held_blocks_on_confirm_abort_and_expiry(tiny_model) -> None
         now[0] = 30.0
         assert leases.expire() == ["c"] and leases.expired_total == 1
         assert eng.num_used_blocks == 0 and not eng.held and len(leases) == 0
+
+
+def test_a_lease_ends_once_whichever_of_take_confirm_abort_or_expiry_comes_first() -> None:
+    freed: list[str] = []
+    now = [0.0]
+    leases = KVSender(freed.append, lease_s=10.0, clock=lambda: now[0])
+    leases.hold("taken")
+    leases.hold("late")
+    assert leases.take("taken") and "taken" not in leases  # ended, nothing freed: the caller frees later
+    assert not leases.take("taken") and not leases.confirm("taken") and not leases.abort("taken")
+    now[0] = 11.0
+    assert leases.expire() == ["late"]  # a taken lease cannot run out
+    assert freed == ["late"] and not leases.take("late") and len(leases) == 0
