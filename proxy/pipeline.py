@@ -329,7 +329,7 @@ class Generation:
             try:
                 event = await asyncio.wait_for(self._call.read(), limit)
                 break
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 raise GenerationError(APIError(
                     503, f"decode timed out: no token for {limit:g}s", code="token_timeout",
                     cause="token_timeout")) from None
