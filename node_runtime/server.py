@@ -210,7 +210,7 @@ async def _serve(
             announced = True
         try:
             await asyncio.wait_for(stop.wait(), timeout=0.2)
-        except TimeoutError:  # not the builtin TimeoutError on Python 3.10
+        except TimeoutError:
             pass
     code = 0
     if worker.failed.is_set():
