@@ -143,6 +143,11 @@ class ProxyConfig:
     local_prefill_fallback: bool = field(default=True, metadata={
         "help": "prefill on a decode node when no prefill node can take a request (a cluster of decode nodes "
                 "only serves colocated)"})
+    circuit_failures: int = field(default=3, metadata={
+        "help": "consecutive failed calls that open a node's circuit breaker (a refused connection opens it at "
+                "once); a passing health probe half-opens it, a good call closes it"})
+    health_probe_s: float = field(default=1.0, metadata={
+        "help": "how often open nodes (and, while the registry is unreachable, every node) are health-probed"})
     workers: int = field(default=1, metadata={
         "help": "HTTP worker processes sharing the port, each with its own view of the registry and its own "
                 "node connections (0: one per CPU core)"})
@@ -156,7 +161,9 @@ class ProxyConfig:
             raise ValueError(f"max_inflight_requests must be >= 0, got {self.max_inflight_requests}")
         if self.local_prefill_max_tokens < 0:
             raise ValueError(f"local_prefill_max_tokens must be >= 0, got {self.local_prefill_max_tokens}")
-        for name in ("prefill_timeout_s", "token_timeout_s", "refresh_s"):
+        if self.circuit_failures < 1:
+            raise ValueError(f"circuit_failures must be >= 1, got {self.circuit_failures}")
+        for name in ("prefill_timeout_s", "token_timeout_s", "refresh_s", "health_probe_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
 

@@ -232,6 +232,7 @@ class RegistryView:
         self._refresh_s = refresh_s
         self._nodes: list[NodeState] = []
         self._last_error: str | None = None
+        self._refreshed_at = 0.0  # time.time() of the last list Redis gave
         self._changed = threading.Condition()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -252,9 +253,15 @@ class RegistryView:
             self._thread.join(timeout=2 * SOCKET_TIMEOUT_S + _STOP_POLL_S + 1.0)
 
     def snapshot(self) -> list[NodeState]:
-        """The last refreshed list; nodes whose last heartbeat is older than the TTL are unhealthy."""
+        """The last refreshed list; nodes whose last heartbeat is older than the TTL are unhealthy.
+
+        While Redis is unreachable no heartbeat can arrive, so the TTL counts to the last refresh
+        instead of now: the nodes healthy then stay so (their own health probes are the proxy's
+        business, ``proxy.breaker``), rather than all turning unhealthy after the TTL.
+        """
         nodes = self._nodes
-        now, ttl_s = time.time(), self._registry.config.ttl_s
+        now = time.time() if self._last_error is None else self._refreshed_at
+        ttl_s = self._registry.config.ttl_s
         return [replace(n, healthy=False) if n.healthy and now - n.heartbeat_at > ttl_s else n for n in nodes]
 
     def wait_for(self, predicate: Callable[[list[NodeState]], bool], timeout_s: float) -> bool:
@@ -306,6 +313,7 @@ class RegistryView:
         nodes = self._registry.nodes()
         with self._changed:
             self._nodes = nodes
+            self._refreshed_at = time.time()
             self._last_error = None
             self._changed.notify_all()
 

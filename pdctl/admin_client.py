@@ -29,6 +29,16 @@ class AdminNode:
     state: NodeState
     inflight: int
     raw: dict[str, Any]  # the JSON as received, for `pdctl nodes --json`
+    circuit: str = "closed"  # the proxy's circuit breaker for the node: closed, half_open or open
+
+
+@dataclass(frozen=True)
+class ClusterView:
+    """``GET /admin/nodes``: the nodes, and whether the proxy's registry view is fresh."""
+
+    nodes: list[AdminNode]
+    registry: str  # "ok", or "stale": Redis is unreachable and the proxy routes on its last view
+    registry_error: str | None = None
 
 
 @dataclass(frozen=True)
@@ -87,9 +97,13 @@ class AdminClient:
         self._http = httpx.Client(base_url=self.base_url, headers=headers, timeout=timeout_s, transport=transport)
 
     def nodes(self) -> list[AdminNode]:
+        return self.view().nodes
+
+    def view(self) -> ClusterView:
         body = self._call("GET", "/admin/nodes")
         try:
-            return [_node(d) for d in body["nodes"]]
+            return ClusterView([_node(d) for d in body["nodes"]], str(body.get("registry", "ok")),
+                               body.get("registry_error"))
         except (KeyError, TypeError, ValueError) as e:
             raise AdminError(f"unexpected answer from {self.base_url}/admin/nodes: {e!r}") from None
 
@@ -170,4 +184,4 @@ def _node(d: dict[str, Any]) -> AdminNode:
         heartbeat_at=float(d.get("heartbeat_at", 0.0)),
         healthy=bool(d.get("healthy", False)),
     )
-    return AdminNode(state=state, inflight=int(d.get("inflight", 0)), raw=d)
+    return AdminNode(state=state, inflight=int(d.get("inflight", 0)), raw=d, circuit=str(d.get("circuit", "closed")))

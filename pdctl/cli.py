@@ -197,7 +197,8 @@ def down(
 def status(proxy: str | None = PROXY, admin_key: str | None = ADMIN_KEY, run_dir: Path | None = RUN_DIR,
            cluster: str = CLUSTER) -> None:
     """The cluster's nodes, their health, flags and load, as the proxy sees them."""
-    url, nodes = _admin(proxy, admin_key, run_dir, cluster, lambda c: (c.base_url, c.nodes()))
+    url, view = _admin(proxy, admin_key, run_dir, cluster, lambda c: (c.base_url, c.view()))
+    nodes = view.nodes
     table = Table(title=f"proxy {url}")
     for column in ("node", "role", "address", "DP/PCP/PP", "KV, transport", "health", "drain", "in flight",
                    "queued tok / running", "KV blocks used / free"):
@@ -209,13 +210,17 @@ def status(proxy: str | None = PROXY, admin_key: str | None = ADMIN_KEY, run_dir
             escape(s.info.node_id), escape(s.info.role + ("" if s.info.engine == "native" else f" ({s.info.engine})")),
             escape(s.info.address),
             f"{s.info.dp}/{s.info.pcp}/{s.info.pp}", escape(f"{s.info.kv_layout}, {s.info.kv_protocol}"),
-            "[green]healthy[/green]" if s.healthy else "[red]unhealthy[/red]",
+            ("[green]healthy[/green]" if s.healthy else "[red]unhealthy[/red]")
+            + ("" if n.circuit == "closed" else f" [red](circuit {n.circuit.replace('_', '-')})[/red]"),
             "[yellow]draining[/yellow]" if s.draining else "-", str(n.inflight),
             f"{sum(x.queued_prefill_tokens for x in r)} / {sum(x.running for x in r)}",
             f"{sum(x.used_blocks for x in r)} / {sum(x.free_blocks for x in r)}",
         )
     # Not a terminal (a pipe, a log): rich would squeeze the table into 80 columns.
     Console(width=console.width if console.is_terminal else 170).print(table)
+    if view.registry != "ok":
+        console.print(f"[red]registry {escape(view.registry)}[/red]: {escape(view.registry_error or '')} (the proxy "
+                      "routes on its last view; node health from its own probes)", highlight=False)
     if not nodes:
         console.print("no nodes registered")
 
@@ -322,7 +327,8 @@ def _state(run_dir: Path | None, cluster: str) -> RunState | None:
 
 def _node_line(n: AdminNode) -> str:
     s = n.state
-    flags = ["healthy" if s.healthy else "UNHEALTHY"] + (["draining"] if s.draining else [])
+    flags = (["healthy" if s.healthy else "UNHEALTHY"] + (["draining"] if s.draining else [])
+             + ([f"circuit={n.circuit}"] if n.circuit != "closed" else []))
     return (f"{s.info.node_id}  {s.info.role}  {s.info.address}  dp={s.info.dp} pcp={s.info.pcp} pp={s.info.pp}  "
             f"{s.info.kv_layout}  {' '.join(flags)}  inflight={n.inflight}")
 

@@ -72,6 +72,9 @@ class RegistrySource:
     def set_draining(self, node_id: str, draining: bool) -> bool:
         return self._registry.set_draining(node_id, draining)
 
+    def registry_error(self) -> str | None:
+        return self._view.last_error
+
 
 ARGV_ENV = "PDCLUSTER_PROXY_ARGV"  # a worker's command line (JSON), set by the parent of several workers
 

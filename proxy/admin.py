@@ -26,7 +26,9 @@ def admin_router(view: NodeView, router: Router, guard: Callable[..., Awaitable[
 
     @api.get("/nodes")
     async def nodes() -> dict[str, Any]:
-        return {"nodes": [{**n.to_dict(), "inflight": router.load.requests(n.info.node_id)} for n in view.snapshot()]}
+        return {"nodes": [{**n.to_dict(), "inflight": router.load.requests(n.info.node_id),
+                           "circuit": view.breakers.state(n.info.node_id)} for n in view.snapshot()],
+                **view.registry_state()}
 
     async def set_draining(node_id: str, draining: bool) -> dict[str, Any]:
         try:

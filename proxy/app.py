@@ -9,8 +9,10 @@ Routes: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models`` (API key w
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
+import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -24,6 +26,7 @@ from fastapi.responses import JSONResponse, Response
 from cluster.config import ProxyConfig
 from engine.tokenizer import Tokenizer
 from proxy.admin import admin_router
+from proxy.breaker import STATE_VALUE, Breakers, Prober
 from proxy.clients import NodeClients
 from proxy.discovery import NodeSource, NodeView, available, context_limit
 from proxy.errors import APIError, install_error_handlers
@@ -32,6 +35,8 @@ from proxy.metrics import ProxyMetrics, RequestCounter
 from proxy.pipeline import Pipeline
 from proxy.router import Router
 from proxy.serving import Serving
+
+log = logging.getLogger(__name__)
 
 _ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics", "/admin/nodes",
               "/admin/route")
@@ -84,21 +89,37 @@ def create_app(config: ProxyConfig, tokenizer: Tokenizer, nodes: NodeSource, *, 
     ``on_shutdown`` runs when the server stops (after the last cleanup calls to the nodes)."""
     name = served_model_name(config)
     metrics = ProxyMetrics()
-    view = NodeView(nodes, hold_s=max(5.0, 10 * config.refresh_s), unreachable_s=config.registry.ttl_s)
+    breakers = Breakers(config.circuit_failures,
+                        on_change=lambda node_id, state: metrics.circuit.labels(node_id).set(STATE_VALUE[state]))
+    view = NodeView(nodes, hold_s=max(5.0, 10 * config.refresh_s), breakers=breakers)
     router = Router(name, local_prefill_max_tokens=config.local_prefill_max_tokens,
                     local_prefill_fallback=config.local_prefill_fallback)
     clients = NodeClients()
+    prober = Prober(breakers, view.source_nodes, clients.channel, lambda: view.registry_error() is not None)
     pipeline = Pipeline(clients, router, metrics, config.prefill_timeout_s, config.token_timeout_s, view)
     handlers = Serving(model_name=name, tokenizer=tokenizer, view=view, pipeline=pipeline, metrics=metrics,
                        max_model_len=max_model_len, vocab_size=vocab_size, max_inflight=config.max_inflight_requests)
     state = ProxyState(config, name, view, router, clients, pipeline, metrics, handlers)
     created = int(time.time())
 
+    async def watch_nodes() -> None:
+        """The health probes, and the registry's state in /metrics, every ``health_probe_s``."""
+        while True:
+            metrics.registry_up.set(0 if view.registry_error() else 1)
+            try:
+                await prober.probe_once()
+            except Exception:  # must outlive anything one round does
+                log.exception("node health probe failed")
+            await asyncio.sleep(config.health_probe_s)
+
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        probing = asyncio.ensure_future(watch_nodes())
         try:
             yield
         finally:
+            probing.cancel()
+            await asyncio.gather(probing, return_exceptions=True)
             await pipeline.drain_background()  # aborts sent on the way out still reach the nodes
             await clients.close()
             if on_shutdown is not None:
@@ -129,12 +150,13 @@ def create_app(config: ProxyConfig, tokenizer: Tokenizer, nodes: NodeSource, *, 
         counts = {role: len(available(snapshot, name, role)) for role in ("prefill", "decode")}
         # without prefill nodes the decode nodes that prefill locally serve alone (a colocated cluster)
         local = config.local_prefill_fallback and any(n.info.local_prefill for n in available(snapshot, name, "decode"))
+        registry = view.registry_state()
         if counts["decode"] and (counts["prefill"] or local):
-            return JSONResponse({"status": "ok", "model": name, **counts, "local_prefill": local})
+            return JSONResponse({"status": "ok", "model": name, **counts, "local_prefill": local, **registry})
         missing = [role for role, n in counts.items() if n == 0]
         err = APIError(503, f"no healthy, non-draining {' or '.join(missing)} node for model {name!r}",
                        code=f"no_{missing[0]}_node")
-        return JSONResponse({**err.body(), **counts}, status_code=503)
+        return JSONResponse({**err.body(), **counts, **registry}, status_code=503)
 
     @app.get("/metrics")
     async def metrics_page() -> Response:

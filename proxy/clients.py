@@ -34,17 +34,17 @@ class NodeClients:
     def __init__(self) -> None:
         self._channels: dict[str, grpc.aio.Channel] = {}
 
-    def _channel(self, address: str) -> grpc.aio.Channel:
+    def channel(self, address: str) -> grpc.aio.Channel:
         ch = self._channels.get(address)
         if ch is None:
             ch = self._channels[address] = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
         return ch
 
     def prefill(self, address: str) -> pb_grpc.PrefillServiceStub:
-        return pb_grpc.PrefillServiceStub(self._channel(address))
+        return pb_grpc.PrefillServiceStub(self.channel(address))
 
     def decode(self, address: str) -> pb_grpc.DecodeServiceStub:
-        return pb_grpc.DecodeServiceStub(self._channel(address))
+        return pb_grpc.DecodeServiceStub(self.channel(address))
 
     async def abort_prefill(self, address: str, request_id: str) -> bool:
         """Free whatever the prefill node holds for the request; never raises (the caller is cleaning up)."""

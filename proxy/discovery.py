@@ -15,6 +15,7 @@ from dataclasses import replace
 from typing import Protocol
 
 from cluster.nodes import NodeState
+from proxy.breaker import Breakers
 
 
 class NodeSource(Protocol):
@@ -26,6 +27,10 @@ class NodeSource(Protocol):
 
     def set_draining(self, node_id: str, draining: bool) -> bool:
         """Set a node's draining flag; False if the node is unknown. May block (it runs in a thread)."""
+        ...
+
+    def registry_error(self) -> str | None:
+        """Why the registry is unreachable now (its view is stale), or None when it is fresh."""
         ...
 
 
@@ -51,42 +56,53 @@ class StaticNodeSource:
     def remove(self, node_id: str) -> None:
         self._nodes.pop(node_id, None)
 
+    def registry_error(self) -> str | None:
+        return None
+
 
 class NodeView:
-    """The source's snapshot with the drain flags this proxy set applied at once.
+    """The source's snapshot with what this proxy knows better applied at once: the drain flags it
+    set (before the next refresh) and its circuit breakers (``breaker.Breakers``: an open node is
+    unhealthy here until a health probe passes).
 
-    A local flag is kept until the source reports the same value (its refresh caught up) or
+    A local drain flag is kept until the source reports the same value (its refresh caught up) or
     ``hold_s`` passes (someone else changed the flag meanwhile: the registry wins).
     """
 
-    def __init__(self, source: NodeSource, hold_s: float = 30.0, unreachable_s: float = 5.0) -> None:
+    def __init__(self, source: NodeSource, hold_s: float = 30.0, breakers: Breakers | None = None) -> None:
         self._source = source
         self._hold_s = hold_s
-        self._unreachable_s = unreachable_s
+        self.breakers = breakers if breakers is not None else Breakers()
         self._overrides: dict[str, tuple[bool, float]] = {}  # node_id -> (draining, set at monotonic)
-        self._down: dict[str, float] = {}  # node_id -> unhealthy here until (monotonic)
 
     def mark_unreachable(self, node_id: str) -> None:
-        """A node refused a connection: treat it as unhealthy for ``unreachable_s`` (about the
-        registry's TTL, after which the registry knows whether it is really gone), so requests
-        stop going to a dead node before its heartbeat expires."""
-        self._down[node_id] = time.monotonic() + self._unreachable_s
+        """A node refused a connection: its breaker opens, so requests stop going to a dead node
+        before its heartbeat expires, until a health probe finds it serving."""
+        self.breakers.failure(node_id, refused=True)
 
     def clear_unreachable(self, node_id: str | None = None) -> None:
-        """Forget unreachable marks (of one node, or all): an operator says the node is back."""
-        if node_id is None:
-            self._down.clear()
-        else:
-            self._down.pop(node_id, None)
+        """Close breakers (of one node, or all): an operator says the node is back."""
+        self.breakers.reset(node_id)
+
+    def registry_error(self) -> str | None:
+        """Why the registry is unreachable (the view is its last list), or None."""
+        return self._source.registry_error()
+
+    def registry_state(self) -> dict[str, str]:
+        """``{"registry": "ok"}``, or ``"stale"`` with why: the proxy then routes on its last view of
+        the registry, with node health from its own probes (``/health``, ``/admin/nodes``)."""
+        error = self.registry_error()
+        return {"registry": "ok"} if error is None else {"registry": "stale", "registry_error": error}
+
+    def source_nodes(self) -> list[NodeState]:
+        """The registry's list without this proxy's overlays (what the prober checks)."""
+        return self._source.snapshot()
 
     def snapshot(self) -> list[NodeState]:
         nodes = self._source.snapshot()
-        if not self._overrides and not self._down:
+        if not self._overrides and not self.breakers.open_nodes():
             return nodes
         now = time.monotonic()
-        for node_id, until in list(self._down.items()):
-            if until <= now:
-                del self._down[node_id]
         out = []
         for n in nodes:
             o = self._overrides.get(n.info.node_id)
@@ -95,7 +111,7 @@ class NodeView:
                 o = None
             if o is not None:
                 n = replace(n, draining=o[0])
-            if n.info.node_id in self._down:
+            if self.breakers.is_open(n.info.node_id):
                 n = replace(n, healthy=False)
             out.append(n)
         return out

@@ -36,6 +36,10 @@ class ProxyMetrics:
         self.requests = Counter(f"{PREFIX}_requests", "HTTP requests by endpoint and status code",
                                 ["endpoint", "status"], registry=r)
         self.errors = Counter(f"{PREFIX}_errors", "Failed requests by cause", ["cause"], registry=r)
+        self.registry_up = Gauge(f"{PREFIX}_registry_up", "1 while the registry answers, 0 while the proxy routes "
+                                 "on its last view", registry=r, multiprocess_mode="min")
+        self.circuit = Gauge(f"{PREFIX}_node_circuit_state", "Each node's circuit breaker: 0 closed, 1 half-open, "
+                             "2 open", ["node_id"], registry=r, multiprocess_mode="max")
         self.inflight = Gauge(f"{PREFIX}_inflight_requests", "Generation requests in flight", registry=r,
                               multiprocess_mode="livesum")
         self.ttft = Histogram(f"{PREFIX}_time_to_first_token_seconds", "Request arrival to first token",

@@ -21,8 +21,10 @@ Lifecycle (every exit path goes through ``Generation.close``, which is idempoten
    gone, stop string found by the proxy), cancel the Decode stream (which aborts the request on
    the decode node) and ``Abort`` on the prefill node, in the background.
 
-A node that refuses a connection (UNAVAILABLE) is marked unreachable in the proxy's view at once,
-so new requests avoid it before its registry heartbeat expires. A decode node that fails that way
+A node that refuses a connection (UNAVAILABLE) opens its circuit breaker at once (``breaker``),
+so new requests avoid it before its registry heartbeat expires, until a health probe finds it
+serving; other faults of a node (deadlines, internal errors, a stalled stream) open it after a few
+in a row. A decode node that fails that way
 before sending anything, or that has no room for the request (RESOURCE_EXHAUSTED: its blocks went
 to requests its last heartbeat did not show yet), gets the decode leg moved to another decode rank
 once; the prefill node still holds the KV under its lease, so nothing is lost. A full node stays
@@ -54,6 +56,9 @@ PREFILL_ATTEMPTS = 2  # one retry on another replica when a prefill node is UNAV
 DECODE_ATTEMPTS = 2  # one retry on another decode rank when a decode node fails before any event
 # Decode failures before any event that move the decode leg to another rank.
 MOVABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
+# Failures that say the node itself is unwell (they count towards opening its circuit breaker).
+NODE_FAULTS = (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN,
+               grpc.StatusCode.DATA_LOSS, grpc.StatusCode.UNIMPLEMENTED)
 
 
 @dataclass(frozen=True)
@@ -124,9 +129,20 @@ class Legs:
         self.token_timeout_s = token_timeout_s
         self._background: set[asyncio.Task[Any]] = set()
 
-    def unreachable(self, node_id: str) -> None:
-        if self.view is not None:
+    def node_failed(self, node_id: str, code: grpc.StatusCode | None) -> None:
+        """A call to the node failed with ``code`` (None: it stalled past its timeout): a refused
+        connection opens its circuit breaker at once, a fault of the node counts towards opening it;
+        a full node or a bad request is no fault of the node."""
+        if self.view is None:
+            return
+        if code == grpc.StatusCode.UNAVAILABLE:
             self.view.mark_unreachable(node_id)
+        elif code is None or code in NODE_FAULTS:
+            self.view.breakers.failure(node_id)
+
+    def node_ok(self, node_id: str) -> None:
+        if self.view is not None:
+            self.view.breakers.success(node_id)
 
     def other_decode(self, req: GenerationRequest, route: Route, whole_node: bool) -> Route | None:
         """Another decode rank for a request its decode rank failed before any event (None if there
@@ -188,15 +204,15 @@ class Pipeline:
             try:
                 reply, counted = await self._prefill(req, route)
             except grpc.aio.AioRpcError as e:
+                legs.node_failed(prefill_route.node_id, e.code())
                 if e.code() not in MOVABLE or len(failed) + 1 >= PREFILL_ATTEMPTS:
                     raise rpc_error("prefill", e) from None
                 log.warning("prefill of %s on %s %s (%s); trying another replica", req.request_id,
                             prefill_route.node_id, e.code().name, e.details())
-                if e.code() == grpc.StatusCode.UNAVAILABLE:  # a full node (RESOURCE_EXHAUSTED) is still there
-                    legs.unreachable(prefill_route.node_id)
                 failed.append(prefill_route.node_id)
                 last_error = e
                 continue
+            legs.node_ok(prefill_route.node_id)
             legs.metrics.ttft.labels(req.endpoint).observe(time.perf_counter() - req.arrival)
             return Generation(legs, req, route, reply, counted)
 
@@ -330,15 +346,15 @@ class Generation:
                 event = await asyncio.wait_for(self._call.read(), limit)
                 break
             except TimeoutError:
+                self._legs.node_failed(self.route.decode.node_id, None)
                 raise GenerationError(APIError(
                     503, f"decode timed out: no token for {limit:g}s", code="token_timeout",
                     cause="token_timeout")) from None
             except grpc.aio.AioRpcError as e:
+                self._legs.node_failed(self.route.decode.node_id, e.code())
                 if e.code() not in MOVABLE:
                     raise GenerationError(rpc_error("decode", e)) from None
                 gone = e.code() == grpc.StatusCode.UNAVAILABLE
-                if gone:
-                    self._legs.unreachable(self.route.decode.node_id)
                 movable = self._events == 0 and self._decode_attempts < DECODE_ATTEMPTS
                 other = self._legs.other_decode(self.request, self.route, gone) if movable else None
                 if other is None:
@@ -350,6 +366,8 @@ class Generation:
                 self._counted.move_decode(other)
                 self.route = other
                 self._open_decode()
+        if self._events == 0:
+            self._legs.node_ok(self.route.decode.node_id)
         self._events += 1
         if event is grpc.aio.EOF:
             raise GenerationError(APIError(502, "decode stream ended without a finish reason", code="node_error",

@@ -28,6 +28,7 @@ from typing import Any, TypeVar
 
 import grpc
 import uvicorn
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from cluster.net import free_port
 from cluster.nodes import NodeInfo, NodeState, ReplicaLoad
@@ -198,6 +199,9 @@ class FakeNodes:
                 pb_grpc.add_PrefillServiceServicer_to_server(servicer, server)
             else:
                 pb_grpc.add_DecodeServiceServicer_to_server(servicer, server)
+            servicer.health = health.aio.HealthServicer()  # SERVING for "", as a real node once registered
+            await servicer.health.set("", health_pb2.HealthCheckResponse.SERVING)
+            health_pb2_grpc.add_HealthServicer_to_server(servicer.health, server)
             port = server.add_insecure_port("127.0.0.1:0")
             await server.start()
             self._servers.append(server)

@@ -241,7 +241,7 @@ def test_models_and_health(c: Cluster) -> None:
     with c.http(None) as h:
         r = h.get("/health")
     assert r.status_code == 200 and r.json() == {"status": "ok", "model": MODEL, "prefill": 2, "decode": 1,
-                                                 "local_prefill": False}
+                                                 "local_prefill": False, "registry": "ok"}
 
 
 # --- bad input -----------------------------------------------------------------------------------
