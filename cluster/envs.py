@@ -4,6 +4,9 @@
 - ``PDCLUSTER_ADMIN_KEY``: the proxy's admin key when ``--admin-key`` is not given; ``pdctl``'s
   admin commands send it. Keys in the environment are not visible to other users in ``ps``, as
   command-line flags are, so the launcher passes them this way.
+- ``PDCLUSTER_CLUSTER_TOKEN``: the secret every gRPC call between the cluster's processes carries;
+  nodes refuse calls without it when it is set (``cluster.auth``). ``pdctl up`` makes one per
+  cluster unless it is set already.
 - ``PDCLUSTER_VLLM_KV_CACHE_BYTES``: ``--engine vllm`` nodes' KV cache size (vLLM's
   ``kv_cache_memory_bytes``; default 256 MiB).
 
@@ -22,6 +25,7 @@ import os
 API_KEY = "PDCLUSTER_API_KEY"
 ADMIN_KEY = "PDCLUSTER_ADMIN_KEY"
 VLLM_KV_CACHE_BYTES = "PDCLUSTER_VLLM_KV_CACHE_BYTES"
+CLUSTER_TOKEN = "PDCLUSTER_CLUSTER_TOKEN"
 
 
 def api_key() -> str | None:
@@ -30,6 +34,10 @@ def api_key() -> str | None:
 
 def admin_key() -> str | None:
     return os.environ.get(ADMIN_KEY) or None
+
+
+def cluster_token() -> str | None:
+    return os.environ.get(CLUSTER_TOKEN) or None
 
 
 def vllm_kv_cache_bytes() -> int:

@@ -13,6 +13,8 @@ import threading
 
 import grpc
 
+from cluster import envs
+from cluster.auth import call_metadata
 from cluster.proto_gen import pdcluster_v1_pb2 as pb
 from cluster.proto_gen import pdcluster_v1_pb2_grpc as pb_grpc
 from node_runtime.server import GRPC_OPTIONS
@@ -26,6 +28,7 @@ class PrefillConfirmer:
     """Blocking Release calls (from the pull threads), one cached channel per prefill node."""
 
     def __init__(self) -> None:
+        self._metadata = call_metadata()
         self._lock = threading.Lock()
         self._channels: dict[str, tuple[grpc.Channel, pb_grpc.PrefillServiceStub]] = {}
 
@@ -39,8 +42,12 @@ class PrefillConfirmer:
                 channel = grpc.insecure_channel(address, options=GRPC_OPTIONS)
                 entry = self._channels[address] = (channel, pb_grpc.PrefillServiceStub(channel))
         try:
-            return entry[1].Release(pb.ReleaseRequest(request_id=request_id), timeout=TIMEOUT_S).found
+            return entry[1].Release(pb.ReleaseRequest(request_id=request_id), timeout=TIMEOUT_S,
+                                    metadata=self._metadata).found
         except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.UNAUTHENTICATED:  # the blocks stay held there until its lease ends
+                log.error("the prefill node at %s refused our cluster token: check $%s on both", address,
+                          envs.CLUSTER_TOKEN)
             log.warning("could not confirm %s to %s (%s); the pull completed, so its KV is used", request_id,
                         address, e.code())
             return True

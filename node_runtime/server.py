@@ -28,7 +28,10 @@ from typing import Protocol
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from cluster import envs
+from cluster.auth import TokenCheck
 from cluster.config import NodeConfig
+from cluster.net import is_loopback
 from cluster.nodes import NodeInfo, ReplicaLoad
 from cluster.proto_gen import pdcluster_v1_pb2 as pb
 from engine import envs as engine_envs
@@ -183,7 +186,11 @@ async def _serve(
     add_servicer: Callable[[grpc.aio.Server], None],
     lifecycle: Lifecycle,
 ) -> int:
-    server = grpc.aio.server(options=SERVER_OPTIONS)
+    token = envs.cluster_token()
+    server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=[TokenCheck(token)] if token else None)
+    if token is None and not is_loopback(config.host):
+        log.warning("no cluster token ($%s): this node takes gRPC calls from anyone who can reach %s:%d",
+                    envs.CLUSTER_TOKEN, config.host, config.port)
     add_servicer(server)
     await lifecycle.starting(service_name(config.role))
     health_pb2_grpc.add_HealthServicer_to_server(lifecycle.health, server)

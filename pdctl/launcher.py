@@ -6,7 +6,8 @@ nodes, the decode nodes and the proxy, each in its own process group with its ou
 has registered. The state file ``<run_dir>/state.json`` (pids, ports, the proxy URL, log paths;
 never the keys) is rewritten after every start, so ``down``, a separate process, can stop whatever
 ``up`` got to start, even if ``up`` itself died half-way. ``down`` stops the proxy, then the
-nodes (which deregister), then Redis.
+nodes (which deregister), then Redis. Every process gets the cluster's gRPC token
+(``cluster.auth``; ``<run_dir>/cluster-token``, readable by this user only) in its environment.
 
 The command lines are built by pure functions (``cluster_commands``) so they can be checked
 without starting anything. A node's engine overrides and settings become the flags they are named
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import socket
 import subprocess
 import sys
@@ -38,6 +40,7 @@ from pdctl.redis_server import RedisServerError, start_redis
 from pdctl.topology import NodeSpec, Topology
 
 STATE_FILE = "state.json"
+TOKEN_FILE = "cluster-token"  # the cluster's gRPC token (cluster.auth), for nodes started by hand
 REDIS = "redis"
 PROXY = "proxy"
 _LOG_TAIL_LINES = 30
@@ -145,6 +148,9 @@ def proxy_command(topology: Topology, registry_url: str, port: int, python: str 
         argv += ["--no-local-prefill-fallback"]
     if proxy.workers != 1:
         argv += ["--workers", str(proxy.workers)]
+    for flag, value in (("--token-timeout-s", proxy.token_timeout_s), ("--prefill-timeout-s", proxy.prefill_timeout_s)):
+        if value is not None:
+            argv += [flag, str(value)]
     env = []
     if proxy.api_key is not None:
         env.append((envs.API_KEY, proxy.api_key))
@@ -187,6 +193,7 @@ def write_state(run_dir: Path, state: RunState) -> None:
 
 def remove_state(run_dir: Path) -> None:
     (run_dir / STATE_FILE).unlink(missing_ok=True)
+    (run_dir / TOKEN_FILE).unlink(missing_ok=True)
 
 
 def running_clusters(root: Path | None = None) -> list[RunState]:
@@ -260,9 +267,10 @@ def up(topology: Topology, run_dir: Path, timeout_s: float = 300.0, progress: Pr
             state = replace(state, registry_url=server.url, processes=tuple(started))
             write_state(run_dir, state)
         children: dict[str, subprocess.Popen[bytes]] = {}
+        env = {**_child_env(), envs.CLUSTER_TOKEN: cluster_token(run_dir)}
         for spec in cluster_commands(topology, state.registry_url, proxy_port, python):
             say(f"starting {spec.name}")
-            proc, record = spawn(spec.name, spec.argv, logs / f"{spec.name}.log", {**_child_env(), **dict(spec.env)},
+            proc, record = spawn(spec.name, spec.argv, logs / f"{spec.name}.log", {**env, **dict(spec.env)},
                                  spec.port)
             children[spec.name] = proc
             started.append(record)
@@ -314,6 +322,18 @@ def _refuse_if_running(run_dir: Path) -> None:
         raise ClusterRunning(f"a cluster started from {run_dir} is running ({', '.join(running)}; proxy "
                              f"{state.proxy_url}); stop it first: pdctl down --run-dir {run_dir}")
     remove_state(run_dir)  # left behind by processes that are all gone
+
+
+def cluster_token(run_dir: Path) -> str:
+    """The token every process of the cluster gets (``cluster.auth``): ``$PDCLUSTER_CLUSTER_TOKEN`` when
+    set, else a new random one, written to ``RUN_DIR/cluster-token`` (readable by this user only) for
+    nodes started by hand to join with."""
+    token = envs.cluster_token() or secrets.token_urlsafe(32)
+    path = run_dir / TOKEN_FILE
+    path.touch(mode=0o600)
+    path.chmod(0o600)
+    path.write_text(token + "\n")
+    return token
 
 
 def _child_env() -> dict[str, str]:

@@ -168,11 +168,17 @@ class ProxySpec:
     local_prefill_max_tokens: int = 0  # prompts up to this long are prefilled on a decode node
     local_prefill_fallback: bool = True  # and others when no prefill node can take them
     workers: int = 1  # HTTP worker processes sharing the port (0: one per CPU core)
+    token_timeout_s: float | None = None  # the proxy's own defaults when None (60 s, 300 s)
+    prefill_timeout_s: float | None = None
 
     def __post_init__(self) -> None:
         _port(self, "port")
         if not isinstance(self.workers, int) or self.workers < 0:
             raise ValueError(f"proxy.workers must be an int >= 0, got {self.workers!r}")
+        for name in ("token_timeout_s", "prefill_timeout_s"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0):
+                raise ValueError(f"proxy.{name} must be a number > 0, got {value!r}")
         if not isinstance(self.local_prefill_max_tokens, int) or self.local_prefill_max_tokens < 0:
             raise ValueError("proxy.local_prefill_max_tokens must be an int >= 0, got "
                              f"{self.local_prefill_max_tokens!r}")

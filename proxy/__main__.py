@@ -13,6 +13,7 @@ from typing import Any
 
 from cluster import envs, flags
 from cluster.config import ProxyConfig, RegistryConfig
+from cluster.net import is_loopback
 from cluster.nodes import NodeState
 
 log = logging.getLogger("proxy")
@@ -44,19 +45,10 @@ def parse_args(argv: list[str] | None = None) -> tuple[ProxyConfig, str]:
                              registry=flags.build(RegistryConfig, a, exclude=_REGISTRY_NOT_FLAGS, renames=_RENAMES))
     except ValueError as e:
         ap.error(str(e))
-    if config.admin_key is None and not config.insecure_admin and not _loopback(config.host):
+    if config.admin_key is None and not config.insecure_admin and not is_loopback(config.host):
         ap.error(f"--host {config.host} is reachable from other machines and no admin key is set: anyone could "
                  f"drain nodes through /admin. Set --admin-key (or ${envs.ADMIN_KEY}), or pass --insecure-admin")
     return config, a.log_level
-
-
-def _loopback(host: str) -> bool:
-    import ipaddress
-
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return host == "localhost"
 
 
 class RegistrySource:

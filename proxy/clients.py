@@ -10,6 +10,7 @@ import logging
 
 import grpc
 
+from cluster.auth import call_metadata
 from cluster.proto_gen import pdcluster_v1_pb2 as pb
 from cluster.proto_gen import pdcluster_v1_pb2_grpc as pb_grpc
 
@@ -33,6 +34,7 @@ class NodeClients:
 
     def __init__(self) -> None:
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self.metadata = call_metadata()  # the cluster token, on every call to a node (cluster.auth)
 
     def channel(self, address: str) -> grpc.aio.Channel:
         ch = self._channels.get(address)
@@ -49,7 +51,8 @@ class NodeClients:
     async def abort_prefill(self, address: str, request_id: str) -> bool:
         """Free whatever the prefill node holds for the request; never raises (the caller is cleaning up)."""
         try:
-            reply = await self.prefill(address).Abort(pb.AbortRequest(request_id=request_id), timeout=ABORT_TIMEOUT_S)
+            reply = await self.prefill(address).Abort(pb.AbortRequest(request_id=request_id), timeout=ABORT_TIMEOUT_S,
+                                                      metadata=self.metadata)
             return reply.found
         except grpc.aio.AioRpcError as e:
             # The lease on the prefill node frees the blocks anyway; nothing more to do.

@@ -228,7 +228,8 @@ class Pipeline:
                                     dp_rank=route.prefill.dp_rank)
         t0 = time.perf_counter()
         try:
-            reply = await legs.clients.prefill(route.prefill.address).Prefill(prefill, timeout=legs.prefill_timeout_s)
+            reply = await legs.clients.prefill(route.prefill.address).Prefill(prefill, timeout=legs.prefill_timeout_s,
+                                                                              metadata=legs.clients.metadata)
             legs.metrics.prefill_rpc_s.observe(time.perf_counter() - t0)
             legs.metrics.prefill_queue_s.observe(reply.queue_s)
             legs.metrics.prefill_s.observe(reply.prefill_s)
@@ -290,7 +291,8 @@ class Generation:
             decode.kv.CopyFrom(reply.kv)
         elif reply.WhichOneof("kv_source") == "vllm_kv_params_json":
             decode.vllm_kv_params_json = reply.vllm_kv_params_json
-        self._call = self._legs.clients.decode(self.route.decode.address).Decode(decode)
+        self._call = self._legs.clients.decode(self.route.decode.address).Decode(decode,
+                                                                                 metadata=self._legs.clients.metadata)
         self._opened_at = time.perf_counter()
         self._first_event_seen = False
 

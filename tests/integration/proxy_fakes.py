@@ -22,7 +22,7 @@ import json
 import math
 import threading
 import time
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import Callable, Coroutine, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, TypeVar
 
@@ -30,6 +30,7 @@ import grpc
 import uvicorn
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from cluster.auth import call_metadata
 from cluster.net import free_port
 from cluster.nodes import NodeInfo, NodeState, ReplicaLoad
 from cluster.proto_gen import pdcluster_v1_pb2 as pb
@@ -148,7 +149,8 @@ class FakeDecode(pb_grpc.DecodeServiceServicer):
         ended = False  # finished, or failed on purpose; anything else is the client cancelling
         try:
             async with grpc.aio.insecure_channel(release_to) as ch:  # "the KV is here"
-                await pb_grpc.PrefillServiceStub(ch).Release(pb.ReleaseRequest(request_id=rid), timeout=5)
+                await pb_grpc.PrefillServiceStub(ch).Release(pb.ReleaseRequest(request_id=rid), timeout=5,
+                                                             metadata=call_metadata())  # as a decode node does
             yield pb.DecodeEvent(admitted=pb.Admitted(dp_rank=max(0, request.dp_rank), transfer_bytes=4096,
                                                       transfer_s=0.002))
             i, events = 1, 0
@@ -192,9 +194,9 @@ class FakeNodes:
     def call(self, coro: Coroutine[Any, Any, T]) -> T:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout=10)
 
-    def serve(self, servicer: FakePrefill | FakeDecode) -> str:
+    def serve(self, servicer: FakePrefill | FakeDecode, interceptors: Sequence[Any] = ()) -> str:
         async def start() -> str:
-            server = grpc.aio.server()
+            server = grpc.aio.server(interceptors=list(interceptors) or None)
             if isinstance(servicer, FakePrefill):
                 pb_grpc.add_PrefillServiceServicer_to_server(servicer, server)
             else:

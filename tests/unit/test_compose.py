@@ -201,7 +201,8 @@ def test_command_matches_the_cli_contract(services, name, tmp_path):
         # the compose service name resolves in the network; it is the KV transport's host too
         # (node_runtime.server.transfer_host), which no environment variable overrides
         assert flags["--advertise-host"] == name
-        assert not any(k.startswith("PDCLUSTER_") for k in service.get("environment", {})), name
+        # knobs are flags; the one variable is the cluster token (a secret: not on the command line)
+        assert {k for k in service.get("environment", {}) if k.startswith("PDCLUSTER_")} == {"PDCLUSTER_CLUSTER_TOKEN"}
         assert f"127.0.0.1:{flags['--port']}" in service["healthcheck"]["test"][-1]
         gpu = APP_SERVICES[name][1] == "gpu"
         assert (flags["--dtype"], flags["--device"]) == (("bfloat16", "cuda") if gpu else ("float32", "cpu"))
@@ -261,7 +262,8 @@ def test_proxy_port_and_keys(name, tmp_path):
     knobs = {"PDCLUSTER_PROXY_BIND": "0.0.0.0", "PDCLUSTER_PROXY_PORT": "9000"}
     assert _load(knobs)["services"][name]["ports"] == ["0.0.0.0:9000:8000"]
     service = _load()["services"][name]
-    assert set(service["environment"]) == {"PDCLUSTER_API_KEY", "PDCLUSTER_ADMIN_KEY", "PDCLUSTER_PROXY_BIND"}
+    assert set(service["environment"]) == {"PDCLUSTER_API_KEY", "PDCLUSTER_ADMIN_KEY", "PDCLUSTER_PROXY_BIND",
+                                           "PDCLUSTER_CLUSTER_TOKEN"}
     _, flags = _flags(_argv(service, tmp=tmp_path))  # unset keys add no flag
     assert "--api-key" not in flags and "--admin-key" not in flags
     # No admin key: /admin is open only where the port is published on the host's loopback.
@@ -363,3 +365,11 @@ def test_dockerfile_and_build_args():
     ignored = {line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()}
     packages = ("engine", "kv_transfer", "prefill_node", "decode_node", "proxy", "cluster")
     assert not ignored & {"README.md", "pyproject.toml", *packages}
+
+
+def test_every_service_gets_the_cluster_token(tmp_path):
+    """gRPC between the services carries $PDCLUSTER_CLUSTER_TOKEN (cluster.auth): every node and proxy
+    gets the same value from the environment (empty: not checked)."""
+    services = _load({"PDCLUSTER_CLUSTER_TOKEN": "t0ken"})["services"]
+    for name in APP_SERVICES:
+        assert services[name]["environment"]["PDCLUSTER_CLUSTER_TOKEN"] == "t0ken", name

@@ -63,6 +63,7 @@ def test_minimal_yaml_and_absolute_model(tmp_path) -> None:
     ("model: m\nprefill: []\ndecode: [{engine: vllm}]\n", "needs native decode nodes"),
     ("model: m\nproxy: {local_prefill_max_tokens: -1}\n", "local_prefill_max_tokens must be an int >= 0"),
     ("model: m\nproxy: {workers: -2}\n", "proxy.workers must be an int >= 0"),
+    ("model: m\nproxy: {token_timeout_s: 0}\n", "proxy.token_timeout_s must be a number > 0"),
     ("model: m\nprefill: [{dp: 0}]\n", r"prefill\[0\]: dp must be an integer > 0"),
     ("model: m\nprefill: [{pcp: 1.5}]\n", r"prefill\[0\]: pcp must be an integer > 0"),
     ("model: m\nprefill: [{pp: true}]\n", r"prefill\[0\]: pp must be an integer > 0"),
@@ -136,8 +137,9 @@ def test_proxy_command_line(tmp_path) -> None:
     assert dict(spec.env) == {"PDCLUSTER_ADMIN_KEY": "sesame"}  # keys travel in the environment, not in ps
     bare = proxy_command(Topology(model="/m"), URL, port=8000, python="py")
     assert "--served-model-name" not in bare.argv and not bare.env and "--workers" not in bare.argv
-    workers = proxy_command(Topology(model="/m", proxy=ProxySpec(workers=4)), URL, port=8000, python="py")
-    assert workers.argv[-2:] == ("--workers", "4")
+    workers = proxy_command(Topology(model="/m", proxy=ProxySpec(workers=4, token_timeout_s=3)), URL, port=8000,
+                            python="py")
+    assert workers.argv[-4:] == ("--workers", "4", "--token-timeout-s", "3")
 
 
 def test_cluster_commands_order_and_ids() -> None:
