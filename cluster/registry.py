@@ -233,6 +233,8 @@ class RegistryView:
         self._nodes: list[NodeState] = []
         self._last_error: str | None = None
         self._refreshed_at = 0.0  # time.time() of the last list Redis gave
+        self._held: dict[str, NodeState] = {}  # known before an outage, not re-registered yet
+        self._held_until = 0.0
         self._changed = threading.Condition()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -257,7 +259,8 @@ class RegistryView:
 
         While Redis is unreachable no heartbeat can arrive, so the TTL counts to the last refresh
         instead of now: the nodes healthy then stay so (their own health probes are the proxy's
-        business, ``proxy.breaker``), rather than all turning unhealthy after the TTL.
+        business, ``proxy.breaker``), rather than all turning unhealthy after the TTL. When Redis
+        is back (perhaps restarted, empty), those nodes stay for one TTL while they re-register.
         """
         nodes = self._nodes
         now = time.time() if self._last_error is None else self._refreshed_at
@@ -311,9 +314,21 @@ class RegistryView:
 
     def _refresh(self) -> None:
         nodes = self._registry.nodes()
+        now = time.time()
         with self._changed:
+            if self._last_error is not None and self._nodes:
+                # Back after an outage: a restarted Redis is empty until each node's next heartbeat.
+                # Keep the nodes we knew for one TTL (as alive now: they were while the proxy probed
+                # them) unless they re-register or their TTL runs out first.
+                self._held = {n.info.node_id: replace(n, heartbeat_at=now) for n in self.snapshot() if n.healthy}
+                self._held_until = now + self._registry.config.ttl_s
+            if self._held and now < self._held_until:
+                fresh = {n.info.node_id for n in nodes}
+                nodes = nodes + [n for k, n in self._held.items() if k not in fresh]
+            else:
+                self._held = {}
             self._nodes = nodes
-            self._refreshed_at = time.time()
+            self._refreshed_at = now
             self._last_error = None
             self._changed.notify_all()
 

@@ -102,6 +102,7 @@ class DecodeService(pb_grpc.DecodeServiceServicer):
                 if isinstance(item, BaseException):
                     finished = True
                     await context.abort(*_status(item))
+                assert isinstance(item, pb.DecodeEvent)
                 yield item
         finally:
             if not finished:  # the client went away (or the stream broke): free the request here

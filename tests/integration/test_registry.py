@@ -191,6 +191,12 @@ def test_view_survives_redis_going_away(tmp_path) -> None:
         # ... and its nodes stay as healthy as at the last refresh, past the TTL: no heartbeat can arrive
         # while Redis is away (the proxy probes the nodes itself meanwhile, proxy.breaker).
         assert not view.wait_for(lambda nodes: not nodes[0].healthy, timeout_s=config.ttl_s + 1.0)
+        # Redis restarts empty: the node is kept (healthy) for one TTL while it would re-register ...
+        server = start_redis(port=server.port)
+        assert view.wait_for(lambda nodes: view.last_error is None, timeout_s=3.0)
+        assert ids(view.snapshot()) == ["prefill-0"] and view.snapshot()[0].healthy
+        # ... and dropped once the TTL passes without its heartbeat.
+        assert view.wait_for(lambda nodes: nodes == [], timeout_s=config.ttl_s + 2.0)
     finally:
         view.stop()
         registry.close()
