@@ -143,6 +143,11 @@ class ProxyConfig:
     local_prefill_fallback: bool = field(default=True, metadata={
         "help": "prefill on a decode node when no prefill node can take a request (a cluster of decode nodes "
                 "only serves colocated)"})
+    rate_limit_rps: float = field(default=0.0, metadata={
+        "help": "generation requests per second per API key (per client address without an API key); more get "
+                "429 with Retry-After; 0: no limit"})
+    rate_limit_burst: int = field(default=0, metadata={
+        "help": "requests a caller may send at once above the rate (0: the rate, at least 1)"})
     circuit_failures: int = field(default=3, metadata={
         "help": "consecutive failed calls that open a node's circuit breaker (a refused connection opens it at "
                 "once); a passing health probe half-opens it, a good call closes it"})
@@ -161,6 +166,9 @@ class ProxyConfig:
             raise ValueError(f"max_inflight_requests must be >= 0, got {self.max_inflight_requests}")
         if self.local_prefill_max_tokens < 0:
             raise ValueError(f"local_prefill_max_tokens must be >= 0, got {self.local_prefill_max_tokens}")
+        if self.rate_limit_rps < 0 or self.rate_limit_burst < 0:
+            raise ValueError(f"rate_limit_rps and rate_limit_burst must be >= 0, got {self.rate_limit_rps}, "
+                             f"{self.rate_limit_burst}")
         if self.circuit_failures < 1:
             raise ValueError(f"circuit_failures must be >= 1, got {self.circuit_failures}")
         for name in ("prefill_timeout_s", "token_timeout_s", "refresh_s", "health_probe_s"):

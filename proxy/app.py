@@ -13,6 +13,7 @@ import asyncio
 import hmac
 import json
 import logging
+import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -33,6 +34,7 @@ from proxy.errors import APIError, install_error_handlers
 from proxy.hot_path import GenerationEndpoints, ProxyApp
 from proxy.metrics import ProxyMetrics, RequestCounter
 from proxy.pipeline import Pipeline
+from proxy.ratelimit import RateLimiter
 from proxy.router import Router
 from proxy.serving import Serving
 
@@ -130,8 +132,10 @@ def create_app(config: ProxyConfig, tokenizer: Tokenizer, nodes: NodeSource, *, 
     install_error_handlers(app, lambda cause: metrics.errors.labels(cause).inc())
     app.add_middleware(RequestCounter, metrics=metrics, endpoint_of=_endpoint_label)
     api_guard = bearer_guard(config.api_key)
+    limiter = (RateLimiter(config.rate_limit_rps, config.rate_limit_burst or max(1, math.ceil(config.rate_limit_rps)))
+               if config.rate_limit_rps else None)
     app.hot = GenerationEndpoints({"/v1/completions": handlers.completions, "/v1/chat/completions": handlers.chat},
-                                  api_guard, metrics, _endpoint_label)
+                                  api_guard, metrics, _endpoint_label, limiter, keyed=config.api_key is not None)
 
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(api_guard)])
     v1.add_api_route("/completions", handlers.completions, methods=["POST"], response_model=None)

@@ -5,12 +5,14 @@ and body-limit middleware, the request counter, the exception middleware, the ex
 router and its dependency solver). On null nodes that was a sixth of the proxy's CPU per request
 (docs/benchmarks.md). Here ``POST /v1/completions`` and ``/v1/chat/completions`` go straight to
 ``Serving``'s handlers. They get the same API-key check, the same error answers
-(``errors.error_for``) and the same request counter. Every other request goes to the FastAPI app
-(``ProxyApp``), whose routes for these two paths still answer other methods (405).
+(``errors.error_for``) and the same request counter, and the rate limit (``ratelimit``). Every
+other request goes to the FastAPI app (``ProxyApp``), whose routes for these two paths still answer
+other methods (405).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Awaitable, Callable
 
 from fastapi import FastAPI
@@ -18,8 +20,9 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from proxy.errors import error_for
+from proxy.errors import APIError, error_for
 from proxy.metrics import ProxyMetrics, RequestCounter
+from proxy.ratelimit import RateLimiter
 
 Handler = Callable[[Request], Awaitable[Response]]
 
@@ -28,9 +31,12 @@ class GenerationEndpoints:
     """``POST`` on the generation paths, served without the FastAPI stack."""
 
     def __init__(self, routes: dict[str, Handler], guard: Callable[[Request], Awaitable[None]],
-                 metrics: ProxyMetrics, endpoint_of: Callable[[str], str]) -> None:
+                 metrics: ProxyMetrics, endpoint_of: Callable[[str], str], limiter: RateLimiter | None = None,
+                 keyed: bool = False) -> None:
         self._routes = routes
         self._guard = guard
+        self._limiter = limiter
+        self._keyed = keyed  # callers are their API keys (checked by the guard), else their addresses
         self._count = lambda cause: metrics.errors.labels(cause).inc()
         self._counted = RequestCounter(self._serve, metrics=metrics, endpoint_of=endpoint_of)
 
@@ -44,10 +50,25 @@ class GenerationEndpoints:
         request = Request(scope, receive)
         try:
             await self._guard(request)
+            if self._limiter is not None:
+                self._check_rate(request)
             response = await self._routes[scope["path"]](request)
         except Exception as exc:  # as FastAPI's handlers would answer it (errors.install_error_handlers)
             response = error_for(exc, self._count)
         await response(scope, receive, send)
+
+
+    def _check_rate(self, request: Request) -> None:
+        assert self._limiter is not None
+        if self._keyed:
+            key = "key:" + request.headers.get("authorization", "")
+        else:  # a header anyone can vary says nothing about who calls
+            key = "addr:" + (request.client.host if request.client else "")
+        wait = self._limiter.take(key)
+        if wait > 0:
+            raise APIError(429, f"Rate limit reached: {self._limiter.rate:g} requests per second (burst "
+                                f"{self._limiter.burst}); try again in {wait:.2f}s", type="requests",
+                           code="rate_limit_exceeded", cause="rate_limited", retry_after_s=max(1, math.ceil(wait)))
 
 
 class ProxyApp(FastAPI):
