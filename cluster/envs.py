@@ -7,6 +7,9 @@
 - ``PDCLUSTER_CLUSTER_TOKEN``: the secret every gRPC call between the cluster's processes carries;
   nodes refuse calls without it when it is set (``cluster.auth``). ``pdctl up`` makes one per
   cluster unless it is set already.
+- ``PDCLUSTER_TLS_CERT``, ``PDCLUSTER_TLS_KEY``: a node's certificate chain and private key (PEM
+  files): it serves gRPC over TLS. ``PDCLUSTER_TLS_CA``: the CA certificate (PEM) the proxy and the
+  decode nodes verify nodes against: their calls go over TLS (``cluster.tls``).
 - ``PDCLUSTER_VLLM_KV_CACHE_BYTES``: ``--engine vllm`` nodes' KV cache size (vLLM's
   ``kv_cache_memory_bytes``; default 256 MiB).
 
@@ -26,6 +29,9 @@ API_KEY = "PDCLUSTER_API_KEY"
 ADMIN_KEY = "PDCLUSTER_ADMIN_KEY"
 VLLM_KV_CACHE_BYTES = "PDCLUSTER_VLLM_KV_CACHE_BYTES"
 CLUSTER_TOKEN = "PDCLUSTER_CLUSTER_TOKEN"
+TLS_CERT = "PDCLUSTER_TLS_CERT"
+TLS_KEY = "PDCLUSTER_TLS_KEY"
+TLS_CA = "PDCLUSTER_TLS_CA"
 
 
 def api_key() -> str | None:
@@ -38,6 +44,11 @@ def admin_key() -> str | None:
 
 def cluster_token() -> str | None:
     return os.environ.get(CLUSTER_TOKEN) or None
+
+
+def tls_files() -> tuple[str | None, str | None, str | None]:
+    """(certificate chain, private key, CA certificate) PEM paths; None where unset."""
+    return tuple(os.environ.get(v) or None for v in (TLS_CERT, TLS_KEY, TLS_CA))  # type: ignore[return-value]
 
 
 def vllm_kv_cache_bytes() -> int:

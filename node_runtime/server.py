@@ -28,7 +28,7 @@ from typing import Protocol
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from cluster import envs
+from cluster import envs, tls
 from cluster.auth import TokenCheck
 from cluster.config import NodeConfig
 from cluster.net import is_loopback
@@ -194,7 +194,9 @@ async def _serve(
     add_servicer(server)
     await lifecycle.starting(service_name(config.role))
     health_pb2_grpc.add_HealthServicer_to_server(lifecycle.health, server)
-    port = server.add_insecure_port(f"{config.host}:{config.port}")
+    creds = tls.server_credentials()
+    where = f"{config.host}:{config.port}"
+    port = server.add_insecure_port(where) if creds is None else server.add_secure_port(where, creds)
     if port == 0:
         raise RuntimeError(f"cannot listen on {config.host}:{config.port}")
     worker.address = f"{config.dial_host}:{port}"  # before the first answer can carry it

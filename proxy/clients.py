@@ -10,6 +10,7 @@ import logging
 
 import grpc
 
+from cluster import tls
 from cluster.auth import call_metadata
 from cluster.proto_gen import pdcluster_v1_pb2 as pb
 from cluster.proto_gen import pdcluster_v1_pb2_grpc as pb_grpc
@@ -39,7 +40,7 @@ class NodeClients:
     def channel(self, address: str) -> grpc.aio.Channel:
         ch = self._channels.get(address)
         if ch is None:
-            ch = self._channels[address] = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
+            ch = self._channels[address] = tls.aio_channel(address, options=_CHANNEL_OPTIONS)  # TLS when configured
         return ch
 
     def prefill(self, address: str) -> pb_grpc.PrefillServiceStub:
