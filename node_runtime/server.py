@@ -205,7 +205,8 @@ async def _serve(
     heartbeat = Heartbeat(config, info, worker.load)
     heartbeat.beat()  # registered before we say we are up
     heartbeat.start()
-    log.info("%s %s serving on %s:%d", config.role, config.node_id, config.host, port)
+    log.info("%s %s serving on %s:%d (%s, %s)", config.role, config.node_id, config.host, port,
+             "TLS" if creds is not None else "plaintext", "cluster token" if token else "no cluster token")
     print(f"{config.role} node {config.node_id} ready on {info.address}", flush=True)
 
     stop = asyncio.Event()
