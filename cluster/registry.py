@@ -217,6 +217,9 @@ class Watch:
             pass  # the connection is already gone
 
 
+RETRY_MAX_S = 4.0  # the longest a view waits between two attempts to reach an unreachable Redis
+
+
 class RegistryView:
     """The proxy's cached view: no Redis round trip per request.
 
@@ -285,11 +288,13 @@ class RegistryView:
 
     def _run(self) -> None:
         watch: Watch | None = None
+        failures = 0  # in a row: the retries back off, up to RETRY_MAX_S
         while not self._stop.is_set():
             try:
                 if watch is None:
                     watch = self._registry.watch()
                     self._refresh()  # changes made while we were not subscribed
+                    failures = 0
                 deadline = time.monotonic() + self._refresh_s
                 while not self._stop.is_set() and time.monotonic() < deadline:
                     # Wait in short slices so that stop() returns promptly whatever refresh_s is.
@@ -302,7 +307,9 @@ class RegistryView:
                 if watch is not None:
                     watch.close()
                     watch = None
-                self._stop.wait(self._refresh_s)  # retry, without spinning while Redis is away
+                failures += 1
+                # retry without spinning while Redis is away, and without every proxy hammering it as it restarts
+                self._stop.wait(min(self._refresh_s * 2 ** (failures - 1), RETRY_MAX_S))
         if watch is not None:
             watch.close()
 
