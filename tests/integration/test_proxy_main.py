@@ -141,7 +141,9 @@ def test_several_workers_share_the_port_the_metrics_and_the_drain_flags(
         assert all(httpx.get(f"{url}/health", timeout=5).status_code == 503 for _ in range(8))
         assert admin.post("/admin/nodes/d0/undrain").status_code == 200
         admin.close()
-    assert not any(w.is_running() and w.status() != psutil.STATUS_ZOMBIE for w in workers)
+    # The workers (and multiprocessing's resource tracker, which follows its parent out) are gone.
+    _, alive = psutil.wait_procs(workers, timeout=10)
+    assert not alive, alive
 
 
 def test_a_worker_that_cannot_load_the_model_stops_the_proxy_with_an_error(tmp_path: Path) -> None:
