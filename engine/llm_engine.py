@@ -18,6 +18,7 @@ from engine.engine_config import EngineConfig
 from engine.executor import Executor, LocalExecutor
 from engine.model_runner import StepLogits
 from engine.parallel.kv_layout import RankBlocks
+from engine.prefix_cache import PrefixCache
 from engine.sampler import sample, top_logprobs
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduled, Scheduler
@@ -44,8 +45,10 @@ class LLMEngine:
         mc = self.model_config
         self.max_model_len = resolve_max_model_len(config, mc)
         self.executor: Executor = executor if executor is not None else LocalExecutor(config, mc, self.max_model_len)
+        self.prefix_cache = PrefixCache(self.executor.allocator) if config.enable_prefix_caching else None
         self.scheduler = Scheduler(
-            self.executor.allocator, config.block_size, config.max_num_batched_tokens, config.max_num_seqs
+            self.prefix_cache or self.executor.allocator, config.block_size, config.max_num_batched_tokens,
+            config.max_num_seqs, prefix=self.prefix_cache,
         )
         self.tokenizer = None if config.skip_tokenizer_init else Tokenizer(config.tokenizer or config.model)
         # Sampling runs on the driver's CPU unless the model is local on a GPU.
@@ -113,6 +116,7 @@ class LLMEngine:
             generator=gen,
             want_prompt_logits=want_prompt_logits,
             hold_kv=hold_kv,
+            cacheable=not want_prompt_logits and params.prompt_logprobs is None,  # a hit skips prompt rows
         )
         self._requests[request_id] = seq
         self.scheduler.add(seq)
@@ -153,6 +157,7 @@ class LLMEngine:
         Raises ``MemoryError`` when the blocks are not free now.
         """
         seq = self.add_request(prompt, params, request_id)
+        seq.cacheable = False  # its blocks are filled by a transfer, not computed here
         self.scheduler.waiting.remove(seq)
         n = -(-len(prompt) // self.config.block_size)
         if not self.scheduler.allocator.can_allocate(n):
@@ -308,6 +313,7 @@ class LLMEngine:
                 assert sl is not None
                 to_sample.append((s.seq, sl.logits[-1]))
             s.seq.num_computed += s.num_new
+            self.scheduler.cache_computed(s.seq)
         if to_sample:
             seqs = [q for q, _ in to_sample]
             for seq, smp in zip(seqs, sample(torch.stack([lg for _, lg in to_sample]), seqs, self.generator)):

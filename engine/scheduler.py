@@ -4,7 +4,9 @@ Each step: running requests first (decodes, then unfinished prefills), then wait
 arrival order while the token budget (``max_num_batched_tokens``) and ``max_num_seqs`` allow. A
 prompt longer than the remaining budget is prefilled in chunks over several steps. When KV blocks
 run out, the most recently admitted running request is preempted: its blocks are freed and it is
-recomputed later (vLLM's recompute preemption).
+recomputed later (vLLM's recompute preemption). With prefix caching (``engine.prefix_cache``) a
+request starts after the longest prefix of full blocks already cached, and the blocks a step
+completes join the cache.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from engine.kv_cache import BlockSpace
+from engine.prefix_cache import PrefixCache, block_hash
 from engine.sequence import SeqStatus, Sequence
 
 
@@ -29,9 +32,12 @@ class Scheduled:
 
 class Scheduler:
     def __init__(
-        self, allocator: BlockSpace, block_size: int, max_num_batched_tokens: int, max_num_seqs: int
+        self, allocator: BlockSpace, block_size: int, max_num_batched_tokens: int, max_num_seqs: int,
+        prefix: PrefixCache | None = None,
     ) -> None:
+        """``prefix``: the allocator as a ``PrefixCache`` when prefix caching is on (``allocator`` is it)."""
         self.allocator = allocator
+        self.prefix = prefix
         self.block_size = block_size
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
@@ -60,6 +66,7 @@ class Scheduler:
         self.allocator.free(seq.block_ids)
         seq.block_ids = []
         seq.num_computed = 0
+        seq.num_registered = 0
         seq.status = SeqStatus.WAITING
         self.running.remove(seq)
         self.waiting.appendleft(seq)
@@ -92,8 +99,12 @@ class Scheduler:
             budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            hit = self._match_prefix(seq)
             n = min(seq.num_remaining, budget)
             if not self._grow(seq, n):
+                if hit:  # give the shared blocks back: the request starts over when there is room
+                    self.allocator.free(seq.block_ids)
+                    seq.block_ids, seq.num_computed, seq.num_registered = [], 0, 0
                 break
             self.waiting.popleft()
             seq.status = SeqStatus.RUNNING
@@ -103,6 +114,38 @@ class Scheduler:
         # Decode rows first: the model attends them in one batched absorbed pass.
         out.sort(key=lambda s: s.num_new != 1)
         return out
+
+    # -- prefix caching -----------------------------------------------------------------------
+    def _hashes(self, seq: Sequence, n: int) -> list[int]:
+        """The hashes of ``seq``'s first ``n`` full blocks (computed once, kept on the request)."""
+        hashes = seq.block_hashes
+        bs = self.block_size
+        for j in range(len(hashes), n):
+            hashes.append(block_hash(hashes[j - 1] if j else None, seq.tokens(j * bs, (j + 1) * bs)))
+        return hashes[:n]
+
+    def _match_prefix(self, seq: Sequence) -> int:
+        """A request about to start: take the cached blocks of its longest cached prefix (leaving at
+        least its last token to compute, whose logits sample the next one). Returns the blocks hit."""
+        if self.prefix is None or not seq.cacheable or seq.num_computed or seq.block_ids:
+            return 0
+        ids = self.prefix.match(self._hashes(seq, (seq.num_tokens - 1) // self.block_size))
+        seq.block_ids = ids
+        seq.num_registered = len(ids)
+        seq.num_computed = len(ids) * self.block_size
+        return len(ids)
+
+    def cache_computed(self, seq: Sequence) -> None:
+        """After a step: the request's blocks whose tokens are now all computed join the cache."""
+        if self.prefix is None or not seq.cacheable:
+            return
+        full = min(seq.num_computed // self.block_size, len(seq.block_ids))
+        if full <= seq.num_registered:
+            return
+        hashes = self._hashes(seq, full)
+        for j in range(seq.num_registered, full):
+            self.prefix.register(seq.block_ids[j], hashes[j])
+        seq.num_registered = full
 
     def finish(self, seq: Sequence, reason: str, keep_blocks: bool = False) -> None:
         """Mark a request finished (from running or waiting) and release its blocks unless kept."""

@@ -43,6 +43,9 @@ class Sequence:
     finish_reason: str | None = None
     generator: torch.Generator | None = None
     text: str = ""
+    block_hashes: list[int] = field(default_factory=list)  # prefix caching: hashes of full blocks, in order
+    num_registered: int = 0  # prefix caching: leading blocks already in the cache
+    cacheable: bool = True  # prefix caching may share its blocks (not when prompt logits are wanted)
 
     @property
     def token_ids(self) -> list[int]:

@@ -49,3 +49,34 @@ def test_topology_matches_pcp1(tiny_model, reference, topo, budget) -> None:
         assert _close(out.logprobs, ref.logprobs)
         assert _close(out.prompt_logprobs, ref.prompt_logprobs)
         assert len(out.prompt_logprobs) == len(ref.prompt_token_ids)
+
+
+SHARED = [(i * 11 + 5) % 1000 + 2 for i in range(200)]
+CACHED_PROMPTS = [SHARED + [(i * k + 1) % 1000 + 2 for i in range(30 + 9 * k)] for k in range(1, 4)]
+CACHED_PARAMS = SamplingParams(max_tokens=8, temperature=0.0, logprobs=1)
+CACHED_TOPOLOGIES = {
+    "pcp2-sharded": dict(pcp=2, kv_layout="sharded"),
+    "pcp2-replicated": dict(pcp=2, kv_layout="replicated"),
+    "pp2-pcp2": dict(pp=2, pcp=2),
+}
+
+
+@pytest.fixture(scope="module")
+def cached_reference(tiny_model):
+    with LLM(str(tiny_model), **KW) as llm:
+        return llm.generate(CACHED_PROMPTS, CACHED_PARAMS)
+
+
+@pytest.mark.parametrize("topo", list(CACHED_TOPOLOGIES), ids=list(CACHED_TOPOLOGIES))
+def test_prefix_caching_on_rank_processes_matches_pcp1(tiny_model, cached_reference, topo) -> None:
+    """Prompts sharing 200 tokens, twice (the second time every full block hits), chunked."""
+    with LLM(str(tiny_model), **KW, **CACHED_TOPOLOGIES[topo], max_num_batched_tokens=128,
+             enable_prefix_caching=True) as llm:
+        for _ in range(2):
+            outs = llm.generate(CACHED_PROMPTS, CACHED_PARAMS)
+            for ref, out in zip(cached_reference, outs):
+                assert out.token_ids == ref.token_ids
+                assert _close(out.logprobs, ref.logprobs)
+        cache = llm.engine.prefix_cache
+        assert cache is not None and cache.hits > 0
+        assert llm.engine.num_used_blocks == 0 and cache.num_cached > 0

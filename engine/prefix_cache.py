@@ -1,0 +1,158 @@
+"""Automatic prefix caching: KV blocks of full token blocks are kept after use and shared by prompts
+that start the same way (vLLM's scheme).
+
+A full block's hash chains from the prompt's start: ``block_hash(parent, tokens)`` over the hash of
+the block before it and the block's own token ids, so equal hashes mean equal prefixes up to and
+including that block. ``PrefixCache`` wraps a block allocator (one rank's, or a sharded or
+replicated set of ranks': block ids are the allocator's global ids, and a block cached for logical
+position j is only ever reused at position j, where the sharded layout places the same owner):
+
+- every block in use has a reference count; a request that hits the cache takes references on the
+  cached blocks of its prefix and computes only the rest;
+- a block whose count drops to 0 stays cached, if it was registered with a hash, in LRU order
+  (it counts as free); allocation evicts the least recently used of those only when the allocator
+  has no free block left;
+- blocks are registered once their tokens are all computed (``register``), by the engine after a
+  step; a block that is still being written is never shared.
+
+The hashes are stable across processes (blake2b of the parent hash and the token ids), so they can
+name blocks in events between nodes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict
+from collections.abc import Sequence
+
+from engine.kv_cache import BlockSpace
+
+_ROOT = b"pdcluster-prefix-v1"
+
+
+def block_hash(parent: int | None, tokens: Sequence[int]) -> int:
+    """The hash of a full block of ``tokens`` following the block hashed ``parent`` (None: the first)."""
+    h = hashlib.blake2b(digest_size=8)
+    h.update(_ROOT if parent is None else parent.to_bytes(8, "little"))
+    h.update(array("q", tokens).tobytes())
+    return int.from_bytes(h.digest(), "little")
+
+
+def prompt_block_hashes(tokens: Sequence[int], block_size: int, limit: int | None = None) -> list[int]:
+    """The chained hashes of the full blocks of ``tokens`` (at most ``limit`` of them)."""
+    n = len(tokens) // block_size if limit is None else min(limit, len(tokens) // block_size)
+    out: list[int] = []
+    parent = None
+    for j in range(n):
+        parent = block_hash(parent, tokens[j * block_size : (j + 1) * block_size])
+        out.append(parent)
+    return out
+
+
+class PrefixCache:
+    """A ``BlockSpace`` with reference counts and cached blocks kept after use (see the module doc)."""
+
+    def __init__(self, inner: BlockSpace) -> None:
+        self.inner = inner
+        self._refs: dict[int, int] = {}  # block -> requests using it (> 0)
+        self._hash_of: dict[int, int] = {}  # registered block -> its hash
+        self._block_of: dict[int, int] = {}  # hash -> registered block
+        self._idle: OrderedDict[int, None] = OrderedDict()  # registered, unused blocks, least recent first
+        self.hits = 0  # blocks found in the cache, since start
+        self.queries = 0  # blocks looked up
+
+    # -- BlockSpace ----------------------------------------------------------------------------
+    @property
+    def num_used(self) -> int:
+        return self.inner.num_used - len(self._idle)
+
+    @property
+    def num_free(self) -> int:
+        return self.inner.num_free + len(self._idle)
+
+    @property
+    def num_cached(self) -> int:
+        """Registered blocks no request uses: kept for a later hit, evicted when blocks run out."""
+        return len(self._idle)
+
+    def can_allocate(self, n: int, first: int = 0) -> bool:
+        while not self.inner.can_allocate(n, first) and self._idle:
+            self._evict_one()
+        return self.inner.can_allocate(n, first)
+
+    def allocate(self, n: int, first: int = 0) -> list[int]:
+        if not self.can_allocate(n, first):
+            raise MemoryError(f"asked for {n} KV blocks, {self.num_free} free or cached")
+        ids = self.inner.allocate(n, first)
+        for b in ids:
+            self._refs[b] = 1
+        return ids
+
+    def free(self, ids: list[int]) -> None:
+        """Drop one reference per block; unused registered blocks stay cached, others go back."""
+        back = []
+        for b in ids:
+            refs = self._refs.get(b, 0)
+            if refs <= 0:
+                raise ValueError(f"block {b} freed twice or never allocated")
+            if refs > 1:
+                self._refs[b] = refs - 1
+                continue
+            del self._refs[b]
+            if b in self._hash_of:
+                self._idle[b] = None
+            else:
+                back.append(b)
+        if back:
+            self.inner.free(back)
+
+    def used_per_rank(self) -> list[int]:
+        """Used blocks per PCP rank of a sharded allocator (cached ones are not in use)."""
+        per_rank = getattr(self.inner, "used_per_rank", None)
+        if per_rank is None:
+            return [self.num_used]
+        used = list(per_rank())
+        pcp = len(used)
+        for b in self._idle:
+            used[b % pcp] -= 1  # a sharded global id is physical · pcp + owner
+        return used
+
+    # -- the cache -----------------------------------------------------------------------------
+    def match(self, hashes: Sequence[int]) -> list[int]:
+        """Take a reference on the cached blocks of the longest prefix of ``hashes``; their ids."""
+        ids: list[int] = []
+        for h in hashes:
+            b = self._block_of.get(h)
+            if b is None:
+                break
+            ids.append(b)
+        self.queries += len(hashes)
+        self.hits += len(ids)
+        for b in ids:
+            if b in self._idle:
+                del self._idle[b]
+                self._refs[b] = 1
+            else:
+                self._refs[b] += 1
+        return ids
+
+    def register(self, block: int, h: int) -> None:
+        """``block`` holds the computed tokens of the block hashed ``h``: later prompts may share it.
+        If another block already holds them (computed at the same time), this one is not cached."""
+        if block in self._hash_of or h in self._block_of:
+            return
+        if self._refs.get(block, 0) <= 0:
+            raise ValueError(f"block {block} is not in use")
+        self._hash_of[block] = h
+        self._block_of[h] = block
+
+    def reset(self) -> None:
+        """Forget every cached block no request uses (they go back to the allocator)."""
+        while self._idle:
+            self._evict_one()
+
+    def _evict_one(self) -> None:
+        b, _ = self._idle.popitem(last=False)
+        del self._block_of[self._hash_of.pop(b)]
+        self.inner.free([b])
