@@ -5,6 +5,7 @@
 Compares SDPA without LSE (what PCP1 uses for a prompt with no cached context) with the two fused
 kernels that return the LSE (needed to merge parts: PCP runs, cached context): PyTorch's
 FlashAttention-2 and cuDNN. Shapes are DeepSeek-V2-Lite's (16 heads, q/k 192, v 128 padded to 192).
+Then what a step costs when its query length is new, as in serving (cuDNN plans each new shape).
 The last line of output is one JSON object with all figures.
 """
 
@@ -104,7 +105,47 @@ def main() -> None:
     except RuntimeError as e:
         print(f"cudnn with v of 128: unavailable ({str(e).splitlines()[0]})")
         res["cudnn_dv128_causal_ms"] = None
+    res["new_shapes"] = new_shapes(h, scale)
     print(json.dumps(res))
+
+
+def new_shapes(h: int, scale: float, layers: int = 27) -> dict:
+    """What a step costs in attention when its query length is new (serving: nearly every request):
+    cuDNN builds an execution plan per new shape, once for all layers; FlashAttention has none. Per
+    query length: the first call on a new shape and the next (milliseconds), and a step of ``layers``
+    layers (the first call plus ``layers - 1`` more) for causal self-attention and for 2,048 tokens of
+    cached context (prefix caching, chunked prefill)."""
+    def ms(fn) -> float:  # noqa: ANN001
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end)
+
+    x = torch.randn(8, h, 192, device="cuda", dtype=torch.bfloat16)
+    for kernel in ("cudnn", "flash"):  # each kernel's one-time start-up, outside the figures
+        attention_ops.LSE_KERNEL = kernel
+        attention_ops.attention_lse(x, x, x[..., :128].contiguous(), scale, True)
+    out: dict = {}
+    print(f"a new query length per step ({layers} layers): first call / again, and the step")
+    for rows in (1024, 2048, 4096, 8192, 16384, 32768):
+        for kind, causal in (("causal", True), ("ctx2k", False)):
+            for kernel in ("cudnn", "flash"):
+                attention_ops.LSE_KERNEL = kernel
+                q = torch.randn(rows + 3, h, 192, device="cuda", dtype=torch.bfloat16)  # +3: never seen before
+                keys = rows + 3 if causal else 2048
+                k = torch.randn(keys, h, 192, device="cuda", dtype=torch.bfloat16)
+                v = torch.randn(keys, h, 128, device="cuda", dtype=torch.bfloat16)
+                first = ms(lambda q=q, k=k, v=v, c=causal: attention_ops.attention_lse(q, k, v, scale, c))
+                again = ms(lambda q=q, k=k, v=v, c=causal: attention_ops.attention_lse(q, k, v, scale, c))
+                step = first + (layers - 1) * again
+                out[f"{kernel}_{kind}_{rows}"] = {"first_ms": round(first, 2), "again_ms": round(again, 3),
+                                                  "step_ms": round(step, 1)}
+                print(f"  {rows:6} {kind:6} {kernel:5}: {first:7.2f} / {again:6.3f} ms, step {step:7.1f} ms")
+    attention_ops.LSE_KERNEL = "auto"
+    return out
 
 
 if __name__ == "__main__":

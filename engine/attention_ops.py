@@ -21,9 +21,15 @@ def _pad_v(v: torch.Tensor, dq: int) -> torch.Tensor:
 
 
 # Fused attention on CUDA: "cudnn" (Hopper-tuned; takes v with its own head size, 128, next to
-# q/k of 192) or "flash" (PyTorch's FlashAttention-2, which needs v padded to q's head size).
-# Chosen by benchmarks/attention_kernels.py: cuDNN was 2x faster with LSE on an H200.
-LSE_KERNEL = "cudnn"
+# q/k of 192) or "flash" (PyTorch's FlashAttention-2, which needs v padded to q's head size), or
+# "auto": cuDNN from CUDNN_MIN_ROWS query rows, FlashAttention below. cuDNN runs 2-3x faster on a
+# shape it has seen (benchmarks/attention_kernels.py), but builds an execution plan for every new
+# shape first: 37-48 ms on an H200, once per step for all layers, and serving brings a new prompt
+# length with nearly every request. Measured per new shape over V2-Lite's 27 layers, causal: 8k
+# rows, flash 43 ms against cuDNN 20 + 39 ms; 16k rows, flash 151 ms against cuDNN 62 + 41 ms
+# (docs/benchmarks.md, "Prefix caching and the attention kernel").
+LSE_KERNEL = "auto"
+CUDNN_MIN_ROWS = 12288
 
 
 def _bhsd(x: torch.Tensor) -> torch.Tensor:
@@ -35,7 +41,7 @@ def _fused(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool, lse: bool
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     dv = v.shape[-1]
-    if LSE_KERNEL == "cudnn":
+    if LSE_KERNEL == "cudnn" or (LSE_KERNEL == "auto" and q.shape[0] >= CUDNN_MIN_ROWS):
         res = torch.ops.aten._scaled_dot_product_cudnn_attention(
             _bhsd(q), _bhsd(k), _bhsd(v.contiguous()), None, lse, 0.0, causal, False, scale=scale
         )
