@@ -48,7 +48,10 @@ class ReplicaLoad:
     waiting: int = 0
     running: int = 0
     used_blocks: int = 0
-    free_blocks: int = 0
+    free_blocks: int = 0  # cached blocks (prefix caching) count as free: they are evicted when needed
+    cached_blocks: int = 0  # prefix caching: blocks kept for a later prompt with the same prefix
+    prefix_hit_blocks: int = 0  # prefix caching, since start: blocks found in the cache ...
+    prefix_query_blocks: int = 0  # ... of those looked up (full prompt blocks of requests starting)
 
     @staticmethod
     def from_dict(d: dict[str, Any]) -> ReplicaLoad:

@@ -271,7 +271,8 @@ class Replica(EngineLoop):
     def publish(self) -> None:
         s = self.engine.scheduler
         self.load = ReplicaLoad(dp_rank=self.index, waiting=len(s.waiting), running=len(s.running),
-                                used_blocks=self.engine.num_used_blocks, free_blocks=s.allocator.num_free)
+                                used_blocks=self.engine.num_used_blocks, free_blocks=s.allocator.num_free,
+                                **self.engine.prefix_cache_counts())
 
 
 class DecodeWorker:

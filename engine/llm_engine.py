@@ -260,6 +260,13 @@ class LLMEngine:
     def num_used_blocks(self) -> int:
         return self.scheduler.allocator.num_used
 
+    def prefix_cache_counts(self) -> dict[str, int]:
+        """Prefix caching's counters for the load a node publishes (zeros when it is off)."""
+        c = self.prefix_cache
+        if c is None:
+            return {"cached_blocks": 0, "prefix_hit_blocks": 0, "prefix_query_blocks": 0}
+        return {"cached_blocks": c.num_cached, "prefix_hit_blocks": c.hits, "prefix_query_blocks": c.queries}
+
     def used_blocks_per_rank(self) -> list[int]:
         """Used blocks per PCP rank (sharded layout); one entry otherwise."""
         per_rank = getattr(self.scheduler.allocator, "used_per_rank", None)

@@ -287,7 +287,7 @@ class PrefillWorker(EngineLoop):
             queued = sum(q.num_remaining for q in list(s.waiting) + list(s.running))
             out.append(ReplicaLoad(dp_rank=d, queued_prefill_tokens=queued, waiting=len(s.waiting),
                                    running=len(s.running), used_blocks=e.num_used_blocks,
-                                   free_blocks=s.allocator.num_free))
+                                   free_blocks=s.allocator.num_free, **e.prefix_cache_counts()))
         self._load = out
 
 

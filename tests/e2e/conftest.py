@@ -24,8 +24,10 @@ def cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory,
         "served_model_name": "tiny",
         "registry": {"cluster": f"e2e-{run_dir.name}"},
         "proxy": {"port": 0, "admin_key": ADMIN_KEY},
+        # prefix caching on: the tests send the same prompts again, so later ones hit its sharded cache
         "prefill": [{"dp": 1, "pcp": 2, "kv_layout": "sharded", "max_model_len": 1024,
-                     "max_num_batched_tokens": 256, "num_kv_blocks": 256, "lease_s": 10}],
+                     "max_num_batched_tokens": 256, "num_kv_blocks": 256, "lease_s": 10,
+                     "enable_prefix_caching": True}],
         # decode-0's two replicas run as processes (GPU nodes' default), decode-1's one as a thread
         "decode": [{"dp": 2, "max_model_len": 1024, "num_kv_blocks": 256, "dp_processes": "on"},
                    {"dp": 1, "max_model_len": 1024, "num_kv_blocks": 256}],

@@ -206,6 +206,26 @@ def test_a_client_that_disconnects_mid_stream_frees_the_kv_everywhere(cluster: C
     assert "pdcluster_proxy_inflight_requests 0.0" in m
 
 
+def prefix_hits(c: Cluster, node_id: str) -> int:
+    return sum(r.get("prefix_hit_blocks", 0) for r in c.nodes()[node_id]["replicas"])
+
+
+def test_a_repeated_prompt_hits_the_prefill_nodes_prefix_cache_with_the_same_output(cluster: Cluster) -> None:
+    """The prefill node runs with prefix caching (its PCP2 sharded cache); the output is unchanged."""
+    prompt = [(i * 29 + 11) % 1000 + 2 for i in range(300)]  # 18 full blocks of 16, and 12 tokens
+    want = colocated(cluster, [prompt], [6])[0][1]  # its text
+    before = prefix_hits(cluster, "prefill-0")
+    for _ in range(2):
+        r = client(cluster).completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0)
+        assert r.choices[0].text == want
+    # the second request found the first one's 18 full blocks (heartbeats publish the counters)
+    deadline = time.monotonic() + 5
+    while prefix_hits(cluster, "prefill-0") - before < 18 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert prefix_hits(cluster, "prefill-0") - before >= 18
+    assert not any(wait_all_free(cluster).values())
+
+
 def test_a_killed_decode_node_ends_its_stream_with_an_error_and_frees_prefill_blocks(cluster: Cluster) -> None:
     pdctl(cluster, "drain", "decode-0")  # the stream must land on decode-1
     body = {"model": MODEL, "prompt": [7] * 40, "max_tokens": 800, "temperature": 0, "stream": True,
