@@ -30,6 +30,7 @@ class NodeInfo:
     engine: str = "native"  # "native" | "vllm": which decode nodes can read a prefill node's KV
     kv_protocol: str = "tcp"  # the KV transport's Mooncake protocol: a pull needs both ends on the same one
     local_prefill: bool = False  # a decode node that can prefill a request itself (DecodeRequest.local_prefill)
+    prefix_caching: bool = False  # its engine shares the KV of prompts' common prefixes (enable_prefix_caching)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -15,39 +15,16 @@ position j is only ever reused at position j, where the sharded layout places th
 - blocks are registered once their tokens are all computed (``register``), by the engine after a
   step; a block that is still being written is never shared.
 
-The hashes are stable across processes (blake2b of the parent hash and the token ids), so they can
-name blocks in events between nodes.
+The hashes (``engine.block_hash``) are stable across processes, so the proxy computes the same
+ones to guess where a prompt's prefix is cached (``proxy.prefix_index``).
 """
 
 from __future__ import annotations
 
-import hashlib
-from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 
 from engine.kv_cache import BlockSpace
-
-_ROOT = b"pdcluster-prefix-v1"
-
-
-def block_hash(parent: int | None, tokens: Sequence[int]) -> int:
-    """The hash of a full block of ``tokens`` following the block hashed ``parent`` (None: the first)."""
-    h = hashlib.blake2b(digest_size=8)
-    h.update(_ROOT if parent is None else parent.to_bytes(8, "little"))
-    h.update(array("q", tokens).tobytes())
-    return int.from_bytes(h.digest(), "little")
-
-
-def prompt_block_hashes(tokens: Sequence[int], block_size: int, limit: int | None = None) -> list[int]:
-    """The chained hashes of the full blocks of ``tokens`` (at most ``limit`` of them)."""
-    n = len(tokens) // block_size if limit is None else min(limit, len(tokens) // block_size)
-    out: list[int] = []
-    parent = None
-    for j in range(n):
-        parent = block_hash(parent, tokens[j * block_size : (j + 1) * block_size])
-        out.append(parent)
-    return out
 
 
 class PrefixCache:

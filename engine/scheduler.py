@@ -14,8 +14,9 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
+from engine.block_hash import block_hash
 from engine.kv_cache import BlockSpace
-from engine.prefix_cache import PrefixCache, block_hash
+from engine.prefix_cache import PrefixCache
 from engine.sequence import SeqStatus, Sequence
 
 

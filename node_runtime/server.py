@@ -161,7 +161,8 @@ def node_info(config: NodeConfig, served: str, worker: NodeWorker) -> NodeInfo:
                     kv_layout=_kv_layout(config),
                     block_size=worker.block_size, num_blocks=worker.num_blocks, started_at=time.time(),
                     engine=config.engine_backend, kv_protocol=getattr(worker, "kv_protocol", "tcp"),
-                    local_prefill=config.role == "decode" and config.engine_backend == "native")
+                    local_prefill=config.role == "decode" and config.engine_backend == "native",
+                    prefix_caching=config.engine_backend == "native" and ec.enable_prefix_caching)
 
 
 async def serve(

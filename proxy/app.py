@@ -105,9 +105,11 @@ def create_app(config: ProxyConfig, tokenizer: Tokenizer, nodes: NodeSource, *, 
     created = int(time.time())
 
     async def watch_nodes() -> None:
-        """The health probes, and the registry's state in /metrics, every ``health_probe_s``."""
+        """The health probes, the registry's state in /metrics, and the prefix index's departed nodes,
+        every ``health_probe_s``."""
         while True:
             metrics.registry_up.set(0 if view.registry_error() else 1)
+            pipeline.legs.prefixes.forget({n.info.node_id for n in view.source_nodes()})
             try:
                 await prober.probe_once()
             except Exception:  # must outlive anything one round does

@@ -48,6 +48,7 @@ from proxy.clients import NodeClients
 from proxy.discovery import NodeView
 from proxy.errors import APIError, rpc_error
 from proxy.metrics import ProxyMetrics
+from proxy.prefix_index import PrefixIndex
 from proxy.router import LocalLoad, NoRoute, Route, Router
 
 log = logging.getLogger(__name__)
@@ -127,6 +128,7 @@ class Legs:
         self.metrics = metrics
         self.prefill_timeout_s = prefill_timeout_s
         self.token_timeout_s = token_timeout_s
+        self.prefixes = PrefixIndex()  # where prompts' prefixes are probably cached (prefix caching)
         self._background: set[asyncio.Task[Any]] = set()
 
     def node_failed(self, node_id: str, code: grpc.StatusCode | None) -> None:
@@ -187,9 +189,11 @@ class Pipeline:
         legs = self.legs
         failed: list[str] = []
         last_error: grpc.aio.AioRpcError | None = None
+        prefix = _PromptPrefix(legs.prefixes, nodes, req.prompt_token_ids)
         while True:
             try:
-                route = legs.router.route(nodes, len(req.prompt_token_ids), req.sampling.max_tokens, failed)
+                route = legs.router.route(nodes, len(req.prompt_token_ids), req.sampling.max_tokens, failed,
+                                          cached=prefix.cached_tokens if prefix.useful else None)
             except NoRoute as e:
                 if last_error is not None:  # no other replica to retry on: the node's error it is
                     raise rpc_error("prefill", last_error) from None
@@ -213,6 +217,7 @@ class Pipeline:
                 last_error = e
                 continue
             legs.node_ok(prefill_route.node_id)
+            prefix.prefilled(prefill_route.node_id, prefill_route.dp_rank)
             legs.metrics.ttft.labels(req.endpoint).observe(time.perf_counter() - req.arrival)
             return Generation(legs, req, route, reply, counted)
 
@@ -244,6 +249,36 @@ class Pipeline:
     async def drain_background(self, timeout_s: float = 5.0) -> None:
         """Let pending cleanup calls finish (at shutdown)."""
         await self.legs.drain_background(timeout_s)
+
+
+class _PromptPrefix:
+    """One prompt's view of the prefix index: its block hashes (per block size; computed only when
+    some prefill node caches prefixes), the tokens expected cached on a replica, and the record of
+    where it was prefilled."""
+
+    def __init__(self, index: PrefixIndex, nodes: list[NodeState], prompt: list[int]) -> None:
+        self._index = index
+        self._prompt = prompt
+        self._info = {n.info.node_id: n.info for n in nodes if n.info.role == "prefill" and n.info.prefix_caching}
+        self._hashes: dict[int, list[int]] = {}
+        self.useful = bool(self._info)
+
+    def _of(self, block_size: int) -> list[int]:
+        h = self._hashes.get(block_size)
+        if h is None:
+            h = self._hashes[block_size] = PrefixIndex.hashes(self._prompt, block_size)
+        return h
+
+    def cached_tokens(self, node_id: str, dp_rank: int) -> int:
+        info = self._info.get(node_id)
+        if info is None:
+            return 0
+        return self._index.expected_hit(node_id, dp_rank, self._of(info.block_size)) * info.block_size
+
+    def prefilled(self, node_id: str, dp_rank: int) -> None:
+        info = self._info.get(node_id)
+        if info is not None:
+            self._index.record(node_id, dp_rank, self._of(info.block_size), capacity=info.num_blocks)
 
 
 class GenerationError(Exception):

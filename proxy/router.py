@@ -24,6 +24,11 @@ node; a native prefill node's ``KVHandle`` by either. A prefill replica no eligi
 read from is not eligible, and the decode rank is chosen among those that can read the chosen
 prefill replica's KV.
 
+Prefix caching: a prefill replica whose cache probably holds the start of the prompt
+(``proxy.prefix_index``, the proxy's record of what it sent there) computes only the rest, so its
+cost counts only those tokens: prompts sharing a prefix go where it is cached, unless that replica's
+queue outweighs the saving.
+
 Exact ties are broken deterministically: candidates sorted by (node_id, dp_rank), then turn by
 turn among the tied ones, so an idle cluster still spreads requests. Every decision carries a
 human-readable reason; ``Router.plan`` explains without deciding (the admin route endpoint).
@@ -54,6 +59,9 @@ def prefill_cost(queued_tokens: int, prompt_tokens: int, pcp: int,
     """Estimated time, in token-times of one rank, until a prompt sent now is prefilled."""
     speedup = effective_pcp(pcp, prompt_tokens, long_prompt_tokens)
     return (queued_tokens + prompt_tokens) / speedup + PCP_OVERHEAD_TOKENS * (pcp - 1)
+
+
+CachedTokens = Callable[[str, int], int]  # (node id, DP rank) -> prompt tokens expected in its prefix cache
 
 
 def blocks_for(tokens: int, block_size: int) -> int:
@@ -109,6 +117,7 @@ class PrefillCandidate:
     cost: float  # inf when not eligible
     eligible: bool
     reason: str
+    cached_tokens: int = 0  # the prompt's tokens expected in its prefix cache (proxy.prefix_index)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -181,9 +190,10 @@ def _replicas(nodes: Iterable[NodeState], role: str) -> list[tuple[NodeState, in
 
 def prefill_candidates(nodes: Iterable[NodeState], model: str, prompt_tokens: int, total_tokens: int,
                        local: LocalLoad, long_prompt_tokens: int = LONG_PROMPT_TOKENS,
-                       exclude: Collection[str] = ()) -> list[PrefillCandidate]:
+                       exclude: Collection[str] = (), cached: CachedTokens | None = None) -> list[PrefillCandidate]:
     """Every prefill replica with its estimated cost for a prompt of ``prompt_tokens``; nodes in
-    ``exclude`` (they just failed this request) are not eligible."""
+    ``exclude`` (they just failed this request) are not eligible. ``cached(node, dp_rank)``: the
+    prompt's tokens expected in that replica's prefix cache, which it need not compute."""
     out = []
     for node, dp in _replicas(nodes, "prefill"):
         info = node.info
@@ -195,11 +205,15 @@ def prefill_candidates(nodes: Iterable[NodeState], model: str, prompt_tokens: in
         if bad is not None:
             out.append(PrefillCandidate(info.node_id, info.address, dp, info.pcp, queued, math.inf, False, bad))
             continue
-        speedup = effective_pcp(info.pcp, prompt_tokens, long_prompt_tokens)
-        cost = prefill_cost(queued, prompt_tokens, info.pcp, long_prompt_tokens)
-        why = f"estimated cost {cost:.0f} (queued {queued} + {prompt_tokens} tokens over effective PCP {speedup:.2f}"
+        hit = min(cached(info.node_id, dp), prompt_tokens - 1) if cached is not None else 0
+        new = prompt_tokens - hit
+        speedup = effective_pcp(info.pcp, new, long_prompt_tokens)
+        cost = prefill_cost(queued, new, info.pcp, long_prompt_tokens)
+        why = f"estimated cost {cost:.0f} (queued {queued} + {new} tokens over effective PCP {speedup:.2f}"
         why += f" + PCP overhead {PCP_OVERHEAD_TOKENS * (info.pcp - 1):.0f})" if info.pcp > 1 else ")"
-        out.append(PrefillCandidate(info.node_id, info.address, dp, info.pcp, queued, cost, True, why))
+        if hit:
+            why += f"; {hit} of the prompt's tokens expected in its prefix cache"
+        out.append(PrefillCandidate(info.node_id, info.address, dp, info.pcp, queued, cost, True, why, hit))
     return out
 
 
@@ -273,16 +287,18 @@ class Router:
 
     def plan(self, nodes: Sequence[NodeState], prompt_tokens: int, max_tokens: int,
              exclude_prefill: Collection[str] = (), prefill_node: str | None = None,
-             exclude_decode: Collection[tuple[str, int]] = (), local: bool | None = None) -> RoutePlan:
+             exclude_decode: Collection[tuple[str, int]] = (), local: bool | None = None,
+             cached: CachedTokens | None = None) -> RoutePlan:
         """Judge every candidate and choose, without changing any state.
 
         ``prefill_node``: the request was prefilled there already; choose only a decode rank that
         can read its KV. ``exclude_decode``: (node id, DP rank) pairs not to choose. ``local``: True
         for a decode rank that prefills itself only, False never, None by the router's settings.
+        ``cached``: the prompt's tokens expected in each prefill replica's prefix cache.
         """
         total = prompt_tokens + max_tokens
         dec = decode_candidates(nodes, self.model, total, self.load, exclude_decode)
-        plan = self._disaggregated(nodes, prompt_tokens, total, dec, exclude_prefill, prefill_node)
+        plan = self._disaggregated(nodes, prompt_tokens, total, dec, exclude_prefill, prefill_node, cached)
         if prefill_node is not None or local is False:
             return plan
         short = prompt_tokens <= self.local_prefill_max_tokens
@@ -300,11 +316,12 @@ class Router:
                          plan.prefill_candidates, dec, local=True)
 
     def _disaggregated(self, nodes: Sequence[NodeState], prompt_tokens: int, total: int, dec: list[DecodeCandidate],
-                       exclude_prefill: Collection[str], prefill_node: str | None) -> RoutePlan:
+                       exclude_prefill: Collection[str], prefill_node: str | None,
+                       cached: CachedTokens | None = None) -> RoutePlan:
         """A prefill replica and a decode rank that can read its KV."""
         engines = {n.info.node_id: (n.info.engine, n.info.kv_protocol) for n in nodes}
         pre = prefill_candidates(nodes, self.model, prompt_tokens, total, self.load, self.long_prompt_tokens,
-                                 exclude_prefill)
+                                 exclude_prefill, cached)
         readable = {e for e in set(engines.values())
                     if any(c.eligible and can_read(e, engines[c.node_id]) for c in dec)}
         pre = [c if not c.eligible or engines[c.node_id] in readable or not readable else
@@ -327,10 +344,10 @@ class Router:
         return RoutePlan(p, d, pre, dec)
 
     def route(self, nodes: Sequence[NodeState], prompt_tokens: int, max_tokens: int,
-              exclude_prefill: Collection[str] = ()) -> Route:
+              exclude_prefill: Collection[str] = (), cached: CachedTokens | None = None) -> Route:
         """Choose a prefill replica and a decode rank (or a decode rank that prefills locally: ``prefill``
         None); raises ``NoRoute``."""
-        plan = self.plan(nodes, prompt_tokens, max_tokens, exclude_prefill)
+        plan = self.plan(nodes, prompt_tokens, max_tokens, exclude_prefill, cached=cached)
         if plan.local and plan.decode is not None:
             self._turn += 1
             return Route(None, plan.decode)

@@ -223,10 +223,11 @@ class FakeNodes:
 
 
 def node_state(node_id: str, role: str, address: str, *, model: str, max_model_len: int, dp: int = 1, pcp: int = 1,
-               num_blocks: int = 1000, replicas: tuple[ReplicaLoad, ...] | None = None) -> NodeState:
+               num_blocks: int = 1000, replicas: tuple[ReplicaLoad, ...] | None = None,
+               prefix_caching: bool = False) -> NodeState:
     info = NodeInfo(node_id=node_id, role=role, address=address, model=model, max_model_len=max_model_len, dp=dp,
                     pcp=pcp, pp=1, kv_layout="sharded" if role == "prefill" else "replicated", block_size=16,
-                    num_blocks=num_blocks, started_at=time.time())
+                    num_blocks=num_blocks, started_at=time.time(), prefix_caching=prefix_caching)
     if replicas is None:
         replicas = tuple(ReplicaLoad(dp_rank=r, free_blocks=num_blocks) for r in range(dp))
     return NodeState(info=info, replicas=replicas, heartbeat_at=time.time())

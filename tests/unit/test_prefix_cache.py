@@ -8,9 +8,10 @@ from pathlib import Path
 import pytest
 
 from engine import LLM, SamplingParams
+from engine.block_hash import block_hash, prompt_block_hashes
 from engine.kv_cache import BlockAllocator
 from engine.parallel.kv_layout import ShardedBlockAllocator
-from engine.prefix_cache import PrefixCache, block_hash, prompt_block_hashes
+from engine.prefix_cache import PrefixCache
 
 KW = dict(dtype="float32", device="cpu", max_model_len=512)
 SYSTEM = [(i * 13 + 7) % 900 + 2 for i in range(100)]  # 6 full blocks of 16 and 4 tokens

@@ -262,3 +262,24 @@ def test_excluded_decode_ranks_are_never_chosen() -> None:
     why = {(c.node_id, c.dp_rank): c for c in last.decode_candidates}
     assert not why[("d0", 0)].eligible and "refused" in why[("d0", 0)].reason
     assert router.plan(nodes, 10, 10, exclude_decode=[("d0", 0), ("d0", 1), ("d1", 0)]).decode is None
+
+
+def test_a_prefill_replica_with_the_prompts_prefix_cached_costs_only_the_rest() -> None:
+    from proxy.prefix_index import PrefixIndex
+
+    nodes = [node("p0"), node("p1"), DECODE]
+    router = Router(MODEL)
+    cached = {("p1", 0): 1000}
+    plan = router.plan(nodes, 1200, 8, cached=lambda node, dp: cached.get((node, dp), 0))
+    assert plan.prefill is not None and plan.prefill.node_id == "p1" and plan.prefill.cached_tokens == 1000
+    assert "1000 of the prompt's tokens expected in its prefix cache" in plan.prefill.reason
+    # the index behind it: leading blocks only, bounded by the replica's blocks (LRU)
+    index = PrefixIndex()
+    hashes = PrefixIndex.hashes(list(range(100)), 16)  # (100 - 1) // 16 = 6 blocks can hit
+    assert len(hashes) == 6
+    index.record("p1", 0, hashes[:4], capacity=10)
+    assert index.expected_hit("p1", 0, hashes) == 4 and index.expected_hit("p0", 0, hashes) == 0
+    index.record("p1", 0, PrefixIndex.hashes(list(range(500, 700)), 16), capacity=10)  # 12 newer blocks
+    assert index.expected_hit("p1", 0, hashes) == 0  # the old ones were the least recent
+    index.forget({"p0"})
+    assert index.expected_hit("p1", 0, PrefixIndex.hashes(list(range(500, 700)), 16)) == 0
