@@ -33,7 +33,9 @@ LAYERS = {
 }
 ENTRY = 7  # <package>/__main__.py
 # Packages that may import only these of the layers below them (module prefixes).
-ONLY_FROM_BELOW = {"proxy": ("cluster", "engine.tokenizer", "engine.sampling_params")}
+# The proxy takes from the engine only its torch-free vocabulary: the tokenizer, sampling params, and
+# the block hash (it must compute the engine's own, to guess where a prompt's prefix is cached).
+ONLY_FROM_BELOW = {"proxy": ("cluster", "engine.tokenizer", "engine.sampling_params", "engine.block_hash")}
 
 
 def imported_modules(source: str) -> list[tuple[int, str]]:
