@@ -20,10 +20,8 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
-from e2e_cluster import ADMIN_KEY, Cluster, running_cluster
+from e2e_cluster import ADMIN_KEY, Cluster, running_cluster, wait_all_free
 
-from cluster.config import RegistryConfig
-from cluster.registry import Registry
 from pdctl.launcher import REDIS, read_state, write_state
 from pdctl.process_group import record_of
 from pdctl.redis_server import start_redis
@@ -50,30 +48,6 @@ def cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory,
     })
     with running_cluster(topo, run_dir, tiny_model, cluster_run_dirs) as c:
         yield c
-
-
-def registry(c: Cluster) -> Registry:
-    state = read_state(c.run_dir)
-    assert state is not None
-    return Registry(RegistryConfig(url=state.registry_url, cluster=state.cluster))
-
-
-def used_blocks(c: Cluster) -> dict[str, int]:
-    """Each node's used KV blocks as its own heartbeat reports them (not through the proxy)."""
-    reg = registry(c)
-    try:
-        return {n.info.node_id: sum(r.used_blocks for r in n.replicas) for n in reg.nodes()}
-    finally:
-        reg.close()
-
-
-def wait_all_free(c: Cluster, timeout_s: float = 20.0) -> dict[str, int]:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        used = used_blocks(c)
-        if not any(used.values()) or time.monotonic() > deadline:
-            return used
-        time.sleep(0.3)
 
 
 def pid_of(c: Cluster, name: str) -> int:

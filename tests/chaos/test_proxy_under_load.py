@@ -9,8 +9,8 @@ import json
 import resource
 import subprocess
 import sys
-import threading
 from collections.abc import Iterator
+from contextlib import ExitStack
 from pathlib import Path
 
 import aiohttp
@@ -19,7 +19,7 @@ import psutil
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from proxy_fakes import FakeDecode, FakeNodes, FakePrefill, Script, node_state, wait_until
+from proxy_fakes import FakeDecode, FakeNodes, FakePrefill, Script, heartbeating, node_state, wait_until
 
 from cluster.config import RegistryConfig
 from cluster.net import free_port
@@ -42,21 +42,14 @@ def proxy(tiny_model: Path) -> Iterator[tuple[str, psutil.Process]]:
     tok = Tokenizer(tiny_model)
     script = Script(tok.encode("Hello from the fake nodes, sixteen tokens or so.", add_special_tokens=False),
                     tok.eos_token_id)
-    fakes, stop = FakeNodes(), threading.Event()
+    fakes = FakeNodes()
     redis = start_redis()
     registry = Registry(RegistryConfig(url=redis.url, cluster="load", ttl_s=3, heartbeat_s=0.3))
     states = [node_state("p0", "prefill", fakes.serve(FakePrefill("p0", script)), model=MODEL, max_model_len=256),
               node_state("d0", "decode", fakes.serve(FakeDecode("d0", script)), model=MODEL, max_model_len=256,
                          num_blocks=1 << 20)]
-
-    def heartbeat() -> None:
-        while not stop.is_set():
-            for s in states:
-                registry.heartbeat(s.info, s.replicas)
-            stop.wait(0.3)
-
-    beat = threading.Thread(target=heartbeat, daemon=True)
-    beat.start()
+    beats = ExitStack()
+    beats.enter_context(heartbeating(registry, states))
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "proxy", "--model", str(tiny_model), "--served-model-name", MODEL,
                              "--port", str(port), "--registry-url", redis.url, "--cluster", "load",
@@ -74,8 +67,7 @@ def proxy(tiny_model: Path) -> Iterator[tuple[str, psutil.Process]]:
     finally:
         proc.terminate()
         proc.wait(15)
-        stop.set()
-        beat.join(5)
+        beats.close()
         registry.close()
         redis.stop()
         fakes.stop()

@@ -1,8 +1,9 @@
-"""What the e2e tests share: a running cluster (started and stopped as pdctl does) and its handles (a module
-name unique across test folders)."""
+"""What the e2e and chaos tests share: a running cluster (started and stopped as pdctl does), its
+handles, and its nodes' used KV blocks (a module name unique across test folders)."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -11,7 +12,9 @@ from pathlib import Path
 import httpx
 import psutil
 
-from pdctl.launcher import down, up
+from cluster.config import RegistryConfig
+from cluster.registry import Registry
+from pdctl.launcher import down, read_state, up
 from pdctl.topology import Topology
 
 ADMIN_KEY = "e2e-admin"
@@ -51,3 +54,25 @@ def running_cluster(topo: Topology, run_dir: Path, model: Path, run_dirs: list[P
     for p in left:
         p.kill()
     assert not left, f"the cluster left processes behind: {[(p.pid, p.name()) for p in left]}"
+
+
+def used_blocks(c: Cluster) -> dict[str, int]:
+    """Each node's used KV blocks as its own heartbeat reports them (read from the registry, so it
+    works with the proxy gone too)."""
+    state = read_state(c.run_dir)
+    assert state is not None
+    registry = Registry(RegistryConfig(url=state.registry_url, cluster=state.cluster))
+    try:
+        return {n.info.node_id: sum(r.used_blocks for r in n.replicas) for n in registry.nodes()}
+    finally:
+        registry.close()
+
+
+def wait_all_free(c: Cluster, timeout_s: float = 20.0) -> dict[str, int]:
+    """``used_blocks`` once no node uses any, or as it is after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        used = used_blocks(c)
+        if not any(used.values()) or time.monotonic() > deadline:
+            return used
+        time.sleep(0.3)

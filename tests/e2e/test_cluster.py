@@ -19,7 +19,7 @@ import httpx
 import openai
 import psutil
 import pytest
-from e2e_cluster import ADMIN_KEY, Cluster
+from e2e_cluster import ADMIN_KEY, Cluster, wait_all_free
 
 from engine import LLM, SamplingParams
 from engine.tokenizer import Tokenizer
@@ -37,19 +37,6 @@ def colocated(c: Cluster, prompts: list[list[int]], max_tokens: list[int]) -> li
     with LLM(str(c.model), **KW) as llm:
         outs = llm.generate(prompts, [SamplingParams(max_tokens=m, temperature=0.0, logprobs=1) for m in max_tokens])
     return [(o.token_ids, o.text, o.logprobs) for o in outs]
-
-
-def used_blocks(c: Cluster) -> dict[str, int]:
-    return {nid: sum(r["used_blocks"] for r in n["replicas"]) for nid, n in c.nodes().items()}
-
-
-def wait_all_free(c: Cluster, timeout_s: float = 15.0) -> dict[str, int]:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        used = used_blocks(c)
-        if not any(used.values()) or time.monotonic() > deadline:
-            return used
-        time.sleep(0.3)
 
 
 def routed(c: Cluster) -> dict[tuple[str, str], float]:

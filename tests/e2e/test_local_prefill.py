@@ -11,8 +11,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from e2e_cluster import ADMIN_KEY, Cluster, running_cluster
-from test_cluster import MODEL, client, colocated, pdctl, routed, wait_all_free
+from e2e_cluster import ADMIN_KEY, Cluster, running_cluster, wait_all_free
+from test_cluster import MODEL, client, colocated, pdctl, routed
 
 from pdctl.topology import Topology
 

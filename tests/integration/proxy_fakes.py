@@ -35,6 +35,7 @@ from cluster.net import free_port
 from cluster.nodes import NodeInfo, NodeState, ReplicaLoad
 from cluster.proto_gen import pdcluster_v1_pb2 as pb
 from cluster.proto_gen import pdcluster_v1_pb2_grpc as pb_grpc
+from cluster.registry import Registry
 from proxy.app import create_app, model_limits
 
 T = TypeVar("T")
@@ -231,6 +232,30 @@ def node_state(node_id: str, role: str, address: str, *, model: str, max_model_l
     if replicas is None:
         replicas = tuple(ReplicaLoad(dp_rank=r, free_blocks=num_blocks) for r in range(dp))
     return NodeState(info=info, replicas=replicas, heartbeat_at=time.time())
+
+
+@contextmanager
+def heartbeating(registry: Registry, states: Sequence[NodeState], every_s: float = 0.3) -> Iterator[None]:
+    """Heartbeat ``states`` into ``registry`` from a thread while the block runs, as nodes do: a
+    Redis that is away is tried again at the next beat."""
+    stop = threading.Event()
+
+    def beat() -> None:
+        while not stop.is_set():
+            for s in states:
+                try:
+                    registry.heartbeat(s.info, s.replicas)
+                except Exception:  # Redis away (a test stops it on purpose): keep beating
+                    pass
+            stop.wait(every_s)
+
+    thread = threading.Thread(target=beat, name="fake-heartbeats", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join(5)
 
 
 class ProxyServer:

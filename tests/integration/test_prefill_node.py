@@ -16,6 +16,7 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from procs import wait_registered
 
 from cluster.config import RegistryConfig
 from cluster.proto_gen import pdcluster_v1_pb2 as pb
@@ -37,12 +38,7 @@ def node(tiny_model: Path) -> Iterator[tuple[pb_grpc.PrefillServiceStub, Registr
         start_new_session=True)
     registry = Registry(RegistryConfig(url=redis.url, cluster="t"))
     try:
-        deadline = time.monotonic() + 90
-        while not registry.nodes():
-            assert proc.poll() is None, "the prefill node exited"
-            assert time.monotonic() < deadline, "the prefill node did not register"
-            time.sleep(0.2)
-        channel = grpc.insecure_channel(registry.nodes()[0].info.address)
+        channel = grpc.insecure_channel(wait_registered(proc, registry).info.address)
         yield pb_grpc.PrefillServiceStub(channel), registry
         channel.close()
     finally:

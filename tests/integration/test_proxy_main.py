@@ -10,7 +10,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -20,7 +19,7 @@ import httpx
 import openai
 import psutil
 import pytest
-from proxy_fakes import FakeDecode, FakeNodes, FakePrefill, Script, node_state, wait_until
+from proxy_fakes import FakeDecode, FakeNodes, FakePrefill, Script, heartbeating, node_state, wait_until
 
 from cluster.config import RegistryConfig
 from cluster.net import free_port
@@ -37,27 +36,17 @@ def registered_fakes(tiny_model: Path) -> Iterator[tuple[str, FakePrefill, FakeD
     """Redis, and one fake prefill and decode node heartbeating into it; yields the Redis URL."""
     tok = Tokenizer(tiny_model)
     script = Script(tok.encode("Hello from the fake nodes.", add_special_tokens=False), tok.eos_token_id)
-    fakes, stop = FakeNodes(), threading.Event()
+    fakes = FakeNodes()
     try:
         with start_redis() as redis_server:
             registry = Registry(RegistryConfig(url=redis_server.url, cluster="proxytest", ttl_s=3, heartbeat_s=0.3))
             p, d = FakePrefill("p0", script), FakeDecode("d0", script)
             states = [node_state("p0", "prefill", fakes.serve(p), model=MODEL, max_model_len=256),
                       node_state("d0", "decode", fakes.serve(d), model=MODEL, max_model_len=256)]
-
-            def heartbeat() -> None:
-                while not stop.is_set():
-                    for s in states:
-                        registry.heartbeat(s.info, s.replicas)
-                    stop.wait(0.3)
-
-            beat = threading.Thread(target=heartbeat, daemon=True)
-            beat.start()
             try:
-                yield redis_server.url, p, d
+                with heartbeating(registry, states):
+                    yield redis_server.url, p, d
             finally:
-                stop.set()
-                beat.join(5)
                 registry.close()
     finally:
         fakes.stop()

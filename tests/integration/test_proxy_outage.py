@@ -5,15 +5,15 @@ node that refuses a connection opens its circuit breaker until a probe and a goo
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterator
+from contextlib import ExitStack
 from pathlib import Path
 
 import grpc  # noqa: I001  (after the fakes: the same module objects)
 import httpx
 import pytest
 from grpc_health.v1 import health_pb2
-from proxy_fakes import FakeDecode, FakeNodes, FakePrefill, Script, node_state, wait_until
+from proxy_fakes import FakeDecode, FakeNodes, FakePrefill, Script, heartbeating, node_state, wait_until
 from test_proxy_main import ADMIN_KEY, MODEL, running_proxy
 
 from cluster.config import RegistryConfig
@@ -40,26 +40,15 @@ class Cluster:
                        node_state("d0", "decode", self.fakes.serve(self.d0), model=MODEL, max_model_len=256),
                        node_state("d1", "decode", self.fakes.serve(self.d1), model=MODEL, max_model_len=256)]
         self.registry = Registry(RegistryConfig(url=self.url, cluster="proxytest", ttl_s=1.0, heartbeat_s=0.2))
-        self._stop = threading.Event()
-        self._beat = threading.Thread(target=self._heartbeat, daemon=True)
-        self._beat.start()
-
-    def _heartbeat(self) -> None:
-        while not self._stop.is_set():
-            for s in self.states:
-                try:
-                    self.registry.heartbeat(s.info, s.replicas)
-                except Exception:  # Redis is away: keep beating, as node_runtime's Heartbeat does
-                    pass
-            self._stop.wait(0.2)
+        self._beats = ExitStack()
+        self._beats.enter_context(heartbeating(self.registry, self.states, every_s=0.2))
 
     def set_serving(self, fake: FakeDecode, serving: bool) -> None:
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
         self.fakes.call(fake.health.set("", status))
 
     def close(self) -> None:
-        self._stop.set()
-        self._beat.join(5)
+        self._beats.close()
         self.registry.close()
         self.redis.stop()
         self.fakes.stop()

@@ -11,7 +11,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,6 +20,7 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
+from procs import wait_registered
 
 from cluster.auth import call_metadata
 from cluster.config import RegistryConfig
@@ -90,12 +90,7 @@ def node(tiny_model: Path, pki: dict[str, Path]) -> Iterator[str]:
          "--num-kv-blocks", "32"], env=env, start_new_session=True)
     registry = Registry(RegistryConfig(url=redis.url, cluster="tls"))
     try:
-        deadline = time.monotonic() + 90
-        while not registry.nodes():
-            assert proc.poll() is None, "the prefill node exited"
-            assert time.monotonic() < deadline, "the prefill node did not register"
-            time.sleep(0.2)
-        yield registry.nodes()[0].info.address
+        yield wait_registered(proc, registry).info.address
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         assert proc.wait(30) == 0
