@@ -54,6 +54,8 @@ class PrefixCache:
         return len(self._idle)
 
     def can_allocate(self, n: int, first: int = 0) -> bool:
+        """Whether ``n`` blocks can be had now; evicts cached blocks (least recent first) until they
+        can, so a True answer leaves the room ``allocate`` takes."""
         while not self.inner.can_allocate(n, first) and self._idle:
             self._evict_one()
         return self.inner.can_allocate(n, first)

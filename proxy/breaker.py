@@ -7,7 +7,8 @@ calls of other kinds (deadline exceeded, internal errors, decode streams that st
 (RESOURCE_EXHAUSTED) or a bad request is not a failure of the node.
 
 ``Prober`` asks each open node's standard health service (``grpc.health.v1``, which a node answers
-SERVING from registration until it starts stopping) every ``probe_s``: SERVING half-opens it. While
+SERVING from registration until it starts stopping), a round per ``probe_once`` (the app runs one
+every ``--health-probe-s``): SERVING half-opens it. While
 the registry is unreachable the proxy cannot see heartbeats, so the prober checks every known node
 and opens those that do not answer: health then comes from the nodes themselves.
 """
