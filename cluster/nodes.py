@@ -60,6 +60,27 @@ class ReplicaLoad:
 
 
 @dataclass(frozen=True)
+class KVEvents:
+    """What joined and left one replica's prefix cache since its node's last report: block hashes
+    (``engine.block_hash``). Published on the registry's pub/sub, read into the proxy's prefix
+    index; a lost message costs only a worse guess."""
+
+    node_id: str
+    dp_rank: int
+    started_at: float  # the node's: a restarted node's cache starts empty
+    stored: tuple[int, ...] = ()
+    removed: tuple[int, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @staticmethod
+    def from_dict(d: dict[str, Any]) -> KVEvents:
+        return KVEvents(str(d["node_id"]), int(d["dp_rank"]), float(d["started_at"]),
+                        tuple(int(h) for h in d.get("stored", ())), tuple(int(h) for h in d.get("removed", ())))
+
+
+@dataclass(frozen=True)
 class NodeState:
     """A node as the registry sees it now."""
 

@@ -17,6 +17,9 @@ Key layout, all under ``<cluster>:`` so that clusters can share one Redis:
   flags back from the draining nodes' next heartbeats (each remembers the flag it last heard).
 - ``<cluster>:events``: pub/sub channel; a message whenever a node joins or leaves or a draining
   flag changes, so watchers refresh at once instead of at their next poll.
+- ``<cluster>:kv_events``: pub/sub channel; each heartbeat, a message per replica whose prefix
+  cache changed (``KVEvents`` as JSON: block hashes stored and evicted), for the proxy's prefix
+  index. Fire and forget: a reader that misses one guesses worse, nothing breaks.
 
 Health is judged on Redis' clock (the record's remaining TTL), never by comparing the clocks of
 two machines; ``NodeState.heartbeat_at`` is translated to the reader's clock.
@@ -36,7 +39,7 @@ from urllib.parse import urlsplit, urlunsplit
 import redis
 
 from cluster.config import RegistryConfig
-from cluster.nodes import NodeInfo, NodeState, ReplicaLoad
+from cluster.nodes import KVEvents, NodeInfo, NodeState, ReplicaLoad
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +81,7 @@ class Registry:
         self._index_key = f"{self._prefix}nodes"
         self._draining_key = f"{self._prefix}draining"
         self.channel = f"{self._prefix}events"
+        self.kv_channel = f"{self._prefix}kv_events"
         self._set_draining_script = self._client.register_script(_SET_DRAINING)
         self._prune_script = self._client.register_script(_PRUNE)
 
@@ -107,6 +111,22 @@ class Registry:
                     draining = True
                 self._notify("join", info.node_id)
         return bool(draining)
+
+    def publish_kv_events(self, events: Sequence[KVEvents]) -> None:
+        """Publish replicas' prefix-cache changes (one message each; empty ones are skipped)."""
+        events = [e for e in events if e.stored or e.removed]
+        if not events:
+            return
+        with self._errors("publish KV events"):
+            pipe = self._client.pipeline(transaction=False)
+            for e in events:
+                pipe.publish(self.kv_channel, json.dumps(e.to_dict()))
+            pipe.execute()
+
+    def kv_event_stream(self) -> KVEventStream:
+        """A subscription to the cluster's KV events (its own Redis connection)."""
+        with self._errors("subscribe to KV events"):
+            return KVEventStream(self._client.pubsub(ignore_subscribe_messages=True), self.kv_channel)
 
     def deregister(self, node_id: str) -> None:
         """Remove the node and its draining flag (a clean shutdown)."""
@@ -209,6 +229,42 @@ class Watch:
             return True
         except redis.RedisError as e:
             raise RegistryError(f"registry notifications: {e}") from e
+
+    def close(self) -> None:
+        try:
+            self._pubsub.close()
+        except redis.RedisError:
+            pass  # the connection is already gone
+
+
+class KVEventStream:
+    """The cluster's KV events as they are published (``Registry.kv_event_stream``)."""
+
+    def __init__(self, pubsub: redis.client.PubSub, channel: str) -> None:
+        self._pubsub = pubsub
+        self._pubsub.subscribe(channel)
+
+    def poll(self, timeout_s: float, limit: int = 1024) -> list[KVEvents]:
+        """The messages that arrive within ``timeout_s`` (at most ``limit``; pending ones at once).
+        Malformed messages are skipped."""
+        out: list[KVEvents] = []
+        deadline = time.monotonic() + max(0.0, timeout_s)
+        try:
+            while len(out) < limit:
+                # None: nothing in time, or a subscription notice (skipped): wait on while time is left
+                left = deadline - time.monotonic() if not out else 0.0
+                msg = self._pubsub.get_message(timeout=max(0.0, left))
+                if msg is None:
+                    if out or time.monotonic() >= deadline:
+                        break
+                    continue
+                try:
+                    out.append(KVEvents.from_dict(json.loads(msg["data"])))
+                except (ValueError, KeyError, TypeError):
+                    log.warning("skipped a malformed KV event message")
+        except redis.RedisError as e:
+            raise RegistryError(f"KV events: {e}") from e
+        return out
 
     def close(self) -> None:
         try:

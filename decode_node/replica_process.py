@@ -9,7 +9,8 @@ prefill node) as the threaded mode does.
 Pipe protocol (pickled; ``engine.parallel.rank_group``): the node sends ``StartJob``, ``AbortJob``,
 ``AbortJobs`` and ``Stop``; a replica sends ``ReplicaUp`` once its engine is ready, then ``JobEvent``
 (an item of a request's event stream: a ``DecodeEvent``, an exception, or None at the end),
-``LoadReport`` when its load or transfer totals change, and ``ReplicaFailed`` if its engine fails.
+``LoadReport`` when its load or transfer totals change (or its prefix cache does: its KV events),
+and ``ReplicaFailed`` if its engine fails.
 """
 
 from __future__ import annotations
@@ -78,6 +79,7 @@ class JobEvent:
 class LoadReport:
     load: ReplicaLoad
     transfers: tuple[int, int, float, dict[str, int]]  # done, bytes, seconds, failures by cause
+    kv_events: tuple[list[int], list[int]] = ([], [])  # prefix cache: hashes stored, evicted since the last
 
 
 @dataclass(frozen=True)
@@ -167,8 +169,9 @@ def serve_replica(ctx: RankContext) -> None:
                     case _:
                         raise TypeError(f"unknown message {msg!r}")
             report = LoadReport(replica.load, (stats.done, stats.bytes, stats.seconds, dict(stats.failures)))
-            if report != last:
-                link.send(report)
+            events = replica.engine.take_kv_events()
+            if report != last or events[0] or events[1]:
+                link.send(LoadReport(report.load, report.transfers, events))
                 last = report
     finally:
         replica.request_stop()
@@ -188,6 +191,12 @@ class RemoteReplica:
         self.jobs: dict[str, DecodeJob] = {}
         self.load = ReplicaLoad(dp_rank=index)
         self.transfers: tuple[int, int, float, dict[str, int]] = (0, 0, 0.0, {})
+        self.kv_events: dict[int, bool] = {}  # prefix cache: hash -> stored (True) or evicted, not yet taken
+
+    def take_kv_events(self) -> tuple[list[int], list[int]]:
+        events, self.kv_events = self.kv_events, {}
+        items = list(events.items())
+        return [h for h, on in items if on], [h for h, on in items if not on]
 
     def send(self, message: object) -> None:
         from decode_node.worker import Abort, AbortAll, Start
@@ -276,9 +285,11 @@ class ReplicaProcesses:
                     item = pb.DecodeEvent.FromString(item)
                     job.admitted = job.admitted or item.HasField("admitted")
                 job.emit(item)
-            case LoadReport(load, transfers):
+            case LoadReport(load, transfers, (stored, removed)):
                 replica.load = load
                 replica.transfers = transfers
+                replica.kv_events.update(dict.fromkeys(stored, True))
+                replica.kv_events.update(dict.fromkeys(removed, False))
             case ReplicaFailed(why):
                 self._failed(f"replica {d}: {why}")
             case _:

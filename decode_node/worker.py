@@ -166,13 +166,14 @@ class Replica(EngineLoop):
             return
         job.replica = self.index
         self.jobs[job.request_id] = job
-        blocks = list(job.seq.block_ids)
+        hit = job.seq.prefix_hit_blocks  # cached here already (prefix caching): not pulled
+        have, blocks = job.seq.block_ids[:hit], job.seq.block_ids[hit:]
 
         def pull() -> None:
             try:
                 # The prefill node frees the blocks when its lease runs out, even mid-pull.
                 limit = self.receiver.limit(source.lease_s, job.t_submit)
-                table = self.receiver.fill(job.request_id, source.request, source.layouts, limit)(blocks)
+                table = have + self.receiver.fill(job.request_id, source.request, source.layouts, limit)(blocks)
                 if not self.worker.confirm(source.prefill_address, job.request_id):
                     raise KVLost(f"{source.prefill_node_id} no longer held the KV of {job.request_id} "
                                  "(lease expired or aborted during the pull)")
@@ -219,7 +220,8 @@ class Replica(EngineLoop):
             return
         job.admitted = True
         job.emit(pb.DecodeEvent(admitted=pb.Admitted(
-            dp_rank=self.index, transfer_bytes=rec.bytes if rec else 0, transfer_s=rec.seconds if rec else 0.0)))
+            dp_rank=self.index, transfer_bytes=rec.bytes if rec else 0, transfer_s=rec.seconds if rec else 0.0,
+            cached_tokens=job.seq.prefix_hit_blocks * self.engine.config.block_size)))
         if done:
             self._finish(job)
 
@@ -355,6 +357,11 @@ class DecodeWorker:
 
     def in_flight(self) -> int:
         return sum(len(r.jobs) for r in self.replicas)
+
+    def take_kv_events(self) -> list[tuple[int, list[int], list[int]]]:
+        out = [(r.index, *(r.engine.take_kv_events() if isinstance(r, Replica) else r.take_kv_events()))
+               for r in self.replicas]
+        return [(d, stored, removed) for d, stored, removed in out if stored or removed]
 
     def abort_all(self, why: str) -> None:
         for r in self.replicas:

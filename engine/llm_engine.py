@@ -136,14 +136,17 @@ class LLMEngine:
         Blocks for the prompt are allocated here and handed to ``fill(block_ids)``: the KV transfer,
         which may place the prompt's blocks among them as it likes (``kv_transfer.planner.
         arrange_destination``) and returns the block table, the block of each logical block in
-        order. Only when it returns does the request join the running batch, with ``first_token``
+        order. With prefix caching, the prompt's leading blocks already cached here are shared and
+        ``fill`` gets only the blocks of the rest (logical blocks ``seq.prefix_hit_blocks`` on, in
+        its table). Only when it returns does the request join the running batch, with ``first_token``
         as its first output; if it raises, the blocks are freed and the error propagates.
         (``begin_prefilled`` / ``admit_prefilled`` are the same in two halves, for a fill that runs
         while the engine keeps stepping.)
         """
         seq = self.begin_prefilled(prompt, params, request_id)
         try:
-            table = fill(list(seq.block_ids))
+            hit = seq.prefix_hit_blocks
+            table = seq.block_ids[:hit] + fill(seq.block_ids[hit:])
             self.admit_prefilled(seq, table, first_token, first_logprob)
         except BaseException:
             self.abort(seq.request_id)
@@ -157,14 +160,16 @@ class LLMEngine:
         Raises ``MemoryError`` when the blocks are not free now.
         """
         seq = self.add_request(prompt, params, request_id)
-        seq.cacheable = False  # its blocks are filled by a transfer, not computed here
         self.scheduler.waiting.remove(seq)
-        n = -(-len(prompt) // self.config.block_size)
+        # With prefix caching the leading blocks already cached here are shared, not transferred:
+        # ``seq.block_ids[:seq.prefix_hit_blocks]`` hold them, the transfer fills the rest.
+        seq.block_ids = self.scheduler.match_transferred(seq)
+        n = -(-len(prompt) // self.config.block_size) - len(seq.block_ids)
         if not self.scheduler.allocator.can_allocate(n):
             self._requests.pop(seq.request_id, None)
             self.scheduler.finish(seq, "abort")
             raise MemoryError(f"no room for {n} KV blocks (free: {self.scheduler.allocator.num_free})")
-        seq.block_ids = self.scheduler.allocator.allocate(n)
+        seq.block_ids += self.scheduler.allocator.allocate(n)
         return seq
 
     def admit_prefilled(
@@ -183,10 +188,14 @@ class LLMEngine:
             raise KeyError(f"request {seq.request_id!r} is not waiting for admission (aborted?)")
         if sorted(table) != sorted(seq.block_ids):
             raise ValueError("the block table must be made of exactly the blocks allocated for the request")
+        hit = seq.prefix_hit_blocks
+        if table[:hit] != seq.block_ids[:hit]:
+            raise ValueError(f"the block table must keep the {hit} cached prefix blocks first, in order")
         if not 0 <= first_token < self.model_config.vocab_size:
             raise ValueError(f"first token {first_token} outside the vocabulary")
         seq.block_ids = list(table)
         seq.num_computed = len(seq.prompt_token_ids)
+        self.scheduler.cache_computed(seq)  # its full prompt blocks now hold KV: later requests may share them
         seq.status = SeqStatus.WAITING
         self.scheduler.waiting.append(seq)
         top = first_top if seq.params.logprobs is not None else None
@@ -266,6 +275,10 @@ class LLMEngine:
         if c is None:
             return {"cached_blocks": 0, "prefix_hit_blocks": 0, "prefix_query_blocks": 0}
         return {"cached_blocks": c.num_cached, "prefix_hit_blocks": c.hits, "prefix_query_blocks": c.queries}
+
+    def take_kv_events(self) -> tuple[list[int], list[int]]:
+        """Block hashes that joined and left the prefix cache since the last call (none when it is off)."""
+        return self.prefix_cache.take_events() if self.prefix_cache is not None else ([], [])
 
     def used_blocks_per_rank(self) -> list[int]:
         """Used blocks per PCP rank (sharded layout); one entry otherwise."""

@@ -13,7 +13,9 @@ position j is only ever reused at position j, where the sharded layout places th
   (it counts as free); allocation evicts the least recently used of those only when the allocator
   has no free block left;
 - blocks are registered once their tokens are all computed (``register``), by the engine after a
-  step; a block that is still being written is never shared.
+  step; a block that is still being written is never shared;
+- what joined and left the cache since the last ``take_events`` is kept (net, per hash; at most
+  ``MAX_PENDING_EVENTS``, the oldest dropped), for a node to publish as KV events.
 
 The hashes (``engine.block_hash``) are stable across processes, so the proxy computes the same
 ones to guess where a prompt's prefix is cached (``proxy.prefix_index``).
@@ -25,6 +27,8 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 from engine.kv_cache import BlockSpace
+
+MAX_PENDING_EVENTS = 1 << 16  # hashes stored or evicted and not yet taken: the oldest beyond are dropped
 
 
 class PrefixCache:
@@ -38,6 +42,7 @@ class PrefixCache:
         self._idle: OrderedDict[int, None] = OrderedDict()  # registered, unused blocks, least recent first
         self.hits = 0  # blocks found in the cache, since start
         self.queries = 0  # blocks looked up
+        self._events: dict[int, bool] = {}  # hash -> stored (True) or evicted (False) since take_events
 
     # -- BlockSpace ----------------------------------------------------------------------------
     @property
@@ -125,13 +130,27 @@ class PrefixCache:
             raise ValueError(f"block {block} is not in use")
         self._hash_of[block] = h
         self._block_of[h] = block
+        self._event(h, True)
 
     def reset(self) -> None:
         """Forget every cached block no request uses (they go back to the allocator)."""
         while self._idle:
             self._evict_one()
 
+    def take_events(self) -> tuple[list[int], list[int]]:
+        """The hashes stored in and evicted from the cache since the last call (net of each other)."""
+        events, self._events = self._events, {}
+        items = list(events.items())  # one C call: safe if the engine thread had the old dict in hand
+        return [h for h, on in items if on], [h for h, on in items if not on]
+
+    def _event(self, h: int, stored: bool) -> None:
+        self._events[h] = stored
+        if len(self._events) > MAX_PENDING_EVENTS:
+            del self._events[next(iter(self._events))]
+
     def _evict_one(self) -> None:
         b, _ = self._idle.popitem(last=False)
-        del self._block_of[self._hash_of.pop(b)]
+        h = self._hash_of.pop(b)
+        del self._block_of[h]
+        self._event(h, False)
         self.inner.free([b])

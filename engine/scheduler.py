@@ -105,7 +105,7 @@ class Scheduler:
             if not self._grow(seq, n):
                 if hit:  # give the shared blocks back: the request starts over when there is room
                     self.allocator.free(seq.block_ids)
-                    seq.block_ids, seq.num_computed, seq.num_registered = [], 0, 0
+                    seq.block_ids, seq.num_computed, seq.num_registered, seq.prefix_hit_blocks = [], 0, 0, 0
                 break
             self.waiting.popleft()
             seq.status = SeqStatus.RUNNING
@@ -132,9 +132,19 @@ class Scheduler:
             return 0
         ids = self.prefix.match(self._hashes(seq, (seq.num_tokens - 1) // self.block_size))
         seq.block_ids = ids
-        seq.num_registered = len(ids)
+        seq.num_registered = seq.prefix_hit_blocks = len(ids)
         seq.num_computed = len(ids) * self.block_size
         return len(ids)
+
+    def match_transferred(self, seq: Sequence) -> list[int]:
+        """A request whose prompt KV arrives by transfer: the cached blocks of its longest cached prefix
+        of full prompt blocks (referenced for it; the transfer need not bring them). Its last token
+        was computed elsewhere, so every full block may hit."""
+        if self.prefix is None or not seq.cacheable:
+            return []
+        ids = self.prefix.match(self._hashes(seq, len(seq.prompt_token_ids) // self.block_size))
+        seq.num_registered = seq.prefix_hit_blocks = len(ids)
+        return ids
 
     def cache_computed(self, seq: Sequence) -> None:
         """After a step: the request's blocks whose tokens are now all computed join the cache."""

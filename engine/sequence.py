@@ -45,6 +45,7 @@ class Sequence:
     text: str = ""
     block_hashes: list[int] = field(default_factory=list)  # prefix caching: hashes of full blocks, in order
     num_registered: int = 0  # prefix caching: leading blocks already in the cache
+    prefix_hit_blocks: int = 0  # prefix caching: leading blocks it found cached when it (last) started
     cacheable: bool = True  # prefix caching may share its blocks (not when prompt logits are wanted)
 
     @property

@@ -32,7 +32,7 @@ from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kv_transfer.layout import CacheLayout, RequestKV
+from kv_transfer.layout import CacheLayout, RequestKV, restrict
 from kv_transfer.planner import TransferPlan, arrange_destination, plan_transfer
 from kv_transfer.transport import TransferError, Transport
 
@@ -225,13 +225,22 @@ class KVReceiver:
         self, request_id: str, request: RequestKV, sources: dict[int, CacheLayout], timeout_s: float | None = None
     ) -> Callable[[list[int]], list[int]]:
         """The ``LLMEngine.add_prefilled`` callback for one request: given its allocated blocks,
-        arrange them (so copies coalesce), plan, pull, and return the block table."""
+        arrange them (so copies coalesce), plan, pull, and return the block table.
+
+        Fewer blocks than the request has are for its trailing blocks: this side holds the leading
+        ones already (its prefix cache hit), so only the rest is pulled, and the table is theirs."""
         limit = self.timeout_s if timeout_s is None else timeout_s  # pull caps it at the receiver's timeout
 
         def fill(block_ids: list[int]) -> list[int]:
+            wanted = request
+            have = request.num_blocks - len(block_ids)
+            if have > 0:
+                wanted = restrict(request.holders, list(range(have, request.num_blocks)))
+            if not wanted.num_blocks:
+                return []  # every block was here already
             try:
-                table = arrange_destination(request, block_ids)
-                plan = plan_transfer(request, sources, self.dest, table)
+                table = arrange_destination(wanted, block_ids)
+                plan = plan_transfer(wanted, sources, self.dest, table)
             except BaseException:
                 self.stats.add(TransferRecord(request_id, False, 0, 0.0, 0, "invalid"))
                 raise

@@ -75,3 +75,17 @@ class RequestKV:
             missing = sorted(set(range(self.num_blocks)) - held)
             if missing:
                 raise ValueError(f"PP stage {stage}: no rank holds logical blocks {missing[:8]}")
+
+
+def restrict(hs: list[RankBlocks], wanted: list[int]) -> RequestKV:
+    """The request as the planner sees it for one destination: only the ``wanted`` blocks, renumbered.
+
+    Block ``wanted[k]`` becomes logical block ``k``, so ``dest_blocks[k]`` is its destination block
+    (a decode side that already holds a prefix asks for the rest; vLLM's workers for their units).
+    """
+    index = {j: k for k, j in enumerate(wanted)}
+    out = []
+    for h in hs:
+        pairs = [(index[j], p) for j, p in zip(h.logical, h.physical) if j in index]
+        out.append(RankBlocks(h.dp, h.pcp, h.pp, h.rank, h.layers, [k for k, _ in pairs], [p for _, p in pairs]))
+    return RequestKV([h for h in out if h.logical], len(wanted))

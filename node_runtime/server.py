@@ -2,9 +2,10 @@
 
 A node is a ``NodeWorker`` (the engine side, on its own threads) plus a gRPC servicer. ``serve``
 starts the server on the configured address (port 0: a free one), joins the registry with a
-heartbeat thread that publishes the worker's load every ``heartbeat_s``, and runs until SIGTERM /
-SIGINT or until the worker fails. Stopping: leave the registry (no new routing), let in-flight
-requests finish for up to ``grace_s``, abort the rest, stop the server and the worker.
+heartbeat thread that publishes the worker's load (and its prefix caches' KV events) every
+``heartbeat_s``, and runs until SIGTERM / SIGINT or until the worker fails. Stopping: leave the
+registry (no new routing), let in-flight requests finish for up to ``grace_s``, abort the rest, stop
+the server and the worker.
 
 The server also answers the standard gRPC health service (``grpc.health.v1.Health``, for compose
 healthchecks and Kubernetes' gRPC probes), for ``""`` and for the node's service name: NOT_SERVING
@@ -32,7 +33,7 @@ from cluster import envs, tls
 from cluster.auth import TokenCheck
 from cluster.config import NodeConfig
 from cluster.net import is_loopback
-from cluster.nodes import NodeInfo, ReplicaLoad
+from cluster.nodes import KVEvents, NodeInfo, ReplicaLoad
 from cluster.proto_gen import pdcluster_v1_pb2 as pb
 from engine import envs as engine_envs
 
@@ -56,6 +57,11 @@ class NodeWorker(Protocol):
 
     def load(self) -> list[ReplicaLoad]: ...
 
+    def take_kv_events(self) -> list[tuple[int, list[int], list[int]]]:
+        """Per DP replica whose prefix cache changed since the last call: (dp rank, hashes stored,
+        hashes evicted)."""
+        ...
+
     def in_flight(self) -> int: ...
 
     def abort_all(self, why: str) -> None: ...
@@ -74,13 +80,15 @@ def transfer_host(config: NodeConfig) -> str:
 class Heartbeat(threading.Thread):
     """Publishes the node's info and load to the registry."""
 
-    def __init__(self, config: NodeConfig, info: NodeInfo, load: Callable[[], list[ReplicaLoad]]) -> None:
+    def __init__(self, config: NodeConfig, info: NodeInfo, load: Callable[[], list[ReplicaLoad]],
+                 kv_events: Callable[[], list[tuple[int, list[int], list[int]]]] | None = None) -> None:
         super().__init__(name="heartbeat", daemon=True)
         from cluster.registry import Registry
 
         self.registry = Registry(config.registry)
         self.info = info
         self.load = load
+        self.kv_events = kv_events
         self.every_s = config.registry.heartbeat_s
         self.stopped = threading.Event()
         self.registered = threading.Event()  # the registry has taken a heartbeat
@@ -92,6 +100,10 @@ class Heartbeat(threading.Thread):
             # The drain flag is for the proxy; the node only remembers it for the registry's sake.
             self.draining = self.registry.heartbeat(self.info, self.load(), was_draining=self.draining)
             self.registered.set()
+            if self.kv_events is not None:  # after the record: readers know the node first
+                self.registry.publish_kv_events([KVEvents(self.info.node_id, dp, self.info.started_at,
+                                                          tuple(stored), tuple(removed))
+                                                 for dp, stored, removed in self.kv_events()])
             if self.last_error:
                 log.info("registry reachable again")
             self.last_error = None
@@ -203,7 +215,7 @@ async def _serve(
     worker.address = f"{config.dial_host}:{port}"  # before the first answer can carry it
     await server.start()
     info = node_info(config, served, worker)
-    heartbeat = Heartbeat(config, info, worker.load)
+    heartbeat = Heartbeat(config, info, worker.load, worker.take_kv_events if info.prefix_caching else None)
     heartbeat.beat()  # registered before we say we are up
     heartbeat.start()
     log.info("%s %s serving on %s:%d (%s, %s)", config.role, config.node_id, config.host, port,

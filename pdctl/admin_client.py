@@ -48,6 +48,7 @@ class PrefillChoice:
     pcp: int
     cost: float
     reason: str
+    cached_tokens: int = 0  # the prompt's tokens expected in its prefix cache (a route for a prompt's text)
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,7 @@ class DecodeChoice:
     node_id: str
     dp_rank: int
     reason: str
+    cached_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -79,12 +81,13 @@ class DecodeCandidate:
 
 @dataclass(frozen=True)
 class Route:
-    """Where the proxy would send a prompt of a given length now, and why."""
+    """Where the proxy would send a prompt of a given length (or text) now, and why."""
 
     prefill: PrefillChoice | None  # None: the decode rank prefills locally
     decode: DecodeChoice
     candidates: tuple[Candidate, ...]  # prefill replicas
     decode_candidates: tuple[DecodeCandidate, ...] = ()
+    prompt_tokens: int = 0
 
 
 class AdminClient:
@@ -113,16 +116,22 @@ class AdminClient:
         body = self._call("POST", f"/admin/nodes/{quote(node_id, safe='')}/{action}", not_found=f"no node {node_id!r}")
         return bool(body.get("draining", draining))
 
-    def route(self, prompt_tokens: int, max_tokens: int | None = None) -> Route:
-        params = {"prompt_tokens": prompt_tokens} | ({} if max_tokens is None else {"max_tokens": max_tokens})
+    def route(self, prompt_tokens: int | None, max_tokens: int | None = None, prompt: str | None = None) -> Route:
+        """The route for a prompt of ``prompt_tokens`` tokens, or of the text ``prompt`` (which counts
+        the prefix caches' expected hits)."""
+        params: dict[str, Any] = {"prompt": prompt} if prompt is not None else {"prompt_tokens": prompt_tokens}
+        if max_tokens is not None:
+            params["max_tokens"] = max_tokens
         body = self._call("GET", "/admin/route", params=params)
         try:
             p, d = body["prefill"], body["decode"]
             return Route(
                 prefill=None if p is None and body.get("local_prefill") else
                 PrefillChoice(str(p["node_id"]), int(p["dp_rank"]), int(p.get("pcp", 1)),
-                              float(p.get("cost", 0.0)), str(p.get("reason", ""))),
-                decode=DecodeChoice(str(d["node_id"]), int(d["dp_rank"]), str(d.get("reason", ""))),
+                              float(p.get("cost", 0.0)), str(p.get("reason", "")), int(p.get("cached_tokens", 0))),
+                decode=DecodeChoice(str(d["node_id"]), int(d["dp_rank"]), str(d.get("reason", "")),
+                                    int(d.get("cached_tokens", 0))),
+                prompt_tokens=int(body.get("prompt_tokens", prompt_tokens or 0)),
                 candidates=tuple(
                     Candidate(str(c["node_id"]), int(c["dp_rank"]), int(c.get("pcp", 1)), float(c.get("cost", 0.0)),
                               bool(c.get("eligible", True)), str(c.get("reason", "")))

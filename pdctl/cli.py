@@ -254,13 +254,22 @@ def undrain(node_id: str = typer.Argument(..., help="the node to route to again"
 
 
 @app.command()
-def route(prompt_tokens: int = typer.Option(..., "--prompt-tokens", min=1, help="the prompt's length in tokens"),
+def route(prompt_tokens: int | None = typer.Option(None, "--prompt-tokens", min=1,
+                                                   help="the prompt's length in tokens"),
+          prompt: str | None = typer.Option(None, "--prompt", help="the prompt's text (tokenized as is, no chat "
+                                            "template): the prefix caches' expected hits count too"),
           max_tokens: int | None = typer.Option(None, "--max-tokens", min=1, help="output tokens it may generate"),
           proxy: str | None = PROXY, admin_key: str | None = ADMIN_KEY, run_dir: Path | None = RUN_DIR,
           cluster: str = CLUSTER) -> None:
-    """Where the proxy would send a prompt of this length now, and why."""
-    chosen = _admin(proxy, admin_key, run_dir, cluster, lambda c: c.route(prompt_tokens, max_tokens))
+    """Where the proxy would send a prompt of this length (or this text) now, and why."""
+    if (prompt_tokens is None) == (prompt is None):
+        raise typer.BadParameter("give --prompt-tokens N or --prompt TEXT (one of them)")
+    chosen = _admin(proxy, admin_key, run_dir, cluster, lambda c: c.route(prompt_tokens, max_tokens, prompt))
     p, d = chosen.prefill, chosen.decode
+    if prompt is not None:
+        hit = max(p.cached_tokens if p is not None else 0, d.cached_tokens)
+        console.print(f"prompt: {chosen.prompt_tokens} tokens, {hit} expected in a prefix cache on this route",
+                      markup=False, highlight=False)
     if p is None:
         console.print("prefill: local, on the decode rank below", markup=False, highlight=False)
     else:

@@ -150,6 +150,10 @@ class PrefillWorker(EngineLoop):
     def load(self) -> list[ReplicaLoad]:
         return list(self._load)
 
+    def take_kv_events(self) -> list[tuple[int, list[int], list[int]]]:
+        out = [(d, *e.take_kv_events()) for d, e in enumerate(self.engines)]
+        return [(d, stored, removed) for d, stored, removed in out if stored or removed]
+
     def in_flight(self) -> int:
         return len(self.jobs) + len(self.leases)
 
@@ -252,7 +256,8 @@ class PrefillWorker(EngineLoop):
         now = time.monotonic()
         started = job.started or now
         resp = pb.PrefillResponse(request_id=seq.request_id, dp_rank=d, first_token=first, finish_reason=reason,
-                                  queue_s=started - job.arrived, prefill_s=now - started)
+                                  queue_s=started - job.arrived, prefill_s=now - started,
+                                  cached_tokens=seq.prefix_hit_blocks * eng.config.block_size)
         if reason:
             eng.release(seq.request_id)
         else:

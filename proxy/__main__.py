@@ -67,6 +67,9 @@ class RegistrySource:
     def registry_error(self) -> str | None:
         return self._view.last_error
 
+    def kv_event_stream(self) -> Any:
+        return self._registry.kv_event_stream()
+
 
 ARGV_ENV = "PDCLUSTER_PROXY_ARGV"  # a worker's command line (JSON), set by the parent of several workers
 

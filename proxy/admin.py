@@ -1,7 +1,8 @@
 """The admin API: list nodes, drain and undrain them, explain a routing decision.
 
 ``GET /admin/nodes``, ``POST /admin/nodes/{node_id}/drain`` and ``/undrain``,
-``GET /admin/route?prompt_tokens=N[&max_tokens=M]``. Guarded by the admin key when one is set.
+``GET /admin/route?prompt_tokens=N[&max_tokens=M]`` or ``?prompt=TEXT`` (tokenized as is: the prefix
+caches' expected hits count then). Guarded by the admin key when one is set.
 A drain takes effect on this proxy's very next request; requests in flight finish.
 """
 
@@ -14,14 +15,19 @@ from typing import Any
 from fastapi import APIRouter, Depends, Query
 from fastapi.responses import JSONResponse
 
+from cluster.nodes import NodeState
 from proxy.discovery import NodeView
 from proxy.errors import APIError
-from proxy.router import Router
+from proxy.router import CachedTokens, Router
 
 log = logging.getLogger(__name__)
 
 
-def admin_router(view: NodeView, router: Router, guard: Callable[..., Awaitable[None]]) -> APIRouter:
+def admin_router(view: NodeView, router: Router, guard: Callable[..., Awaitable[None]],
+                 tokenize: Callable[[str], list[int]] | None = None,
+                 expected_cached: Callable[[list[NodeState], list[int]], CachedTokens | None] | None = None,
+                 ) -> APIRouter:
+    """``tokenize`` and ``expected_cached`` (the pipeline's) explain a route for a prompt's text."""
     api = APIRouter(prefix="/admin", dependencies=[Depends(guard)])
 
     @api.get("/nodes")
@@ -50,13 +56,28 @@ def admin_router(view: NodeView, router: Router, guard: Callable[..., Awaitable[
         return await set_draining(node_id, False)
 
     @api.get("/route", response_model=None)
-    async def route(prompt_tokens: int = Query(ge=1), max_tokens: int = Query(1, ge=1)) -> JSONResponse:
-        plan = router.plan(view.snapshot(), prompt_tokens, max_tokens)
+    async def route(prompt_tokens: int | None = Query(None, ge=1), max_tokens: int = Query(1, ge=1),
+                    prompt: str | None = Query(None, min_length=1)) -> JSONResponse:
+        nodes = view.snapshot()
+        cached = None
+        if prompt is not None:
+            if tokenize is None:
+                raise APIError(400, "this proxy cannot tokenize a prompt here: give prompt_tokens", param="prompt")
+            ids = tokenize(prompt)
+            prompt_tokens = len(ids)
+            cached = expected_cached(nodes, ids) if expected_cached is not None else None
+        if not prompt_tokens:
+            raise APIError(400, "give prompt_tokens (a length) or prompt (a text)", param="prompt_tokens")
+        plan = router.plan(nodes, prompt_tokens, max_tokens, cached=cached)
         body: dict[str, Any] = {
-            "prefill": None if plan.prefill is None else _pick(plan.prefill.to_dict(), "pcp", "cost"),
-            "decode": None if plan.decode is None else _pick(plan.decode.to_dict(), "free_blocks", "running"),
-            "candidates": [_pick(c.to_dict(), "pcp", "cost", "eligible") for c in plan.prefill_candidates],
-            "decode_candidates": [_pick(c.to_dict(), "running", "free_blocks", "eligible")
+            "prompt_tokens": prompt_tokens,
+            "prefill": None if plan.prefill is None else _pick(plan.prefill.to_dict(), "pcp", "cost",
+                                                                 "cached_tokens"),
+            "decode": None if plan.decode is None else _pick(plan.decode.to_dict(), "free_blocks", "running",
+                                                             "cached_tokens"),
+            "candidates": [_pick(c.to_dict(), "pcp", "cost", "eligible", "cached_tokens")
+                           for c in plan.prefill_candidates],
+            "decode_candidates": [_pick(c.to_dict(), "running", "free_blocks", "eligible", "cached_tokens")
                                   for c in plan.decode_candidates],
             "local_prefill": plan.local,  # the decode rank would prefill it itself (prefill is null)
         }

@@ -32,6 +32,7 @@ from proxy.clients import NodeClients
 from proxy.discovery import NodeSource, NodeView, available, context_limit
 from proxy.errors import APIError, install_error_handlers
 from proxy.hot_path import GenerationEndpoints, ProxyApp
+from proxy.kv_events import follow_kv_events
 from proxy.metrics import ProxyMetrics, RequestCounter
 from proxy.pipeline import Pipeline
 from proxy.ratelimit import RateLimiter
@@ -116,14 +117,20 @@ def create_app(config: ProxyConfig, tokenizer: Tokenizer, nodes: NodeSource, *, 
                 log.exception("node health probe failed")
             await asyncio.sleep(config.health_probe_s)
 
+    def kv_capacity(node_id: str) -> int | None:
+        return next((n.info.num_blocks for n in view.source_nodes() if n.info.node_id == node_id), None)
+
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         probing = asyncio.ensure_future(watch_nodes())
+        following = asyncio.ensure_future(follow_kv_events(view.kv_event_stream, pipeline.legs.prefixes, kv_capacity,
+                                                           metrics.kv_events.inc))
         try:
             yield
         finally:
             probing.cancel()
-            await asyncio.gather(probing, return_exceptions=True)
+            following.cancel()
+            await asyncio.gather(probing, following, return_exceptions=True)
             await pipeline.drain_background()  # aborts sent on the way out still reach the nodes
             await clients.close()
             if on_shutdown is not None:
@@ -169,7 +176,8 @@ def create_app(config: ProxyConfig, tokenizer: Tokenizer, nodes: NodeSource, *, 
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     app.include_router(v1)
-    app.include_router(admin_router(view, router, bearer_guard(config.admin_key)))
+    app.include_router(admin_router(view, router, bearer_guard(config.admin_key), tokenizer.encode,
+                                    pipeline.expected_cached))
     return app
 
 

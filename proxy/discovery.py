@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from dataclasses import replace
 from typing import Protocol
 
-from cluster.nodes import NodeState
+from cluster.nodes import KVEvents, NodeState
 from proxy.breaker import Breakers
 
 
@@ -32,6 +32,20 @@ class NodeSource(Protocol):
     def registry_error(self) -> str | None:
         """Why the registry is unreachable now (its view is stale), or None when it is fresh."""
         ...
+
+    def kv_event_stream(self) -> KVEventFeed | None:
+        """A fresh subscription to the nodes' KV events, or None when the source has none. May block."""
+        ...
+
+
+class KVEventFeed(Protocol):
+    """A subscription to the nodes' KV events (``cluster.registry.KVEventStream``)."""
+
+    def poll(self, timeout_s: float) -> list[KVEvents]:
+        """The events that arrive within ``timeout_s`` (blocks that long at most)."""
+        ...
+
+    def close(self) -> None: ...
 
 
 class StaticNodeSource:
@@ -57,6 +71,9 @@ class StaticNodeSource:
         self._nodes.pop(node_id, None)
 
     def registry_error(self) -> str | None:
+        return None
+
+    def kv_event_stream(self) -> KVEventFeed | None:
         return None
 
 
@@ -93,6 +110,9 @@ class NodeView:
         the registry, with node health from its own probes (``/health``, ``/admin/nodes``)."""
         error = self.registry_error()
         return {"registry": "ok"} if error is None else {"registry": "stale", "registry_error": error}
+
+    def kv_event_stream(self) -> KVEventFeed | None:
+        return self._source.kv_event_stream()
 
     def source_nodes(self) -> list[NodeState]:
         """The registry's list without this proxy's overlays (what the prober checks)."""

@@ -67,6 +67,11 @@ class ProxyMetrics:
         self.kv_transfer_bytes = Counter(f"{PREFIX}_kv_transfer_bytes", "KV bytes moved from prefill to decode",
                                          registry=r)
         self.prompt_tokens = Counter(f"{PREFIX}_prompt_tokens", "Prompt tokens of routed requests", registry=r)
+        self.cached_tokens = Counter(f"{PREFIX}_prefix_cached_tokens",
+                                     "Prompt tokens found in a node's prefix cache (prefill: not computed; decode: "
+                                     "not pulled); over prompt_tokens, the hit rate", ["leg"], registry=r)
+        self.kv_events = Counter(f"{PREFIX}_kv_event_messages", "Nodes' KV event messages applied to the prefix index",
+                                 registry=r)
         self.generation_tokens = Counter(f"{PREFIX}_generation_tokens", "Output tokens received", registry=r)
         self.routing = Counter(f"{PREFIX}_routing_decisions", "Routing decisions by role and node",
                                ["role", "node_id"], registry=r)

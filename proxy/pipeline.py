@@ -44,12 +44,13 @@ import grpc
 
 from cluster.nodes import NodeState
 from cluster.proto_gen import pdcluster_v1_pb2 as pb
+from engine.block_hash import prompt_block_hashes
 from proxy.clients import NodeClients
 from proxy.discovery import NodeView
 from proxy.errors import APIError, rpc_error
 from proxy.metrics import ProxyMetrics
 from proxy.prefix_index import PrefixIndex
-from proxy.router import LocalLoad, NoRoute, Route, Router
+from proxy.router import CachedTokens, LocalLoad, NoRoute, Route, Router
 
 log = logging.getLogger(__name__)
 
@@ -203,7 +204,7 @@ class Pipeline:
                 legs.metrics.routing.labels("decode", route.decode.node_id).inc()
                 legs.metrics.prompt_tokens.inc(len(req.prompt_token_ids))
                 counted = _Counted(legs.router.load, route, len(req.prompt_token_ids), route.decode.needed_blocks)
-                return Generation(legs, req, route, None, counted)
+                return Generation(legs, req, route, None, counted, prefix)
             prefill_route = route.prefill
             try:
                 reply, counted = await self._prefill(req, route)
@@ -218,8 +219,9 @@ class Pipeline:
                 continue
             legs.node_ok(prefill_route.node_id)
             prefix.prefilled(prefill_route.node_id, prefill_route.dp_rank)
+            legs.metrics.cached_tokens.labels("prefill").inc(reply.cached_tokens)
             legs.metrics.ttft.labels(req.endpoint).observe(time.perf_counter() - req.arrival)
-            return Generation(legs, req, route, reply, counted)
+            return Generation(legs, req, route, reply, counted, prefix)
 
     async def _prefill(self, req: GenerationRequest, route: Route) -> tuple[pb.PrefillResponse, _Counted]:
         legs = self.legs
@@ -250,16 +252,23 @@ class Pipeline:
         """Let pending cleanup calls finish (at shutdown)."""
         await self.legs.drain_background(timeout_s)
 
+    def expected_cached(self, nodes: list[NodeState], prompt: list[int]) -> CachedTokens | None:
+        """(node id, DP rank) -> the prompt's tokens expected in that replica's prefix cache (what
+        routing uses; None when no node caches prefixes)."""
+        prefix = _PromptPrefix(self.legs.prefixes, nodes, prompt)
+        return prefix.cached_tokens if prefix.useful else None
+
 
 class _PromptPrefix:
     """One prompt's view of the prefix index: its block hashes (per block size; computed only when
-    some prefill node caches prefixes), the tokens expected cached on a replica, and the record of
-    where it was prefilled."""
+    some node caches prefixes), the tokens expected cached on a prefill replica or decode rank, and
+    the record of where its KV went (a prefill replica's cache keeps the prompt; a decode rank's keeps
+    the prompt and the answer it computed, which the conversation's next turn starts with)."""
 
     def __init__(self, index: PrefixIndex, nodes: list[NodeState], prompt: list[int]) -> None:
         self._index = index
         self._prompt = prompt
-        self._info = {n.info.node_id: n.info for n in nodes if n.info.role == "prefill" and n.info.prefix_caching}
+        self._info = {n.info.node_id: n.info for n in nodes if n.info.prefix_caching}
         self._hashes: dict[int, list[int]] = {}
         self.useful = bool(self._info)
 
@@ -268,6 +277,9 @@ class _PromptPrefix:
         if h is None:
             h = self._hashes[block_size] = PrefixIndex.hashes(self._prompt, block_size)
         return h
+
+    def caches(self, node_id: str) -> bool:
+        return node_id in self._info
 
     def cached_tokens(self, node_id: str, dp_rank: int) -> int:
         info = self._info.get(node_id)
@@ -279,6 +291,15 @@ class _PromptPrefix:
         info = self._info.get(node_id)
         if info is not None:
             self._index.record(node_id, dp_rank, self._of(info.block_size), capacity=info.num_blocks)
+
+    def decoded(self, node_id: str, dp_rank: int, outputs: list[int]) -> None:
+        """The decode rank holds the prompt's KV and that of ``outputs`` but the last (never fed back)."""
+        info = self._info.get(node_id)
+        if info is None:
+            return
+        hashes = (prompt_block_hashes(self._prompt + outputs[:-1], info.block_size) if len(outputs) > 1
+                  else self._of(info.block_size))
+        self._index.record(node_id, dp_rank, hashes, capacity=info.num_blocks)
 
 
 class GenerationError(Exception):
@@ -294,10 +315,12 @@ class Generation:
     (a local prefill on the decode rank) every token, the first too, comes from the decode stream."""
 
     def __init__(self, legs: Legs, req: GenerationRequest, route: Route, reply: pb.PrefillResponse | None,
-                 counted: _Counted) -> None:
+                 counted: _Counted, prefix: _PromptPrefix | None = None) -> None:
         self._legs = legs
         self.request = req
         self.route = route
+        self._prefix = prefix
+        self._outputs: list[int] = [] if reply is None else [reply.first_token.token_id]  # for the prefix record
         self._reply = reply
         self._counted = counted
         self._first_taken = reply is None  # nothing to hand out before the stream's tokens
@@ -355,7 +378,9 @@ class Generation:
                 self._legs.metrics.decode_admission_s.observe(time.perf_counter() - self._opened_at)
                 self._legs.metrics.kv_transfer_s.observe(event.admitted.transfer_s)
                 self._legs.metrics.kv_transfer_bytes.inc(event.admitted.transfer_bytes)
+                self._legs.metrics.cached_tokens.labels("decode").inc(event.admitted.cached_tokens)
                 self._counted.prefill_released()
+                self._record_prefix()
             elif kind == "tokens" and (event.tokens.tokens or event.tokens.finish_reason):
                 tokens = list(event.tokens.tokens)
                 if not self._first_event_seen:
@@ -370,10 +395,18 @@ class Generation:
                     self._last_token_at = time.perf_counter()
                     gaps -= 1
                 self._observe_tokens(gaps)
+                if self._prefix is not None and self._prefix.caches(self.route.decode.node_id):
+                    self._outputs.extend(t.token_id for t in tokens)
                 if event.tokens.finish_reason:
                     self._finished = True
                     self._counted.prefill_released()
+                    self._record_prefix()
                 return tokens, event.tokens.finish_reason
+
+    def _record_prefix(self) -> None:
+        """The decode rank's prefix cache now holds the prompt (admitted) and the answer (finished)."""
+        if self._prefix is not None:
+            self._prefix.decoded(self.route.decode.node_id, self.route.decode.dp_rank, self._outputs)
 
     async def _read(self) -> pb.DecodeEvent:
         while True:

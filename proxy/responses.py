@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from cluster.proto_gen import pdcluster_v1_pb2 as pb
@@ -34,6 +34,10 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
 
 def _logprob(x: float) -> float:
     return MIN_LOGPROB if math.isnan(x) or x < MIN_LOGPROB else float(x)
+
+
+def _as_token_id(token_id: int) -> str:
+    return f"token_id:{token_id}"
 
 
 class TokenTexts:
@@ -79,13 +83,15 @@ class _Base:
     chunk_object: str = ""
 
     def __init__(self, request_id: str, created: int, model: str, *, logprobs: bool, include_usage: bool,
-                 texts: TokenTexts) -> None:
+                 texts: TokenTexts, token_ids: bool = False) -> None:
+        """``token_ids``: logprobs name each token "token_id:<id>" (vLLM's ``return_tokens_as_token_ids``)."""
         self.request_id = request_id
         self.created = created
         self.model = model
         self.logprobs = logprobs
         self.include_usage = include_usage
         self.texts = texts
+        self.shown: Callable[[int], str] = _as_token_id if token_ids else texts.shown
 
     def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {"id": self.request_id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
@@ -114,9 +120,9 @@ class CompletionFormat(_Base):
             return None
         out: dict[str, Any] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         for t in tokens:
-            out["tokens"].append(self.texts.shown(t.token_id))
+            out["tokens"].append(self.shown(t.token_id))
             out["token_logprobs"].append(_logprob(t.logprob))
-            out["top_logprobs"].append({self.texts.shown(x.token_id): _logprob(x.logprob) for x in t.top})
+            out["top_logprobs"].append({self.shown(x.token_id): _logprob(x.logprob) for x in t.top})
             out["text_offset"].append(self._offset)
             self._offset += self.texts.visible_len(t.token_id)
         return out
@@ -145,7 +151,7 @@ class ChatFormat(_Base):
     chunk_object = "chat.completion.chunk"
 
     def _entry(self, token_id: int, logprob: float) -> dict[str, Any]:
-        s = self.texts.shown(token_id)
+        s = self.shown(token_id)
         return {"token": s, "logprob": _logprob(logprob), "bytes": list(s.encode("utf-8"))}
 
     def _logprobs(self, tokens: Sequence[pb.Token]) -> dict[str, Any] | None:

@@ -17,7 +17,10 @@ groups, short ones to the least loaded; the lowest cost wins.
 Decode candidates are the (node, dp_rank) ranks of healthy, non-draining decode nodes of the
 model that have enough free KV blocks for prompt + output (when their load is known); the one
 with the fewest running sequences (registry + this proxy's in flight) wins, then the one with the
-most free blocks.
+most free blocks. A decode rank with prefix caching that probably holds the start of the prompt (a
+conversation's earlier turns: its prompt and the answer the rank computed) pulls only the rest, so
+among the ranks within ``decode_hit_slack`` running sequences of the least loaded, the one expected
+to hold the most of the prompt wins.
 
 Engines: a vLLM prefill node's KV (vLLM's ``kv_transfer_params``) can be read only by a vLLM decode
 node; a native prefill node's ``KVHandle`` by either. A prefill replica no eligible decode rank can
@@ -25,7 +28,7 @@ read from is not eligible, and the decode rank is chosen among those that can re
 prefill replica's KV.
 
 Prefix caching: a prefill replica whose cache probably holds the start of the prompt
-(``proxy.prefix_index``, the proxy's record of what it sent there) computes only the rest, so its
+(``proxy.prefix_index``, the proxy's record of what it sent where) computes only the rest, so its
 cost counts only those tokens: prompts sharing a prefix go where it is cached, unless that replica's
 queue outweighs the saving.
 
@@ -46,6 +49,7 @@ from cluster.nodes import NodeState, ReplicaLoad
 
 LONG_PROMPT_TOKENS = 2048  # prompt length from which a PCP group reaches its full speedup
 PCP_OVERHEAD_TOKENS = 16.0  # fixed cost of each extra PCP rank, in token-times
+DECODE_HIT_SLACK = 4  # running sequences a decode rank holding the prompt's prefix may have over the least loaded
 
 
 def effective_pcp(pcp: int, prompt_tokens: int, long_prompt_tokens: int = LONG_PROMPT_TOKENS) -> float:
@@ -135,6 +139,7 @@ class DecodeCandidate:
     needed_blocks: int
     eligible: bool
     reason: str
+    cached_tokens: int = 0  # the prompt's tokens expected in its prefix cache: not pulled (proxy.prefix_index)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -218,10 +223,12 @@ def prefill_candidates(nodes: Iterable[NodeState], model: str, prompt_tokens: in
 
 
 def decode_candidates(nodes: Iterable[NodeState], model: str, total_tokens: int,
-                      local: LocalLoad, exclude: Collection[tuple[str, int]] = ()) -> list[DecodeCandidate]:
+                      local: LocalLoad, exclude: Collection[tuple[str, int]] = (),
+                      cached: CachedTokens | None = None) -> list[DecodeCandidate]:
     """Every decode rank with its load, for a request of ``total_tokens`` (prompt + output).
 
-    ``exclude``: (node id, DP rank) pairs that refused this request already."""
+    ``exclude``: (node id, DP rank) pairs that refused this request already. ``cached(node, dp_rank)``:
+    the prompt's tokens expected in that rank's prefix cache, which it need not pull."""
     out = []
     for node, dp in _replicas(nodes, "decode"):
         info = node.info
@@ -241,8 +248,10 @@ def decode_candidates(nodes: Iterable[NodeState], model: str, total_tokens: int,
             bad = f"needs {needed} KV blocks, {published} free"
         free = None if published is None else published - local.blocks(info.node_id, dp)
         free_text = "free blocks unknown" if free is None else f"{free} free blocks"
-        why = bad or f"{running} running, {free_text}, needs {needed}"
-        out.append(DecodeCandidate(info.node_id, info.address, dp, running, free, needed, bad is None, why))
+        hit = cached(info.node_id, dp) if cached is not None and bad is None else 0
+        why = bad or f"{running} running, {free_text}, needs {needed}" + (
+            f"; {hit} of the prompt's tokens expected in its prefix cache" if hit else "")
+        out.append(DecodeCandidate(info.node_id, info.address, dp, running, free, needed, bad is None, why, hit))
     return out
 
 
@@ -265,6 +274,25 @@ def _prefill_key(c: PrefillCandidate) -> tuple[float, ...]:
 
 def _decode_key(c: DecodeCandidate) -> tuple[float, ...]:
     return (c.running, -(c.free_blocks if c.free_blocks is not None else 0))
+
+
+def decode_hit_slack(least_running: int) -> int:
+    """How many more running sequences than the least loaded rank a rank holding the prompt's prefix
+    may have and still be preferred (its hit saves the transfer, its load slows every stream there)."""
+    return max(DECODE_HIT_SLACK, least_running // 4)
+
+
+def pick_decode(candidates: Sequence[DecodeCandidate], turn: int = 0) -> tuple[DecodeCandidate | None, str]:
+    """The decode rank and why: among ranks loaded within ``decode_hit_slack`` of the least loaded, the
+    one expected to hold most of the prompt (decode-side reuse); without a hit, the least loaded."""
+    eligible = [c for c in candidates if c.eligible]
+    if eligible and any(c.cached_tokens for c in eligible):
+        least = min(c.running for c in eligible)
+        near = [c for c in eligible if c.running <= least + decode_hit_slack(least)]
+        best = max(c.cached_tokens for c in near)
+        if best:
+            return pick([c for c in near if c.cached_tokens == best], _decode_key, turn), "most of the prompt cached"
+    return pick(candidates, _decode_key, turn), "least loaded"
 
 
 class Router:
@@ -297,7 +325,7 @@ class Router:
         ``cached``: the prompt's tokens expected in each prefill replica's prefix cache.
         """
         total = prompt_tokens + max_tokens
-        dec = decode_candidates(nodes, self.model, total, self.load, exclude_decode)
+        dec = decode_candidates(nodes, self.model, total, self.load, exclude_decode, cached)
         plan = self._disaggregated(nodes, prompt_tokens, total, dec, exclude_prefill, prefill_node, cached)
         if prefill_node is not None or local is False:
             return plan
@@ -306,13 +334,13 @@ class Router:
         if not (local or short or (self.local_prefill_fallback and stuck)):
             return plan
         capable = {n.info.node_id for n in nodes if n.info.local_prefill}
-        d = pick([c for c in dec if c.node_id in capable], _decode_key, self._turn)
+        d, how = pick_decode([c for c in dec if c.node_id in capable], self._turn)
         if d is None and not local:
             return plan
         why = ("local prefill (asked)" if local else
                f"local prefill: a prompt of {prompt_tokens} <= {self.local_prefill_max_tokens} tokens" if short
                else "local prefill: no prefill replica can take it")
-        return RoutePlan(None, None if d is None else _with_reason(d, f"{why}; least loaded: {d.reason}"),
+        return RoutePlan(None, None if d is None else _with_reason(d, f"{why}; {how}: {d.reason}"),
                          plan.prefill_candidates, dec, local=True)
 
     def _disaggregated(self, nodes: Sequence[NodeState], prompt_tokens: int, total: int, dec: list[DecodeCandidate],
@@ -336,11 +364,11 @@ class Router:
                    replace(c, eligible=False, reason=f"a {_kind(engines[c.node_id])} decode node cannot read a "
                                                      f"{_kind(source)} node's KV")
                    for c in dec]
-        d = pick(dec, _decode_key, self._turn)
+        d, how = pick_decode(dec, self._turn)
         if p is not None:
             p = _with_reason(p, "lowest " + p.reason)
         if d is not None:
-            d = _with_reason(d, "least loaded: " + d.reason)
+            d = _with_reason(d, f"{how}: {d.reason}")
         return RoutePlan(p, d, pre, dec)
 
     def route(self, nodes: Sequence[NodeState], prompt_tokens: int, max_tokens: int,

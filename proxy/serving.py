@@ -95,7 +95,7 @@ class Serving:
         fmt_type = ChatFormat if endpoint == "chat" else CompletionFormat
         fmt: Format = fmt_type(gen_req.request_id, int(time.time()), self.model_name,
                                logprobs=req.top_logprobs_n is not None, include_usage=req.include_usage,
-                               texts=self.texts)
+                               texts=self.texts, token_ids=req.return_tokens_as_token_ids)
         out = OutputText(self.tokenizer, req.stop_list)
         if self.max_inflight and self.inflight >= self.max_inflight:
             raise APIError(503, f"the proxy has {self.inflight} requests in flight (max_inflight_requests "

@@ -31,7 +31,7 @@ from vllm.logger import init_logger
 
 from engine.parallel.kv_layout import RankBlocks
 from kv_transfer.handoff import KVReceiver, KVSender
-from kv_transfer.layout import CacheLayout, LayerRegion
+from kv_transfer.layout import CacheLayout, LayerRegion, restrict
 from kv_transfer.planner import plan_transfer
 from vllm_backend import handle_params, side_channel
 from vllm_backend.connector_meta import ConnectorSettings, EngineIdentity, PdConnectorMetadata, RecvJob, WorkerTable
@@ -39,7 +39,6 @@ from vllm_backend.layout import (
     VllmKVLayout,
     holders,
     native_units,
-    restrict,
     spread_replicas,
     transfer_unit,
     unit_layout,

@@ -205,6 +205,9 @@ class VllmWorker:
     def in_flight(self) -> int:
         return len(self.active)
 
+    def take_kv_events(self) -> list[tuple[int, list[int], list[int]]]:
+        return []  # vLLM's own prefix cache publishes no events here yet
+
     def stats(self) -> pb.ReplicaStats:
         (r,) = self.load()
         return pb.ReplicaStats(dp_rank=0, waiting=r.waiting, running=r.running,

@@ -28,7 +28,7 @@ import math
 from dataclasses import dataclass
 
 from engine.parallel.kv_layout import RankBlocks
-from kv_transfer.layout import CacheLayout, LayerRegion, RequestKV
+from kv_transfer.layout import CacheLayout, LayerRegion
 
 
 @dataclass(frozen=True)
@@ -175,16 +175,3 @@ def spread_replicas(hs: list[RankBlocks]) -> list[RankBlocks]:
                                   h.physical[start:start + size]))
             start += size
     return sorted(out, key=lambda h: h.rank)
-
-
-def restrict(hs: list[RankBlocks], wanted: list[int]) -> RequestKV:
-    """The request as the planner sees it for one destination: only the ``wanted`` units, renumbered.
-
-    Unit ``wanted[k]`` becomes logical block ``k``, so ``dest_blocks[k]`` is its destination unit.
-    """
-    index = {j: k for k, j in enumerate(wanted)}
-    out = []
-    for h in hs:
-        pairs = [(index[j], p) for j, p in zip(h.logical, h.physical) if j in index]
-        out.append(RankBlocks(h.dp, h.pcp, h.pp, h.rank, h.layers, [k for k, _ in pairs], [p for _, p in pairs]))
-    return RequestKV([h for h in out if h.logical], len(wanted))

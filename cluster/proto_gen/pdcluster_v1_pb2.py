@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12pdcluster_v1.proto\x12\x0cpdcluster.v1\"\xe5\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\x12\n\nmax_tokens\x18\x05 \x01(\r\x12\x12\n\nmin_tokens\x18\x06 \x01(\r\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\r\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x15\n\x08logprobs\x18\n \x01(\rH\x01\x88\x01\x01\x42\x07\n\x05_seedB\x0b\n\t_logprobs\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"Q\n\x05Token\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12%\n\x03top\x18\x03 \x03(\x0b\x32\x18.pdcluster.v1.TopLogprob\"S\n\x0bLayerRegion\x12\r\n\x05layer\x18\x01 \x01(\r\x12\x0c\n\x04\x62\x61se\x18\x02 \x01(\x04\x12\x12\n\nnum_blocks\x18\x03 \x01(\r\x12\x13\n\x0b\x62lock_bytes\x18\x04 \x01(\x04\"Y\n\x0b\x43\x61\x63heLayout\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x10\n\x08\x65ndpoint\x18\x02 \x01(\t\x12*\n\x07regions\x18\x03 \x03(\x0b\x32\x19.pdcluster.v1.LayerRegion\"f\n\nRankBlocks\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x0b\n\x03pcp\x18\x02 \x01(\r\x12\n\n\x02pp\x18\x03 \x01(\r\x12\x0e\n\x06layers\x18\x04 \x03(\r\x12\x0f\n\x07logical\x18\x05 \x03(\r\x12\x10\n\x08physical\x18\x06 \x03(\r\"\xf0\x01\n\x08KVHandle\x12\x17\n\x0fprefill_node_id\x18\x01 \x01(\t\x12\x17\n\x0fprefill_address\x18\x02 \x01(\t\x12\x0f\n\x07\x64p_rank\x18\x03 \x01(\r\x12\x12\n\nnum_blocks\x18\x04 \x01(\r\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x11\n\ttransport\x18\x06 \x01(\t\x12*\n\x07sources\x18\x07 \x03(\x0b\x32\x19.pdcluster.v1.CacheLayout\x12)\n\x07holders\x18\x08 \x03(\x0b\x32\x18.pdcluster.v1.RankBlocks\x12\x0f\n\x07lease_s\x18\t \x01(\x01\"x\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.pdcluster.v1.SamplingParams\x12\x0f\n\x07\x64p_rank\x18\x04 \x01(\x05\"\xed\x01\n\x0fPrefillResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0f\n\x07\x64p_rank\x18\x02 \x01(\r\x12(\n\x0b\x66irst_token\x18\x03 \x01(\x0b\x32\x13.pdcluster.v1.Token\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x0f\n\x07queue_s\x18\x06 \x01(\x01\x12\x11\n\tprefill_s\x18\x07 \x01(\x01\x12$\n\x02kv\x18\x05 \x01(\x0b\x32\x16.pdcluster.v1.KVHandleH\x00\x12\x1d\n\x13vllm_kv_params_json\x18\x08 \x01(\tH\x00\x42\x0b\n\tkv_source\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"$\n\x0eReleaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\" \n\x0fReleaseResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x93\x02\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.pdcluster.v1.SamplingParams\x12(\n\x0b\x66irst_token\x18\x04 \x01(\x0b\x32\x13.pdcluster.v1.Token\x12\x0f\n\x07\x64p_rank\x18\x06 \x01(\x05\x12$\n\x02kv\x18\x05 \x01(\x0b\x32\x16.pdcluster.v1.KVHandleH\x00\x12\x1d\n\x13vllm_kv_params_json\x18\x07 \x01(\tH\x00\x12\x17\n\rlocal_prefill\x18\x08 \x01(\x08H\x00\x42\x0b\n\tkv_source\"G\n\x08\x41\x64mitted\x12\x0f\n\x07\x64p_rank\x18\x01 \x01(\r\x12\x16\n\x0etransfer_bytes\x18\x02 \x01(\x04\x12\x12\n\ntransfer_s\x18\x03 \x01(\x01\"D\n\x06Tokens\x12#\n\x06tokens\x18\x01 \x03(\x0b\x32\x13.pdcluster.v1.Token\x12\x15\n\rfinish_reason\x18\x02 \x01(\t\"j\n\x0b\x44\x65\x63odeEvent\x12*\n\x08\x61\x64mitted\x18\x01 \x01(\x0b\x32\x16.pdcluster.v1.AdmittedH\x00\x12&\n\x06tokens\x18\x02 \x01(\x0b\x32\x14.pdcluster.v1.TokensH\x00\x42\x07\n\x05\x65vent\"\x98\x01\n\x0cReplicaStats\x12\x0f\n\x07\x64p_rank\x18\x01 \x01(\r\x12\x0f\n\x07waiting\x18\x02 \x01(\r\x12\x0f\n\x07running\x18\x03 \x01(\r\x12\x1d\n\x15queued_prefill_tokens\x18\x04 \x01(\x04\x12\x13\n\x0bused_blocks\x18\x05 \x01(\r\x12\x13\n\x0b\x66ree_blocks\x18\x06 \x01(\r\x12\x0c\n\x04held\x18\x07 \x01(\r\"\xc5\x01\n\x0eTransferTotals\x12\x0c\n\x04\x64one\x18\x01 \x01(\x04\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04\x12\x0f\n\x07seconds\x18\x03 \x01(\x01\x12<\n\x08\x66\x61ilures\x18\x04 \x03(\x0b\x32*.pdcluster.v1.TransferTotals.FailuresEntry\x12\x16\n\x0eleases_expired\x18\x05 \x01(\x04\x1a/\n\rFailuresEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"\x0e\n\x0cStatsRequest\"\x8d\x01\n\rStatsResponse\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12,\n\x08replicas\x18\x03 \x03(\x0b\x32\x1a.pdcluster.v1.ReplicaStats\x12/\n\ttransfers\x18\x04 \x01(\x0b\x32\x1c.pdcluster.v1.TransferTotals2\xa4\x02\n\x0ePrefillService\x12\x46\n\x07Prefill\x12\x1c.pdcluster.v1.PrefillRequest\x1a\x1d.pdcluster.v1.PrefillResponse\x12\x46\n\x07Release\x12\x1c.pdcluster.v1.ReleaseRequest\x1a\x1d.pdcluster.v1.ReleaseResponse\x12@\n\x05\x41\x62ort\x12\x1a.pdcluster.v1.AbortRequest\x1a\x1b.pdcluster.v1.AbortResponse\x12@\n\x05Stats\x12\x1a.pdcluster.v1.StatsRequest\x1a\x1b.pdcluster.v1.StatsResponse2\xd7\x01\n\rDecodeService\x12\x42\n\x06\x44\x65\x63ode\x12\x1b.pdcluster.v1.DecodeRequest\x1a\x19.pdcluster.v1.DecodeEvent0\x01\x12@\n\x05\x41\x62ort\x12\x1a.pdcluster.v1.AbortRequest\x1a\x1b.pdcluster.v1.AbortResponse\x12@\n\x05Stats\x12\x1a.pdcluster.v1.StatsRequest\x1a\x1b.pdcluster.v1.StatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12pdcluster_v1.proto\x12\x0cpdcluster.v1\"\xe5\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\x12\n\nmax_tokens\x18\x05 \x01(\r\x12\x12\n\nmin_tokens\x18\x06 \x01(\r\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\r\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x15\n\x08logprobs\x18\n \x01(\rH\x01\x88\x01\x01\x42\x07\n\x05_seedB\x0b\n\t_logprobs\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"Q\n\x05Token\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12%\n\x03top\x18\x03 \x03(\x0b\x32\x18.pdcluster.v1.TopLogprob\"S\n\x0bLayerRegion\x12\r\n\x05layer\x18\x01 \x01(\r\x12\x0c\n\x04\x62\x61se\x18\x02 \x01(\x04\x12\x12\n\nnum_blocks\x18\x03 \x01(\r\x12\x13\n\x0b\x62lock_bytes\x18\x04 \x01(\x04\"Y\n\x0b\x43\x61\x63heLayout\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x10\n\x08\x65ndpoint\x18\x02 \x01(\t\x12*\n\x07regions\x18\x03 \x03(\x0b\x32\x19.pdcluster.v1.LayerRegion\"f\n\nRankBlocks\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x0b\n\x03pcp\x18\x02 \x01(\r\x12\n\n\x02pp\x18\x03 \x01(\r\x12\x0e\n\x06layers\x18\x04 \x03(\r\x12\x0f\n\x07logical\x18\x05 \x03(\r\x12\x10\n\x08physical\x18\x06 \x03(\r\"\xf0\x01\n\x08KVHandle\x12\x17\n\x0fprefill_node_id\x18\x01 \x01(\t\x12\x17\n\x0fprefill_address\x18\x02 \x01(\t\x12\x0f\n\x07\x64p_rank\x18\x03 \x01(\r\x12\x12\n\nnum_blocks\x18\x04 \x01(\r\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x11\n\ttransport\x18\x06 \x01(\t\x12*\n\x07sources\x18\x07 \x03(\x0b\x32\x19.pdcluster.v1.CacheLayout\x12)\n\x07holders\x18\x08 \x03(\x0b\x32\x18.pdcluster.v1.RankBlocks\x12\x0f\n\x07lease_s\x18\t \x01(\x01\"x\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.pdcluster.v1.SamplingParams\x12\x0f\n\x07\x64p_rank\x18\x04 \x01(\x05\"\x84\x02\n\x0fPrefillResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0f\n\x07\x64p_rank\x18\x02 \x01(\r\x12(\n\x0b\x66irst_token\x18\x03 \x01(\x0b\x32\x13.pdcluster.v1.Token\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x0f\n\x07queue_s\x18\x06 \x01(\x01\x12\x11\n\tprefill_s\x18\x07 \x01(\x01\x12\x15\n\rcached_tokens\x18\t \x01(\r\x12$\n\x02kv\x18\x05 \x01(\x0b\x32\x16.pdcluster.v1.KVHandleH\x00\x12\x1d\n\x13vllm_kv_params_json\x18\x08 \x01(\tH\x00\x42\x0b\n\tkv_source\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"$\n\x0eReleaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\" \n\x0fReleaseResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x93\x02\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.pdcluster.v1.SamplingParams\x12(\n\x0b\x66irst_token\x18\x04 \x01(\x0b\x32\x13.pdcluster.v1.Token\x12\x0f\n\x07\x64p_rank\x18\x06 \x01(\x05\x12$\n\x02kv\x18\x05 \x01(\x0b\x32\x16.pdcluster.v1.KVHandleH\x00\x12\x1d\n\x13vllm_kv_params_json\x18\x07 \x01(\tH\x00\x12\x17\n\rlocal_prefill\x18\x08 \x01(\x08H\x00\x42\x0b\n\tkv_source\"^\n\x08\x41\x64mitted\x12\x0f\n\x07\x64p_rank\x18\x01 \x01(\r\x12\x16\n\x0etransfer_bytes\x18\x02 \x01(\x04\x12\x12\n\ntransfer_s\x18\x03 \x01(\x01\x12\x15\n\rcached_tokens\x18\x04 \x01(\r\"D\n\x06Tokens\x12#\n\x06tokens\x18\x01 \x03(\x0b\x32\x13.pdcluster.v1.Token\x12\x15\n\rfinish_reason\x18\x02 \x01(\t\"j\n\x0b\x44\x65\x63odeEvent\x12*\n\x08\x61\x64mitted\x18\x01 \x01(\x0b\x32\x16.pdcluster.v1.AdmittedH\x00\x12&\n\x06tokens\x18\x02 \x01(\x0b\x32\x14.pdcluster.v1.TokensH\x00\x42\x07\n\x05\x65vent\"\x98\x01\n\x0cReplicaStats\x12\x0f\n\x07\x64p_rank\x18\x01 \x01(\r\x12\x0f\n\x07waiting\x18\x02 \x01(\r\x12\x0f\n\x07running\x18\x03 \x01(\r\x12\x1d\n\x15queued_prefill_tokens\x18\x04 \x01(\x04\x12\x13\n\x0bused_blocks\x18\x05 \x01(\r\x12\x13\n\x0b\x66ree_blocks\x18\x06 \x01(\r\x12\x0c\n\x04held\x18\x07 \x01(\r\"\xc5\x01\n\x0eTransferTotals\x12\x0c\n\x04\x64one\x18\x01 \x01(\x04\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04\x12\x0f\n\x07seconds\x18\x03 \x01(\x01\x12<\n\x08\x66\x61ilures\x18\x04 \x03(\x0b\x32*.pdcluster.v1.TransferTotals.FailuresEntry\x12\x16\n\x0eleases_expired\x18\x05 \x01(\x04\x1a/\n\rFailuresEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"\x0e\n\x0cStatsRequest\"\x8d\x01\n\rStatsResponse\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12,\n\x08replicas\x18\x03 \x03(\x0b\x32\x1a.pdcluster.v1.ReplicaStats\x12/\n\ttransfers\x18\x04 \x01(\x0b\x32\x1c.pdcluster.v1.TransferTotals2\xa4\x02\n\x0ePrefillService\x12\x46\n\x07Prefill\x12\x1c.pdcluster.v1.PrefillRequest\x1a\x1d.pdcluster.v1.PrefillResponse\x12\x46\n\x07Release\x12\x1c.pdcluster.v1.ReleaseRequest\x1a\x1d.pdcluster.v1.ReleaseResponse\x12@\n\x05\x41\x62ort\x12\x1a.pdcluster.v1.AbortRequest\x1a\x1b.pdcluster.v1.AbortResponse\x12@\n\x05Stats\x12\x1a.pdcluster.v1.StatsRequest\x1a\x1b.pdcluster.v1.StatsResponse2\xd7\x01\n\rDecodeService\x12\x42\n\x06\x44\x65\x63ode\x12\x1b.pdcluster.v1.DecodeRequest\x1a\x19.pdcluster.v1.DecodeEvent0\x01\x12@\n\x05\x41\x62ort\x12\x1a.pdcluster.v1.AbortRequest\x1a\x1b.pdcluster.v1.AbortResponse\x12@\n\x05Stats\x12\x1a.pdcluster.v1.StatsRequest\x1a\x1b.pdcluster.v1.StatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -50,35 +50,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PREFILLREQUEST']._serialized_start=923
   _globals['_PREFILLREQUEST']._serialized_end=1043
   _globals['_PREFILLRESPONSE']._serialized_start=1046
-  _globals['_PREFILLRESPONSE']._serialized_end=1283
-  _globals['_ABORTREQUEST']._serialized_start=1285
-  _globals['_ABORTREQUEST']._serialized_end=1319
-  _globals['_ABORTRESPONSE']._serialized_start=1321
-  _globals['_ABORTRESPONSE']._serialized_end=1351
-  _globals['_RELEASEREQUEST']._serialized_start=1353
-  _globals['_RELEASEREQUEST']._serialized_end=1389
-  _globals['_RELEASERESPONSE']._serialized_start=1391
-  _globals['_RELEASERESPONSE']._serialized_end=1423
-  _globals['_DECODEREQUEST']._serialized_start=1426
-  _globals['_DECODEREQUEST']._serialized_end=1701
-  _globals['_ADMITTED']._serialized_start=1703
-  _globals['_ADMITTED']._serialized_end=1774
-  _globals['_TOKENS']._serialized_start=1776
-  _globals['_TOKENS']._serialized_end=1844
-  _globals['_DECODEEVENT']._serialized_start=1846
-  _globals['_DECODEEVENT']._serialized_end=1952
-  _globals['_REPLICASTATS']._serialized_start=1955
-  _globals['_REPLICASTATS']._serialized_end=2107
-  _globals['_TRANSFERTOTALS']._serialized_start=2110
-  _globals['_TRANSFERTOTALS']._serialized_end=2307
-  _globals['_TRANSFERTOTALS_FAILURESENTRY']._serialized_start=2260
-  _globals['_TRANSFERTOTALS_FAILURESENTRY']._serialized_end=2307
-  _globals['_STATSREQUEST']._serialized_start=2309
-  _globals['_STATSREQUEST']._serialized_end=2323
-  _globals['_STATSRESPONSE']._serialized_start=2326
-  _globals['_STATSRESPONSE']._serialized_end=2467
-  _globals['_PREFILLSERVICE']._serialized_start=2470
-  _globals['_PREFILLSERVICE']._serialized_end=2762
-  _globals['_DECODESERVICE']._serialized_start=2765
-  _globals['_DECODESERVICE']._serialized_end=2980
+  _globals['_PREFILLRESPONSE']._serialized_end=1306
+  _globals['_ABORTREQUEST']._serialized_start=1308
+  _globals['_ABORTREQUEST']._serialized_end=1342
+  _globals['_ABORTRESPONSE']._serialized_start=1344
+  _globals['_ABORTRESPONSE']._serialized_end=1374
+  _globals['_RELEASEREQUEST']._serialized_start=1376
+  _globals['_RELEASEREQUEST']._serialized_end=1412
+  _globals['_RELEASERESPONSE']._serialized_start=1414
+  _globals['_RELEASERESPONSE']._serialized_end=1446
+  _globals['_DECODEREQUEST']._serialized_start=1449
+  _globals['_DECODEREQUEST']._serialized_end=1724
+  _globals['_ADMITTED']._serialized_start=1726
+  _globals['_ADMITTED']._serialized_end=1820
+  _globals['_TOKENS']._serialized_start=1822
+  _globals['_TOKENS']._serialized_end=1890
+  _globals['_DECODEEVENT']._serialized_start=1892
+  _globals['_DECODEEVENT']._serialized_end=1998
+  _globals['_REPLICASTATS']._serialized_start=2001
+  _globals['_REPLICASTATS']._serialized_end=2153
+  _globals['_TRANSFERTOTALS']._serialized_start=2156
+  _globals['_TRANSFERTOTALS']._serialized_end=2353
+  _globals['_TRANSFERTOTALS_FAILURESENTRY']._serialized_start=2306
+  _globals['_TRANSFERTOTALS_FAILURESENTRY']._serialized_end=2353
+  _globals['_STATSREQUEST']._serialized_start=2355
+  _globals['_STATSREQUEST']._serialized_end=2369
+  _globals['_STATSRESPONSE']._serialized_start=2372
+  _globals['_STATSRESPONSE']._serialized_end=2513
+  _globals['_PREFILLSERVICE']._serialized_start=2516
+  _globals['_PREFILLSERVICE']._serialized_end=2808
+  _globals['_DECODESERVICE']._serialized_start=2811
+  _globals['_DECODESERVICE']._serialized_end=3026
 # @@protoc_insertion_point(module_scope)

@@ -121,13 +121,14 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., dp_rank: _Optional[int] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("request_id", "dp_rank", "first_token", "finish_reason", "queue_s", "prefill_s", "kv", "vllm_kv_params_json")
+    __slots__ = ("request_id", "dp_rank", "first_token", "finish_reason", "queue_s", "prefill_s", "cached_tokens", "kv", "vllm_kv_params_json")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     DP_RANK_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     QUEUE_S_FIELD_NUMBER: _ClassVar[int]
     PREFILL_S_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     KV_FIELD_NUMBER: _ClassVar[int]
     VLLM_KV_PARAMS_JSON_FIELD_NUMBER: _ClassVar[int]
     request_id: str
@@ -136,9 +137,10 @@ class PrefillResponse(_message.Message):
     finish_reason: str
     queue_s: float
     prefill_s: float
+    cached_tokens: int
     kv: KVHandle
     vllm_kv_params_json: str
-    def __init__(self, request_id: _Optional[str] = ..., dp_rank: _Optional[int] = ..., first_token: _Optional[_Union[Token, _Mapping]] = ..., finish_reason: _Optional[str] = ..., queue_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., kv: _Optional[_Union[KVHandle, _Mapping]] = ..., vllm_kv_params_json: _Optional[str] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., dp_rank: _Optional[int] = ..., first_token: _Optional[_Union[Token, _Mapping]] = ..., finish_reason: _Optional[str] = ..., queue_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., cached_tokens: _Optional[int] = ..., kv: _Optional[_Union[KVHandle, _Mapping]] = ..., vllm_kv_params_json: _Optional[str] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)
@@ -185,14 +187,16 @@ class DecodeRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., first_token: _Optional[_Union[Token, _Mapping]] = ..., dp_rank: _Optional[int] = ..., kv: _Optional[_Union[KVHandle, _Mapping]] = ..., vllm_kv_params_json: _Optional[str] = ..., local_prefill: _Optional[bool] = ...) -> None: ...
 
 class Admitted(_message.Message):
-    __slots__ = ("dp_rank", "transfer_bytes", "transfer_s")
+    __slots__ = ("dp_rank", "transfer_bytes", "transfer_s", "cached_tokens")
     DP_RANK_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_BYTES_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_S_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     dp_rank: int
     transfer_bytes: int
     transfer_s: float
-    def __init__(self, dp_rank: _Optional[int] = ..., transfer_bytes: _Optional[int] = ..., transfer_s: _Optional[float] = ...) -> None: ...
+    cached_tokens: int
+    def __init__(self, dp_rank: _Optional[int] = ..., transfer_bytes: _Optional[int] = ..., transfer_s: _Optional[float] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class Tokens(_message.Message):
     __slots__ = ("tokens", "finish_reason")

@@ -213,6 +213,61 @@ def test_a_repeated_prompt_hits_the_prefill_nodes_prefix_cache_with_the_same_out
     assert not any(wait_all_free(cluster).values())
 
 
+def metric(c: Cluster, name: str) -> float:
+    """One series of the proxy's /metrics (0 before its first sample)."""
+    for line in httpx.get(f"{c.url}/metrics").text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def test_a_conversations_next_turn_pulls_only_its_new_blocks_into_the_same_decode_rank(cluster: Cluster) -> None:
+    """decode-0 caches prefixes: the proxy sends turn 2 where turn 1 decoded, which pulls only the new
+    blocks; the answers equal one colocated engine's."""
+    turn1 = [(i * 31 + 7) % 1000 + 2 for i in range(300)]  # 18 full blocks of 16, and 12 tokens
+    user2 = [(i * 13 + 3) % 1000 + 2 for i in range(100)]
+    pdctl(cluster, "drain", "decode-1")  # it does not cache: keep the conversation on decode-0
+    try:
+        moved, cached, answers, prompt = [], [], [], turn1
+        for _ in range(2):
+            before = (metric(cluster, "pdcluster_proxy_kv_transfer_bytes_total"),
+                      metric(cluster, 'pdcluster_proxy_prefix_cached_tokens_total{leg="decode"}'))
+            r = client(cluster).completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0, logprobs=0,
+                                                   extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})
+            ids = [int(t.removeprefix("token_id:")) for t in r.choices[0].logprobs.tokens]
+            moved.append(metric(cluster, "pdcluster_proxy_kv_transfer_bytes_total") - before[0])
+            cached.append(metric(cluster, 'pdcluster_proxy_prefix_cached_tokens_total{leg="decode"}') - before[1])
+            answers.append(ids)
+            prompt = turn1 + ids + user2  # the next turn: history, then the new user turn
+    finally:
+        pdctl(cluster, "undrain", "decode-1")
+    with LLM(str(cluster.model), **KW) as llm:
+        want = llm.generate([turn1, turn1 + answers[0] + user2],
+                            SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    assert answers == [w.token_ids for w in want]
+    # turn 1's prompt and all but its last answer token (307 tokens: 19 full blocks) stayed cached;
+    # turn 2 (408 tokens, 26 blocks) pulls 7 blocks where turn 1 pulled 19
+    assert cached == [0, 19 * 16]
+    assert moved[1] == moved[0] * 7 / 19
+    assert not any(wait_all_free(cluster).values())
+    # the nodes' caches publish what they stored with their heartbeats; the proxy follows them
+    deadline = time.monotonic() + 5
+    while metric(cluster, "pdcluster_proxy_kv_event_messages_total") == 0 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert metric(cluster, "pdcluster_proxy_kv_event_messages_total") > 0
+
+
+def test_pdctl_route_explains_the_expected_prefix_hit_of_a_prompts_text(cluster: Cluster) -> None:
+    text = "A serving cluster keeps the prompt's blocks for the next request. " * 12
+    client(cluster).completions.create(model=MODEL, prompt=text, max_tokens=2, temperature=0)
+    out = pdctl(cluster, "route", "--prompt", text, "--max-tokens", "4")
+    n = len(Tokenizer(cluster.model).encode(text))
+    assert f"prompt: {n} tokens, " in out
+    hit = int(out.split(f"prompt: {n} tokens, ", 1)[1].split(" ", 1)[0])
+    assert hit >= (n - 1) // 16 * 16 - 16 > 0, out  # the prefill replica that had it holds its full blocks
+    assert "expected in its prefix cache" in out
+
+
 def test_a_killed_decode_node_ends_its_stream_with_an_error_and_frees_prefill_blocks(cluster: Cluster) -> None:
     pdctl(cluster, "drain", "decode-0")  # the stream must land on decode-1
     body = {"model": MODEL, "prompt": [7] * 40, "max_tokens": 800, "temperature": 0, "stream": True,

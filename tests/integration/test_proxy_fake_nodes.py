@@ -7,6 +7,7 @@ the whole module; each test resets the fakes' knobs and records.
 from __future__ import annotations
 
 import json
+import re
 import socket
 import time
 from collections.abc import Iterator
@@ -218,6 +219,20 @@ def test_completion_logprobs_shape(c: Cluster) -> None:
     assert all(len(t) == 2 for t in lp.top_logprobs)
     assert lp.token_logprobs[0] == pytest.approx(-0.1)
     assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
+
+
+def test_return_tokens_as_token_ids_names_each_token_by_its_id(c: Cluster) -> None:
+    """vLLM's extension: a client that must know the ids (a multi-turn prompt of ids) gets them."""
+    ids = {"return_tokens_as_token_ids": True}
+    r = c.client().completions.create(model=MODEL, prompt="x", max_tokens=4, logprobs=1, extra_body=ids)
+    plain = c.client().completions.create(model=MODEL, prompt="x", max_tokens=4, logprobs=1)
+    lp = r.choices[0].logprobs
+    assert all(re.fullmatch(r"token_id:\d+", t) for t in lp.tokens)
+    assert all(re.fullmatch(r"token_id:\d+", t) for top in lp.top_logprobs for t in top)
+    assert lp.text_offset == plain.choices[0].logprobs.text_offset and r.choices[0].text == plain.choices[0].text
+    chat = c.client().chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=3,
+                                              logprobs=True, extra_body=ids)
+    assert all(re.fullmatch(r"token_id:\d+", e.token) for e in chat.choices[0].logprobs.content)
 
 
 @pytest.mark.parametrize("stream", [False, True])

@@ -221,3 +221,40 @@ def test_view_starts_without_redis_and_recovers(tmp_path) -> None:
         registry.close()
         if server is not None:
             server.stop()
+
+
+def test_kv_events_reach_a_subscriber_and_follow_into_the_prefix_index(registry: Registry) -> None:
+    """Nodes publish their caches' stored and evicted block hashes; the proxy's follower applies them."""
+    import asyncio
+
+    from cluster.nodes import KVEvents
+    from proxy.kv_events import follow_kv_events
+    from proxy.prefix_index import PrefixIndex
+
+    stream = registry.kv_event_stream()
+    registry.publish_kv_events([KVEvents("prefill-0", 1, 100.0, stored=(11, 12, 13)),
+                                KVEvents("prefill-0", 0, 100.0)])  # empty: not sent
+    got = stream.poll(2.0)
+    assert got == [KVEvents("prefill-0", 1, 100.0, stored=(11, 12, 13))]
+    stream.close()
+
+    index = PrefixIndex()
+
+    async def follow() -> None:
+        task = asyncio.ensure_future(follow_kv_events(registry.kv_event_stream, index, lambda node: 64))
+        await asyncio.sleep(0.3)  # subscribed
+        registry.publish_kv_events([KVEvents("prefill-0", 1, 100.0, stored=(21, 22, 23))])
+        registry.publish_kv_events([KVEvents("prefill-0", 1, 100.0, removed=(23,))])
+        deadline = time.monotonic() + 5
+        while index.expected_hit("prefill-0", 1, [21, 22, 23]) != 2 and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        # the node restarted: what it held before is gone
+        registry.publish_kv_events([KVEvents("prefill-0", 1, 200.0, stored=(31,))])
+        while index.expected_hit("prefill-0", 1, [21]) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+    asyncio.run(follow())
+    assert index.expected_hit("prefill-0", 1, [21, 22]) == 0
+    assert index.expected_hit("prefill-0", 1, [31]) == 1

@@ -107,3 +107,19 @@ def test_requests_that_want_prompt_logprobs_compute_their_whole_prompt(tiny_mode
         assert len(again.prompt_logprobs) == len(PROMPTS[0])
         assert again.prompt_logprobs[1:] == pytest.approx(first.prompt_logprobs[1:], abs=1e-5)
         assert llm.engine.prefix_cache.hits == 0
+
+
+def test_the_cache_reports_what_it_stored_and_evicted_since_it_was_last_asked() -> None:
+    pool = PrefixCache(BlockAllocator(2))
+    a, b = pool.allocate(2)
+    pool.register(a, 101)
+    pool.register(b, 102)
+    assert pool.take_events() == ([101, 102], [])
+    assert pool.take_events() == ([], [])
+    pool.free([a, b])
+    (c,) = pool.allocate(1)  # no free block: evicts the least recent cached one (101)
+    pool.register(c, 103)
+    assert pool.take_events() == ([103], [101])
+    pool.free([c])
+    pool.reset()
+    assert sorted(pool.take_events()[1]) == [102, 103]

@@ -283,3 +283,22 @@ def test_a_prefill_replica_with_the_prompts_prefix_cached_costs_only_the_rest() 
     assert index.expected_hit("p1", 0, hashes) == 0  # the old ones were the least recent
     index.forget({"p0"})
     assert index.expected_hit("p1", 0, PrefixIndex.hashes(list(range(500, 700)), 16)) == 0
+
+
+def test_a_decode_rank_holding_the_prompts_prefix_wins_unless_much_busier() -> None:
+    nodes = [node("p0"), node("d0", "decode", dp=2, running=[3, 0], num_blocks=10_000, free=10_000)]
+    router = Router(MODEL)
+    cached = {("d0", 0): 640}
+    hit = lambda node_id, dp: cached.get((node_id, dp), 0)  # noqa: E731
+    plan = router.plan(nodes, 700, 8, cached=hit)
+    assert (plan.decode.node_id, plan.decode.dp_rank) == ("d0", 0) and plan.decode.cached_tokens == 640
+    assert plan.decode.reason.startswith("most of the prompt cached") and "640 of the prompt's" in plan.decode.reason
+    assert plan.prefill.node_id == "p0"
+    # too busy: more than decode_hit_slack running sequences over the least loaded rank
+    nodes = [node("p0"), node("d0", "decode", dp=2, running=[5, 0], num_blocks=10_000, free=10_000)]
+    plan = router.plan(nodes, 700, 8, cached=hit)
+    assert plan.decode.dp_rank == 1 and plan.decode.reason.startswith("least loaded")
+    # a local prefill picks the same way
+    nodes = [node("d0", "decode", dp=2, running=[2, 0], num_blocks=10_000, free=10_000, local_prefill=True)]
+    plan = Router(MODEL, local_prefill_max_tokens=1000).plan(nodes, 700, 8, cached=hit)
+    assert plan.local and plan.decode.dp_rank == 0 and "most of the prompt cached" in plan.decode.reason

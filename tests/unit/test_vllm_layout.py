@@ -12,12 +12,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kv_transfer.layout import describe_cache
+from kv_transfer.layout import describe_cache, restrict
 from kv_transfer.planner import TransferPlan, plan_transfer
 from vllm_backend.layout import (
     VllmKVLayout,
     holders,
-    restrict,
     spread_replicas,
     transfer_unit,
     unit_layout,
