@@ -13,7 +13,8 @@ and are left out of the figures.
 
 Each request is ``/v1/completions`` with random token ids as the prompt (``--seed``), streaming, with
 ``ignore_eos`` so it makes exactly ``--max-tokens`` tokens, and ``logprobs: 1``: a chunk's tokens are
-counted from ``logprobs.tokens`` (the proxy may hold back the text of a partial character). Per request:
+counted from ``logprobs.tokens``, asked as ids (``return_tokens_as_token_ids``; the proxy may hold
+back the text of a partial character). Per request:
 TTFT (to the first chunk that carries a token), ITL (the gap between token-carrying chunks, spread over
 the chunk's tokens; tokens arriving with the first one count 0), TPOT ((e2e - TTFT) / (tokens - 1)) and
 e2e (to the end of the stream). Goodput: the requests meeting both ``--slo-ttft-ms`` and ``--slo-tpot-ms``.
@@ -79,6 +80,7 @@ class Result:
     e2e: float = math.nan
     tokens: int = 0
     itl: list[float] = field(default_factory=list)
+    output_ids: list[int] = field(default_factory=list)  # from "token_id:<id>" logprobs tokens
 
     @property
     def tpot(self) -> float:
@@ -110,7 +112,7 @@ async def one_request(client: httpx.AsyncClient, model: str, prompt: list[int], 
     """Send one streaming completion and time its token-carrying chunks."""
     res = Result(len(prompt))
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "stream": True,
-            "logprobs": 1, "temperature": 0.0}
+            "logprobs": 1, "temperature": 0.0, "return_tokens_as_token_ids": True}
     t0 = last = time.perf_counter()
     done = False
     try:
@@ -130,9 +132,11 @@ async def one_request(client: httpx.AsyncClient, model: str, prompt: list[int], 
                 if "error" in chunk:
                     res.error = f"stream {chunk['error'].get('code') or chunk['error'].get('type')}"
                     return res
-                k = len(((chunk.get("choices") or [{}])[0].get("logprobs") or {}).get("tokens") or [])
+                toks = ((chunk.get("choices") or [{}])[0].get("logprobs") or {}).get("tokens") or []
+                k = len(toks)
                 if not k:
                     continue
+                res.output_ids += [int(t.removeprefix("token_id:")) if t.startswith("token_id:") else -1 for t in toks]
                 now = time.perf_counter()
                 if res.tokens == 0:
                     res.ttft = now - t0

@@ -32,9 +32,9 @@ class EngineConfig:
     enforce_eager: bool = field(default=False, metadata={
         "help": "on GPU: run decode steps eagerly instead of replaying CUDA graphs captured at start-up"})
     block_size: int = field(default=16, metadata={"help": "tokens per KV cache block"})
-    enable_prefix_caching: bool = field(default=False, metadata={
+    enable_prefix_caching: bool = field(default=True, metadata={
         "help": "keep the KV of full blocks after use and share it between prompts with the same prefix "
-                "(engine/prefix_cache.py)"})
+                "(engine/prefix_cache.py; a decode node pulls only the blocks it lacks)"})
     num_kv_blocks: int | None = field(default=None, metadata={
         "help": "KV cache blocks per rank (default: sized from memory: --gpu-memory-utilization, --cpu-kv-cache-gb)"})
     cpu_kv_cache_gb: float = field(default=0.5, metadata={"help": "on CPU: the KV cache's size per rank in GiB"})

@@ -174,7 +174,7 @@ def node_info(config: NodeConfig, served: str, worker: NodeWorker) -> NodeInfo:
                     block_size=worker.block_size, num_blocks=worker.num_blocks, started_at=time.time(),
                     engine=config.engine_backend, kv_protocol=getattr(worker, "kv_protocol", "tcp"),
                     local_prefill=config.role == "decode" and config.engine_backend == "native",
-                    prefix_caching=config.engine_backend == "native" and ec.enable_prefix_caching)
+                    prefix_caching=ec.enable_prefix_caching)
 
 
 async def serve(

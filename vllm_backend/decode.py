@@ -95,7 +95,8 @@ class VllmDecodeService(pb_grpc.DecodeServiceServicer):
                         raise KVLost(f"the prefill node no longer held {rid}'s KV when it was confirmed")
                 if seen == 0:
                     self.worker.active[rid] = "running"
-                    yield pb.DecodeEvent(admitted=pb.Admitted(dp_rank=0, transfer_s=time.perf_counter() - t0))
+                    yield pb.DecodeEvent(admitted=pb.Admitted(dp_rank=0, transfer_s=time.perf_counter() - t0,
+                                                              cached_tokens=out.num_cached_tokens or 0))
                 completion = out.outputs[0]
                 tokens = tokens_pb(completion)
                 seen += len(completion.token_ids)

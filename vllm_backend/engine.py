@@ -27,6 +27,7 @@ from cluster.config import NodeConfig
 from cluster.net import free_port
 from cluster.nodes import ReplicaLoad
 from cluster.proto_gen import pdcluster_v1_pb2 as pb
+from vllm_backend.kv_events import VllmKVEvents, endpoint_for
 
 log = logging.getLogger("pdcluster.vllm")
 
@@ -35,8 +36,10 @@ CONNECTOR_MODULE = "vllm_backend.connector"
 ROLES = {"prefill": "kv_producer", "decode": "kv_consumer"}
 
 
-def engine_args(config: NodeConfig, transfer_host: str) -> Any:
-    """vLLM ``AsyncEngineArgs`` for this node's role, with our connector."""
+def engine_args(config: NodeConfig, transfer_host: str, kv_events_endpoint: str | None = None) -> Any:
+    """vLLM ``AsyncEngineArgs`` for this node's role, with our connector. Prefix caching follows
+    ``enable_prefix_caching``; with ``kv_events_endpoint`` the engine publishes its KV events there."""
+    from vllm.config import KVEventsConfig
     from vllm.engine.arg_utils import AsyncEngineArgs
 
     from vllm_backend.layout import VllmKVLayout
@@ -66,8 +69,10 @@ def engine_args(config: NodeConfig, transfer_host: str) -> Any:
         # Our default run (one block per rank) rather than vLLM's 1: transfers move whole blocks.
         cp_kv_cache_interleave_size=interleave,
         block_size=ec.block_size, max_num_seqs=ec.max_num_seqs, max_num_batched_tokens=ec.max_num_batched_tokens,
-        enable_prefix_caching=False, seed=ec.seed, num_gpu_blocks_override=ec.num_kv_blocks,
+        enable_prefix_caching=ec.enable_prefix_caching, seed=ec.seed, num_gpu_blocks_override=ec.num_kv_blocks,
         kv_cache_memory_bytes=envs.vllm_kv_cache_bytes(), kv_transfer_config=kv,
+        kv_events_config=None if kv_events_endpoint is None else KVEventsConfig(
+            enable_kv_cache_events=True, publisher="zmq", endpoint=kv_events_endpoint),
         disable_log_stats=True,
     )
 
@@ -143,9 +148,11 @@ class VllmWorker:
     ``load``/``in_flight`` run on the heartbeat thread, so they read only plain counters.
     """
 
-    def __init__(self, engine: Any, config: NodeConfig, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, engine: Any, config: NodeConfig, loop: asyncio.AbstractEventLoop,
+                 kv_events: VllmKVEvents | None = None) -> None:
         self.engine = engine
         self.config = config
+        self.kv_events = kv_events  # the engine's prefix cache, in our block hashes (prefix caching on)
         self.loop = loop
         self.failed = threading.Event()
         self.failure: str | None = None
@@ -163,9 +170,10 @@ class VllmWorker:
     async def start(cls, config: NodeConfig, transfer_host: str) -> VllmWorker:
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        args = engine_args(config, transfer_host)
+        endpoint = endpoint_for(config.node_id) if config.engine.enable_prefix_caching else None
+        args = engine_args(config, transfer_host, endpoint)
         engine = AsyncLLM.from_engine_args(args)
-        return cls(engine, config, asyncio.get_running_loop())
+        return cls(engine, config, asyncio.get_running_loop(), VllmKVEvents(endpoint) if endpoint else None)
 
     def check(self) -> None:
         if not self.failed.is_set() and getattr(self.engine, "errored", False):
@@ -206,7 +214,10 @@ class VllmWorker:
         return len(self.active)
 
     def take_kv_events(self) -> list[tuple[int, list[int], list[int]]]:
-        return []  # vLLM's own prefix cache publishes no events here yet
+        if self.kv_events is None:
+            return []
+        stored, removed = self.kv_events.take()
+        return [(0, stored, removed)] if stored or removed else []
 
     def stats(self) -> pb.ReplicaStats:
         (r,) = self.load()
@@ -233,3 +244,5 @@ class VllmWorker:
             self.engine.shutdown()
         except Exception as e:
             log.warning("vLLM shutdown: %s", e)
+        if self.kv_events is not None:
+            self.kv_events.close()

@@ -73,7 +73,8 @@ class VllmPrefillService(pb_grpc.PrefillServiceServicer):
         self.worker.done += 1
         self._remember(rid)
         reply = pb.PrefillResponse(request_id=rid, dp_rank=0, first_token=tokens_pb(completion)[0],
-                                   finish_reason=reason, queue_s=0.0, prefill_s=done)
+                                   finish_reason=reason, queue_s=0.0, prefill_s=done,
+                                   cached_tokens=last.num_cached_tokens or 0)  # vLLM's prefix cache hit
         if kv:  # the kv_source oneof stays unset when nothing is held
             reply.vllm_kv_params_json = json.dumps(kv)
         return reply

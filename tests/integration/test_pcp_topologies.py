@@ -57,7 +57,10 @@ CACHED_PARAMS = SamplingParams(max_tokens=8, temperature=0.0, logprobs=1)
 CACHED_TOPOLOGIES = {
     "pcp2-sharded": dict(pcp=2, kv_layout="sharded"),
     "pcp2-replicated": dict(pcp=2, kv_layout="replicated"),
+    "pcp4": dict(pcp=4),
+    "pp2": dict(pp=2),
     "pp2-pcp2": dict(pp=2, pcp=2),
+    "dp2-pcp2": dict(dp=2, pcp=2),
 }
 
 
@@ -77,6 +80,6 @@ def test_prefix_caching_on_rank_processes_matches_pcp1(tiny_model, cached_refere
             for ref, out in zip(cached_reference, outs):
                 assert out.token_ids == ref.token_ids
                 assert _close(out.logprobs, ref.logprobs)
-        cache = llm.engine.prefix_cache
-        assert cache is not None and cache.hits > 0
-        assert llm.engine.num_used_blocks == 0 and cache.num_cached > 0
+        caches = [e.prefix_cache for e in llm.engines]  # DP replicas each have their own
+        assert all(c is not None for c in caches) and sum(c.hits for c in caches) > 0
+        assert all(e.num_used_blocks == 0 for e in llm.engines) and sum(c.num_cached for c in caches) > 0

@@ -49,8 +49,9 @@ def node(tiny_model: Path) -> Iterator[tuple[pb_grpc.PrefillServiceStub, Registr
         redis.stop()
 
 
-def prefill(stub: pb_grpc.PrefillServiceStub, rid: str, max_tokens: int = 8) -> pb.PrefillResponse:
-    req = pb.PrefillRequest(request_id=rid, token_ids=PROMPT, dp_rank=-1,
+def prefill(stub: pb_grpc.PrefillServiceStub, rid: str, max_tokens: int = 8,
+            prompt: list[int] = PROMPT) -> pb.PrefillResponse:
+    req = pb.PrefillRequest(request_id=rid, token_ids=prompt, dp_rank=-1,
                             sampling=pb.SamplingParams(temperature=0, max_tokens=max_tokens))
     return stub.Prefill(req, timeout=60)
 
@@ -157,10 +158,10 @@ def test_a_full_cache_of_held_kv_makes_new_prefills_wait_not_fail(node) -> None:
 
     stub, _ = node
     held = [f"h{i}" for i in range(9)]  # 9 x 7 = 63 of the 64 blocks, all under leases
-    for rid in held:
-        prefill(stub, rid)
+    for k, rid in enumerate(held):  # prompts that differ from their first block on: nothing is shared
+        prefill(stub, rid, prompt=[k + 2] + PROMPT[1:])
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        waiting = pool.submit(prefill, stub, "late")
+        waiting = pool.submit(prefill, stub, "late", prompt=[500] + PROMPT[1:])
         time.sleep(0.5)
         assert not waiting.done()  # no room: it waits for a held request to go
         assert stub.Release(pb.ReleaseRequest(request_id=held[0]), timeout=10).found

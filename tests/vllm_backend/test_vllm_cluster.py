@@ -128,3 +128,28 @@ def test_native_pcp2_prefill_then_vllm_decode(proxy_url: str, colocated: list[li
         time.sleep(0.5)
     assert used == 0, f"prefill-1 still holds {used} blocks"
     assert nodes["prefill-1"]["engine"] == "native" and nodes["decode-0"]["engine"] == "vllm"
+
+
+def _metric(url: str, series: str) -> float:
+    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
+        if line.startswith(series + " "):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def test_vllm_nodes_cache_prefixes_and_their_kv_events_reach_the_proxy(proxy_url: str, colocated: list[list[int]],
+                                                                       mla_model: Path) -> None:
+    """vLLM's own prefix caching is on (enable_prefix_caching, the default) and its KV events come to
+    the proxy as our block hashes; prompts sent again hit vLLM's cache and still equal colocated vLLM."""
+    _only_prefill(proxy_url, "prefill-0")
+    nodes = {n["node_id"]: n for n in httpx.get(f"{proxy_url}/admin/nodes", timeout=10).json()["nodes"]}
+    assert nodes["prefill-0"]["prefix_caching"] and nodes["decode-0"]["prefix_caching"]
+    hit = 'pdcluster_proxy_prefix_cached_tokens_total{leg="prefill"}'
+    before = _metric(proxy_url, hit)
+    for _ in range(2):  # the first test may have run them already; the second round hits for sure
+        _completions_equal_colocated(proxy_url, colocated, Tokenizer(str(mla_model)))
+    assert _metric(proxy_url, hit) - before >= 16 * (2 + 4 + 1)  # full blocks of PROMPTS but the last token's
+    deadline = time.monotonic() + 10
+    while _metric(proxy_url, "pdcluster_proxy_kv_event_messages_total") == 0 and time.monotonic() < deadline:
+        time.sleep(0.3)
+    assert _metric(proxy_url, "pdcluster_proxy_kv_event_messages_total") > 0
