@@ -21,6 +21,11 @@ def sampling_from_pb(m: pb.SamplingParams, max_tokens: int | None = None) -> Sam
         stop_token_ids=list(m.stop_token_ids) or None,
         ignore_eos=bool(m.ignore_eos),
         logprobs=int(m.logprobs) if m.HasField("logprobs") else None,
+        presence_penalty=float(m.presence_penalty),
+        frequency_penalty=float(m.frequency_penalty),
+        repetition_penalty=float(m.repetition_penalty) if m.repetition_penalty else 1.0,
+        min_p=float(m.min_p),
+        logit_bias={int(t): float(b) for t, b in m.logit_bias.items()} or None,
     )
 
 
@@ -28,6 +33,8 @@ def sampling_to_pb(p: SamplingParams) -> pb.SamplingParams:
     m = pb.SamplingParams(
         temperature=p.temperature, top_p=p.top_p, top_k=max(p.top_k, 0), max_tokens=p.max_tokens or 0,
         min_tokens=p.min_tokens, stop=p.stop_strings, stop_token_ids=p.stop_token_ids or [], ignore_eos=p.ignore_eos,
+        presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
+        repetition_penalty=p.repetition_penalty, min_p=p.min_p, logit_bias=p.logit_bias or {},
     )
     if p.seed is not None:
         m.seed = p.seed

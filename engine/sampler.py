@@ -1,4 +1,6 @@
-"""Token selection: greedy, temperature, top-k, top-p, per-request seeds; logprobs of the raw logits.
+"""Token selection: greedy, temperature, min-p, top-k, top-p, per-request seeds; logprobs of the raw logits.
+
+Logit bias and penalties change the logits first (``engine.logits_processors``), for greedy rows too.
 
 A step's rows are sampled together on the logits' device (a GPU on GPU nodes): no loop of kernels per
 row except one noise draw per seeded request, and one wait for the host at the end.
@@ -10,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.logits_processors import apply_bias_and_penalties
 from engine.sequence import Sequence
 
 
@@ -43,7 +46,7 @@ def _filter_sorted(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tenso
 
 def _sample_random(logits: torch.Tensor, seqs: list[Sequence], rows: list[int],
                    default_generator: torch.Generator) -> torch.Tensor:
-    """Token ids [len(rows)] drawn for the given rows of logits [N, V]: temperature, top-k, top-p, all
+    """Token ids [len(rows)] drawn for the given rows of logits [N, V]: temperature, min-p, top-k, top-p, all
     rows at once on the logits' device; the draw is an exponential race (argmax of p / E, E ~ Exp(1)),
     its noise from each seeded request's own generator (so neighbours never change its draw) and from
     ``default_generator`` for the rest."""
@@ -51,6 +54,11 @@ def _sample_random(logits: torch.Tensor, seqs: list[Sequence], rows: list[int],
     params = [seqs[i].params for i in rows]
     idx = torch.tensor(rows, device=dev)
     sub = logits[idx] / torch.tensor([p.temperature for p in params], device=dev)[:, None]
+    if any(p.min_p > 0 for p in params):  # tokens below min_p x the most likely one's probability
+        probs = sub.softmax(-1)
+        floor = probs.amax(-1, keepdim=True) * torch.tensor([p.min_p for p in params], device=dev,
+                                                            dtype=probs.dtype)[:, None]
+        sub = sub.masked_fill(probs < floor, float("-inf"))
     if any(0 < p.top_k < v or p.top_p < 1.0 for p in params):
         ks = torch.tensor([p.top_k if 0 < p.top_k < v else v for p in params], device=dev)
         sub = _filter_sorted(sub, ks, torch.tensor([p.top_p for p in params], device=dev, dtype=sub.dtype))
@@ -79,12 +87,12 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], default_generator: torch.
     logprobs and the top logprobs asked for."""
     n = logits.shape[0]
     dev = logits.device
-    logp = torch.log_softmax(logits, dim=-1)
-    chosen_logits = logits
+    logp = torch.log_softmax(logits, dim=-1)  # logprobs of the raw logits (vLLM's default)
+    chosen_logits = apply_bias_and_penalties(logits, seqs)
     banned = [(i, t) for i, seq in enumerate(seqs) if len(seq.output_token_ids) < seq.params.min_tokens
               for t in _stop_ids(seq)]
     if banned:
-        chosen_logits = logits.clone()
+        chosen_logits = chosen_logits.clone() if chosen_logits is logits else chosen_logits
         where = torch.tensor(banned, device=dev)
         chosen_logits[where[:, 0], where[:, 1]] = float("-inf")
     tokens = chosen_logits.argmax(dim=-1)

@@ -17,8 +17,13 @@ class SamplingParams:
 
     ``temperature`` 0 is greedy. ``top_k`` 0 or -1 and ``top_p`` 1 disable those filters. ``seed``
     gives the request its own random stream, so its output does not depend on batch neighbours.
-    ``logprobs`` N returns the chosen token's logprob and the top-N per output position;
-    ``prompt_logprobs`` N the same for every prompt position after the first.
+    ``logprobs`` N returns the chosen token's logprob and the top-N per output position (of the raw
+    logits, as vLLM's default); ``prompt_logprobs`` N the same for every prompt position after the first.
+    Before a token is chosen (greedy too): ``logit_bias`` (token id -> added to its logit), then the
+    penalties: ``repetition_penalty`` (> 1 discourages every token already in the prompt or output:
+    positive logits divided by it, negative ones multiplied), ``frequency_penalty`` (subtracted once per
+    occurrence in the output) and ``presence_penalty`` (subtracted once if in the output). When sampling,
+    ``min_p`` drops tokens less likely than ``min_p`` times the most likely one (after temperature).
     """
 
     n: int = 1
@@ -34,6 +39,11 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    logit_bias: dict[int, float] | None = None
     _stop_list: list[str] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -60,6 +70,20 @@ class SamplingParams:
             raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
         if self.stop_token_ids is not None and any(t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be >= 0, got {self.stop_token_ids}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or not -2 <= v <= 2:
+                raise ValueError(f"{name} must be in [-2, 2], got {v}")
+        if not isinstance(self.repetition_penalty, (int, float)) or not 0 < self.repetition_penalty <= 2 ** 16 \
+                or not math.isfinite(self.repetition_penalty):
+            raise ValueError(f"repetition_penalty must be > 0 and finite, got {self.repetition_penalty}")
+        if not isinstance(self.min_p, (int, float)) or not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        for t, b in (self.logit_bias or {}).items():
+            if not isinstance(t, int) or t < 0:
+                raise ValueError(f"logit_bias keys must be token ids (>= 0), got {t!r}")
+            if not isinstance(b, (int, float)) or not -100 <= b <= 100:
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {b!r} for token {t}")
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if any(not s for s in stops):
             raise ValueError("stop strings must be non-empty")
@@ -68,6 +92,12 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_EPSILON
+
+    @property
+    def changes_logits(self) -> bool:
+        """Whether a bias or a penalty applies before the token is chosen."""
+        return bool(self.logit_bias) or self.presence_penalty != 0 or self.frequency_penalty != 0 \
+            or self.repetition_penalty != 1
 
     @property
     def stop_strings(self) -> list[str]:

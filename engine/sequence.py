@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -46,6 +47,7 @@ class Sequence:
     block_hashes: list[int] = field(default_factory=list)  # prefix caching: hashes of full blocks, in order
     num_registered: int = 0  # prefix caching: leading blocks already in the cache
     prefix_hit_blocks: int = 0  # prefix caching: leading blocks it found cached when it (last) started
+    prompt_token_set: Any = None  # repetition penalty: the prompt's distinct ids, a tensor made once
     cacheable: bool = True  # prefix caching may share its blocks (not when prompt logits are wanted)
 
     @property

@@ -42,7 +42,7 @@ from proxy.serving import Serving
 log = logging.getLogger(__name__)
 
 _ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics", "/admin/nodes",
-              "/admin/route")
+              "/admin/route", "/tokenize", "/detokenize")
 
 
 def model_limits(model_dir: str) -> tuple[int, int | None]:
@@ -175,6 +175,11 @@ def create_app(config: ProxyConfig, tokenizer: Tokenizer, nodes: NodeSource, *, 
     async def metrics_page() -> Response:
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
+    # vLLM's tokenizer endpoints (at the root, as vLLM serves them), behind the API key
+    app.add_api_route("/tokenize", handlers.tokenize, methods=["POST"], response_model=None,
+                      dependencies=[Depends(api_guard)])
+    app.add_api_route("/detokenize", handlers.detokenize, methods=["POST"], response_model=None,
+                      dependencies=[Depends(api_guard)])
     app.include_router(v1)
     app.include_router(admin_router(view, router, bearer_guard(config.admin_key), tokenizer.encode,
                                     pipeline.expected_cached))

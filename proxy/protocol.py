@@ -1,7 +1,7 @@
 """OpenAI request bodies as pydantic models, validated as OpenAI and the engine validate them.
 
 Unknown fields are ignored (as vLLM does: clients send many optional knobs); known fields we
-cannot honour (``n`` > 1, ``echo``, penalties, tools...) are refused with a 400 rather than
+cannot honour (``n`` > 1, ``echo``, tools...) are refused with a 400 rather than
 silently ignored. The engine's limits (``engine.sampling_params``) are checked here too, so a bad
 request never costs a round trip to a node.
 """
@@ -24,6 +24,7 @@ class _Request(BaseModel):
 
 class StreamOptions(_Request):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: usage (so far) on every chunk, with include_usage
 
 
 class _Sampling(_Request):
@@ -44,7 +45,9 @@ class _Sampling(_Request):
     n: int | None = None
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
-    logit_bias: dict[str, float] | None = None
+    repetition_penalty: float | None = Field(None, gt=0, le=2 ** 16)  # vLLM's extension
+    min_p: float | None = Field(None, ge=0, le=1)  # vLLM's extension
+    logit_bias: dict[str, float] | None = None  # token id (as a string, OpenAI's JSON) -> [-100, 100]
     user: str | None = None
     return_tokens_as_token_ids: bool = False  # vLLM's: logprobs name tokens "token_id:<id>"
 
@@ -69,13 +72,26 @@ class _Sampling(_Request):
     def _check_unsupported(self) -> _Sampling:
         if self.n not in (None, 1):
             raise ValueError("n must be 1 (parallel sampling is not supported)")
-        if self.presence_penalty or self.frequency_penalty:
-            raise ValueError("presence_penalty and frequency_penalty are not supported (must be 0)")
-        if self.logit_bias:
-            raise ValueError("logit_bias is not supported")
+        self.token_bias()  # raises on a bad key or value
         if self.min_tokens and self.max_output_tokens is not None and self.min_tokens > self.max_output_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_output_tokens})")
         return self
+
+    def token_bias(self) -> dict[int, float]:
+        """``logit_bias`` with token ids as ints; ValueError for a key that is not one, or a value
+        outside [-100, 100] (the vocabulary bound is the caller's: ``Serving`` knows the model)."""
+        out = {}
+        for key, bias in (self.logit_bias or {}).items():
+            try:
+                token = int(key)
+            except ValueError:
+                raise ValueError(f"logit_bias keys must be token ids, got {key!r}") from None
+            if not 0 <= token < 2 ** 32:
+                raise ValueError(f"logit_bias key {key!r} is not a token id")
+            if not -100 <= bias <= 100:
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {bias} for token {token}")
+            out[token] = float(bias)
+        return out
 
     @property
     def max_output_tokens(self) -> int | None:
@@ -89,6 +105,10 @@ class _Sampling(_Request):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.include_usage and bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
     @property
     def top_logprobs_n(self) -> int | None:
@@ -106,6 +126,11 @@ class _Sampling(_Request):
             stop=self.stop_list,
             stop_token_ids=self.stop_token_ids or [],
             ignore_eos=self.ignore_eos,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=self.repetition_penalty or 1.0,
+            min_p=self.min_p or 0.0,
+            logit_bias=self.token_bias(),
         )
         if self.seed is not None:
             params.seed = self.seed
@@ -213,3 +238,34 @@ class ChatCompletionRequest(_Sampling):
     @property
     def top_logprobs_n(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class TokenizeRequest(_Request):
+    """``POST /tokenize`` (vLLM's): a prompt's text, or chat messages through the chat template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give prompt or messages (one of them)")
+        return self
+
+
+class DetokenizeRequest(_Request):
+    """``POST /detokenize`` (vLLM's): token ids back to text."""
+
+    model: str | None = None
+    tokens: list[int]
+
+    @field_validator("tokens")
+    @classmethod
+    def _ids(cls, v: list[int]) -> list[int]:
+        if any(t < 0 for t in v):
+            raise ValueError("tokens must be token ids (>= 0)")
+        return v

@@ -28,7 +28,7 @@ from proxy.discovery import NodeView, context_limit
 from proxy.errors import APIError, bad_request, error_body, validation_error
 from proxy.metrics import ProxyMetrics
 from proxy.pipeline import Generation, GenerationError, GenerationRequest, Pipeline
-from proxy.protocol import ChatCompletionRequest, CompletionRequest
+from proxy.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from proxy.responses import ChatFormat, CompletionFormat, Format, TokenTexts, sse, usage
 from proxy.sse import ClientDisconnected, EventStreamResponse, until_disconnected
 
@@ -78,6 +78,32 @@ class Serving:
             raise bad_request(f"the chat template failed on these messages: {e}", param="messages") from None
         return await self._generate(request, req, ids, "chat", "chatcmpl", "messages", arrival)
 
+    async def tokenize(self, request: Request) -> JSONResponse:
+        """vLLM's ``POST /tokenize``: a prompt (or chat messages, through the chat template) as token ids."""
+        req = _validate(TokenizeRequest, await _json_body(request))
+        self._check_model(req.model)
+        if req.messages is not None:
+            try:
+                ids = self.tokenizer.apply_chat_template([m.as_template_input() for m in req.messages],
+                                                         add_generation_prompt=req.add_generation_prompt)
+            except Exception as e:
+                raise bad_request(f"the chat template failed on these messages: {e}", param="messages") from None
+        else:
+            assert req.prompt is not None
+            ids = self.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+        limit = context_limit(self.view.snapshot(), self.model_name, self.max_model_len)
+        strs = [self.texts.shown(t) for t in ids] if req.return_token_strs else None
+        return JSONResponse({"count": len(ids), "max_model_len": limit, "tokens": ids, "token_strs": strs})
+
+    async def detokenize(self, request: Request) -> JSONResponse:
+        """vLLM's ``POST /detokenize``: token ids back to text."""
+        req = _validate(DetokenizeRequest, await _json_body(request))
+        self._check_model(req.model)
+        if self.vocab_size is not None and req.tokens and max(req.tokens) >= self.vocab_size:
+            raise bad_request(f"token id {max(req.tokens)} is outside the model's vocabulary (size "
+                              f"{self.vocab_size})", param="tokens")
+        return JSONResponse({"prompt": self.tokenizer.decode(req.tokens)})
+
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
             raise APIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
@@ -89,6 +115,11 @@ class Serving:
                                          context_limit(nodes, self.model_name, self.max_model_len), prompt_param)
         if req.min_tokens and req.min_tokens > max_tokens:
             raise bad_request(f"min_tokens ({req.min_tokens}) must be <= max_tokens ({max_tokens})", param="min_tokens")
+        if req.logit_bias and self.vocab_size is not None:
+            outside = [t for t in req.token_bias() if t >= self.vocab_size]
+            if outside:
+                raise bad_request(f"logit_bias token id {outside[0]} is outside the model's vocabulary (size "
+                                  f"{self.vocab_size})", param="logit_bias")
         gen_req = GenerationRequest(request_id=f"{id_prefix}-{uuid.uuid4().hex}", endpoint=endpoint,
                                     prompt_token_ids=list(prompt_ids), sampling=req.sampling(max_tokens),
                                     arrival=arrival)
@@ -118,7 +149,8 @@ class Serving:
                     self.metrics.errors.labels("client_disconnect").inc()
 
             handed_off = True
-            return EventStreamResponse(self._events(gen, fmt, out, req.include_usage), on_close=close)
+            return EventStreamResponse(self._events(gen, fmt, out, req.include_usage, req.continuous_usage),
+                                       on_close=close)
         except ClientDisconnected:
             self.metrics.errors.labels("client_disconnect").inc()
             return Response(status_code=499)  # nobody reads it; the metrics middleware counts it
@@ -143,21 +175,31 @@ class Serving:
         finally:
             gen.close()
 
-    async def _events(self, gen: Generation, fmt: Format, out: OutputText, include_usage: bool) -> AsyncIterator[str]:
+    async def _events(self, gen: Generation, fmt: Format, out: OutputText, include_usage: bool,
+                      continuous: bool = False) -> AsyncIterator[str]:
+        """The SSE stream; with ``continuous`` (vLLM's ``continuous_usage_stats``) every chunk carries
+        the usage so far."""
         req = gen.request
+        prompt_tokens = len(req.prompt_token_ids)
         completion_tokens = 0
+
+        def so_far(chunk: dict[str, Any]) -> dict[str, Any]:
+            if continuous:
+                chunk["usage"] = usage(prompt_tokens, completion_tokens)
+            return chunk
+
         for chunk in fmt.first_chunks():
-            yield sse(chunk)
+            yield sse(so_far(chunk))
         try:
             async for text, tokens, finish in _pieces(gen, out):
                 completion_tokens += len(tokens)
                 if not finish:
-                    yield sse(fmt.delta_chunk(text, tokens))
+                    yield sse(so_far(fmt.delta_chunk(text, tokens)))
                     continue
                 for chunk in fmt.final_chunks(text, tokens, finish):
-                    yield sse(chunk)
+                    yield sse(so_far(chunk))
                 if include_usage:
-                    yield sse(fmt.usage_chunk(usage(len(req.prompt_token_ids), completion_tokens)))
+                    yield sse(fmt.usage_chunk(usage(prompt_tokens, completion_tokens)))
                 yield sse("[DONE]")
                 self.metrics.e2e.labels(req.endpoint).observe(time.perf_counter() - req.arrival)
                 return

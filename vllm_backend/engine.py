@@ -114,6 +114,9 @@ def sampling_to_vllm(m: pb.SamplingParams, kv_params: dict[str, Any] | None, max
         min_tokens=int(m.min_tokens) if min_tokens is None else min_tokens,
         stop_token_ids=list(m.stop_token_ids) or None, ignore_eos=bool(m.ignore_eos),
         logprobs=int(m.logprobs) if m.HasField("logprobs") else None, output_kind=RequestOutputKind.DELTA,
+        presence_penalty=float(m.presence_penalty), frequency_penalty=float(m.frequency_penalty),
+        repetition_penalty=float(m.repetition_penalty) or 1.0, min_p=float(m.min_p),
+        logit_bias={int(t): float(b) for t, b in m.logit_bias.items()} or None,
         extra_args={"kv_transfer_params": kv_params} if kv_params is not None else None,
     )
 

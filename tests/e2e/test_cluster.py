@@ -257,6 +257,22 @@ def test_a_conversations_next_turn_pulls_only_its_new_blocks_into_the_same_decod
     assert metric(cluster, "pdcluster_proxy_kv_event_messages_total") > 0
 
 
+def test_penalties_and_logit_bias_through_the_cluster_equal_colocated(cluster: Cluster) -> None:
+    """The first token comes from the prefill node, the rest from the decode node: both apply them."""
+    prompt = [(i * 17 + 9) % 1000 + 2 for i in range(40)]
+    params = dict(presence_penalty=0.8, frequency_penalty=0.4, repetition_penalty=1.5, logit_bias={11: 20.0})
+    r = client(cluster).completions.create(
+        model=MODEL, prompt=prompt, max_tokens=10, temperature=0, logprobs=0, presence_penalty=0.8,
+        frequency_penalty=0.4, logit_bias={"11": 20},
+        extra_body={"repetition_penalty": 1.5, "ignore_eos": True, "return_tokens_as_token_ids": True})
+    ids = [int(t.removeprefix("token_id:")) for t in r.choices[0].logprobs.tokens]
+    with LLM(str(cluster.model), **KW) as llm:
+        want, plain = llm.generate([prompt, prompt], [
+            SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, **params),  # type: ignore[arg-type]
+            SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)])
+    assert ids == want.token_ids != plain.token_ids
+
+
 def test_pdctl_route_explains_the_expected_prefix_hit_of_a_prompts_text(cluster: Cluster) -> None:
     text = "A serving cluster keeps the prompt's blocks for the next request. " * 12
     client(cluster).completions.create(model=MODEL, prompt=text, max_tokens=2, temperature=0)

@@ -235,6 +235,41 @@ def test_return_tokens_as_token_ids_names_each_token_by_its_id(c: Cluster) -> No
     assert all(re.fullmatch(r"token_id:\d+", e.token) for e in chat.choices[0].logprobs.content)
 
 
+def test_penalties_bias_and_min_p_reach_the_nodes(c: Cluster) -> None:
+    c.client().completions.create(model=MODEL, prompt="x", max_tokens=3, presence_penalty=0.5, frequency_penalty=-1.25,
+                                  logit_bias={"7": -100, "9": 2.5},
+                                  extra_body={"repetition_penalty": 1.3, "min_p": 0.05})
+    sent = [r for p in (c.p0, c.p1) for r in p.requests][-1].sampling
+    assert (sent.presence_penalty, sent.frequency_penalty, sent.repetition_penalty, sent.min_p) == (0.5, -1.25, 1.3,
+                                                                                                  0.05)
+    assert dict(sent.logit_bias) == {7: -100.0, 9: 2.5}
+
+
+def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(c: Cluster) -> None:
+    chunks = list(c.client().completions.create(
+        model=MODEL, prompt="x", max_tokens=5, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    counted = [ch.usage.completion_tokens for ch in chunks if ch.choices]
+    assert counted == sorted(counted) and counted[-1] == 5 and all(ch.usage is not None for ch in chunks)
+    assert chunks[-1].usage.completion_tokens == 5 and not chunks[-1].choices  # the usage chunk, as before
+
+
+def test_tokenize_and_detokenize_as_vllm_serves_them(c: Cluster) -> None:
+    tok, http = c.tokenizer, c.http()
+    r = http.post("/tokenize", json={"model": MODEL, "prompt": "Hello there"}).json()
+    assert r["tokens"] == tok.encode("Hello there") and r["count"] == len(r["tokens"]) and r["max_model_len"] > 0
+    chat = [{"role": "user", "content": "hi"}]
+    r = http.post("/tokenize", json={"messages": chat, "return_token_strs": True}).json()
+    assert r["tokens"] == tok.apply_chat_template(chat) and len(r["token_strs"]) == r["count"]
+    back = http.post("/detokenize", json={"tokens": tok.encode("Hello there", add_special_tokens=False)}).json()
+    assert back == {"prompt": "Hello there"}
+    for path, body in (("tokenize", {}), ("tokenize", {"prompt": "a", "messages": chat}),
+                       ("detokenize", {"tokens": [TINY_VOCAB]}), ("detokenize", {"tokens": [-1]})):
+        r = http.post(f"/{path}", json=body)
+        assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", (path, body, r.text)
+    assert c.http(key=None).post("/tokenize", json={"prompt": "a"}).status_code == 401  # behind the API key
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_chat_logprobs_shape(c: Cluster, stream: bool) -> None:
     kw = dict(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=6, logprobs=True, top_logprobs=3)
@@ -285,6 +320,12 @@ BAD_REQUESTS = [
     ("completions", {"model": MODEL, "prompt": LONG_PROMPT}, 400, "context_length_exceeded"),
     ("completions", {"model": MODEL, "prompt": "x", "max_tokens": MAX_MODEL_LEN}, 400, "context_length_exceeded"),
     ("completions", {"model": MODEL, "prompt": "x", "min_tokens": 600}, 400, None),
+    ("completions", {"model": MODEL, "prompt": "x", "presence_penalty": 2.5}, 400, None),
+    ("completions", {"model": MODEL, "prompt": "x", "repetition_penalty": 0}, 400, None),
+    ("completions", {"model": MODEL, "prompt": "x", "min_p": 1.5}, 400, None),
+    ("completions", {"model": MODEL, "prompt": "x", "logit_bias": {"abc": 1}}, 400, None),
+    ("completions", {"model": MODEL, "prompt": "x", "logit_bias": {"5": 101}}, 400, None),
+    ("completions", {"model": MODEL, "prompt": "x", "logit_bias": {str(TINY_VOCAB): 1}}, 400, None),
     ("chat/completions", {"model": MODEL, "messages": []}, 400, None),
     ("chat/completions", {"model": MODEL}, 400, None),
     ("chat/completions", {"model": MODEL, "messages": "hi"}, 400, None),
