@@ -327,6 +327,11 @@ class Generation:
         self._ttft_pending = reply is None  # observed at the stream's first token
         self._finished = reply is not None and bool(reply.finish_reason)  # the nodes ended it: nothing to abort
         self._closed = False
+        # Set once the decode rank holds the prompt's KV (or nothing will come): a request's further
+        # samples wait for it, so they find the prompt in both nodes' prefix caches (n > 1).
+        self.admitted = asyncio.Event()
+        if self._finished:
+            self.admitted.set()
         self._last_token_at = time.perf_counter()
         self._call: Any = None
         self._opened_at = time.perf_counter()
@@ -375,6 +380,7 @@ class Generation:
             event = await self._read()
             kind = event.WhichOneof("event")
             if kind == "admitted":
+                self.admitted.set()
                 self._legs.metrics.decode_admission_s.observe(time.perf_counter() - self._opened_at)
                 self._legs.metrics.kv_transfer_s.observe(event.admitted.transfer_s)
                 self._legs.metrics.kv_transfer_bytes.inc(event.admitted.transfer_bytes)
@@ -459,6 +465,7 @@ class Generation:
         if self._closed:
             return
         self._closed = True
+        self.admitted.set()
         if not self._finished:
             if self._call is not None:
                 self._call.cancel()

@@ -16,6 +16,7 @@ from cluster.proto_gen import pdcluster_v1_pb2 as pb
 from engine.sampling_params import MAX_LOGPROBS
 
 MAX_STOP_STRINGS = 4  # OpenAI's limit
+MAX_CHOICES = 128  # n times the number of prompts: choices in one request
 
 
 class _Request(BaseModel):
@@ -70,8 +71,8 @@ class _Sampling(_Request):
 
     @model_validator(mode="after")
     def _check_unsupported(self) -> _Sampling:
-        if self.n not in (None, 1):
-            raise ValueError("n must be 1 (parallel sampling is not supported)")
+        if self.n is not None and not 1 <= self.n <= MAX_CHOICES:
+            raise ValueError(f"n must be in [1, {MAX_CHOICES}], got {self.n}")
         self.token_bias()  # raises on a bad key or value
         if self.min_tokens and self.max_output_tokens is not None and self.min_tokens > self.max_output_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_output_tokens})")
@@ -150,24 +151,30 @@ class CompletionRequest(_Sampling):
     best_of: int | None = None
     suffix: str | None = None
 
-    def prompt_ids(self) -> list[int]:
-        """The prompt as token ids (``_one_prompt`` left one prompt: text, or a list of ids)."""
-        assert isinstance(self.prompt, list) and all(isinstance(t, int) for t in self.prompt)
-        return [int(t) for t in self.prompt]  # type: ignore[arg-type]
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts: one text or list of ids, or several (a batch: one choice each, times ``n``)."""
+        v = self.prompt
+        if isinstance(v, list) and v and isinstance(v[0], (str, list)):
+            return list(v)
+        return [v]  # type: ignore[list-item]
 
     @field_validator("prompt")
     @classmethod
-    def _one_prompt(cls, v: Any) -> str | list[int]:
-        # A list of strings or of token lists is a batch of prompts; one element is still one prompt.
-        if isinstance(v, list) and v and isinstance(v[0], (str, list)):
-            if len(v) != 1:
-                raise ValueError("only one prompt per request is supported")
-            v = v[0]
-        if isinstance(v, list):
-            if not v:
-                raise ValueError("prompt must not be empty")
-            if any(t < 0 or t >= 2**32 for t in v):
-                raise ValueError("prompt token ids must be >= 0")
+    def _check_prompts(cls, v: Any) -> Any:
+        # A list of strings or of token lists is a batch of prompts.
+        batch = v if isinstance(v, list) and v and isinstance(v[0], (str, list)) else [v]
+        if isinstance(v, list) and not v:
+            raise ValueError("prompt must not be empty")
+        if len(batch) > MAX_CHOICES:
+            raise ValueError(f"at most {MAX_CHOICES} prompts in one request, got {len(batch)}")
+        for p in batch:
+            if isinstance(p, list):
+                if not p:
+                    raise ValueError("a prompt must not be empty")
+                if not all(isinstance(t, int) for t in p) or any(t < 0 or t >= 2**32 for t in p):
+                    raise ValueError("prompt token ids must be ints >= 0")
+            elif not isinstance(p, str):
+                raise ValueError("a prompt is a string or a list of token ids")
         return v
 
     @model_validator(mode="after")
@@ -175,7 +182,9 @@ class CompletionRequest(_Sampling):
         if self.echo:
             raise ValueError("echo is not supported")
         if self.best_of not in (None, 1):
-            raise ValueError("best_of must be 1")
+            raise ValueError("best_of must be 1 (as in vLLM's V1 engine)")
+        if (self.n or 1) * len(self.prompts()) > MAX_CHOICES:
+            raise ValueError(f"n times the number of prompts must be at most {MAX_CHOICES}")
         if self.suffix:
             raise ValueError("suffix is not supported")
         return self

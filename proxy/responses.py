@@ -83,8 +83,10 @@ class _Base:
     chunk_object: str = ""
 
     def __init__(self, request_id: str, created: int, model: str, *, logprobs: bool, include_usage: bool,
-                 texts: TokenTexts, token_ids: bool = False) -> None:
-        """``token_ids``: logprobs name each token "token_id:<id>" (vLLM's ``return_tokens_as_token_ids``)."""
+                 texts: TokenTexts, token_ids: bool = False, index: int = 0) -> None:
+        """``token_ids``: logprobs name each token "token_id:<id>" (vLLM's ``return_tokens_as_token_ids``);
+        ``index``: the choice's index (several with ``n`` > 1 or several prompts)."""
+        self.index = index
         self.request_id = request_id
         self.created = created
         self.model = model
@@ -128,7 +130,7 @@ class CompletionFormat(_Base):
         return out
 
     def _choice(self, text: str, tokens: Sequence[pb.Token], finish_reason: str | None) -> dict[str, Any]:
-        return {"index": 0, "text": text, "logprobs": self._logprobs(tokens), "finish_reason": finish_reason}
+        return {"index": self.index, "text": text, "logprobs": self._logprobs(tokens), "finish_reason": finish_reason}
 
     def response(self, text: str, finish_reason: str, tokens: Sequence[pb.Token],
                  usage: dict[str, int]) -> dict[str, Any]:
@@ -164,13 +166,14 @@ class ChatFormat(_Base):
 
     def response(self, text: str, finish_reason: str, tokens: Sequence[pb.Token],
                  usage: dict[str, int]) -> dict[str, Any]:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": self._logprobs(tokens),
+        choice = {"index": self.index, "message": {"role": "assistant", "content": text},
+                  "logprobs": self._logprobs(tokens),
                   "finish_reason": finish_reason}
         return {**self._envelope(self.object, [choice]), "usage": usage}
 
     def _delta(self, delta: dict[str, Any], tokens: Sequence[pb.Token], finish_reason: str | None) -> dict[str, Any]:
         logprobs = self._logprobs(tokens) if tokens else None
-        return self._chunk({"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason})
+        return self._chunk({"index": self.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason})
 
     def first_chunks(self) -> list[dict[str, Any]]:
         return [self._delta({"role": "assistant", "content": ""}, (), None)]

@@ -23,6 +23,7 @@ from pydantic import BaseModel, ValidationError
 from cluster.nodes import NodeState
 from cluster.proto_gen import pdcluster_v1_pb2 as pb
 from engine.tokenizer import Tokenizer
+from proxy.choices import Child, Choices
 from proxy.detok import OutputText
 from proxy.discovery import NodeView, context_limit
 from proxy.errors import APIError, bad_request, error_body, validation_error
@@ -60,11 +61,14 @@ class Serving:
         body = await _json_body(request)
         req = _validate(CompletionRequest, body)
         self._check_model(req.model)
-        ids = req.prompt_ids() if isinstance(req.prompt, list) else self.tokenizer.encode(req.prompt)
-        if self.vocab_size is not None and ids and max(ids) >= self.vocab_size:
-            raise bad_request(f"prompt token id {max(ids)} is outside the model's vocabulary (size "
-                              f"{self.vocab_size})", param="prompt")
-        return await self._generate(request, req, ids, "completions", "cmpl", "prompt", arrival)
+        prompts = [list(p) if isinstance(p, list) else self.tokenizer.encode(p) for p in req.prompts()]
+        for ids in prompts:
+            if self.vocab_size is not None and ids and max(ids) >= self.vocab_size:
+                raise bad_request(f"prompt token id {max(ids)} is outside the model's vocabulary (size "
+                                  f"{self.vocab_size})", param="prompt")
+        if len(prompts) > 1 or (req.n or 1) > 1:
+            return await self._several(request, req, prompts, "completions", "cmpl", "prompt", arrival)
+        return await self._generate(request, req, prompts[0], "completions", "cmpl", "prompt", arrival)
 
     async def chat(self, request: Request) -> Response:
         arrival = time.perf_counter()
@@ -76,6 +80,8 @@ class Serving:
             ids = self.tokenizer.apply_chat_template(messages)
         except Exception as e:  # the template is the model's code: any failure is about these messages
             raise bad_request(f"the chat template failed on these messages: {e}", param="messages") from None
+        if (req.n or 1) > 1:
+            return await self._several(request, req, [ids], "chat", "chatcmpl", "messages", arrival)
         return await self._generate(request, req, ids, "chat", "chatcmpl", "messages", arrival)
 
     async def tokenize(self, request: Request) -> JSONResponse:
@@ -108,9 +114,10 @@ class Serving:
         if model is not None and model != self.model_name:
             raise APIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
 
-    async def _generate(self, request: Request, req: CompletionRequest | ChatCompletionRequest, prompt_ids: list[int],
-                        endpoint: str, id_prefix: str, prompt_param: str, arrival: float) -> Response:
-        nodes = self.view.snapshot()
+    def _checked_max_tokens(self, req: CompletionRequest | ChatCompletionRequest, prompt_ids: list[int],
+                            nodes: list[NodeState], prompt_param: str) -> int:
+        """``max_tokens`` for the nodes (400 when the prompt and the output cannot fit, or for a
+        ``min_tokens`` above it, or a ``logit_bias`` token outside the vocabulary)."""
         max_tokens = _resolve_max_tokens(req.max_output_tokens, len(prompt_ids),
                                          context_limit(nodes, self.model_name, self.max_model_len), prompt_param)
         if req.min_tokens and req.min_tokens > max_tokens:
@@ -120,20 +127,95 @@ class Serving:
             if outside:
                 raise bad_request(f"logit_bias token id {outside[0]} is outside the model's vocabulary (size "
                                   f"{self.vocab_size})", param="logit_bias")
-        gen_req = GenerationRequest(request_id=f"{id_prefix}-{uuid.uuid4().hex}", endpoint=endpoint,
-                                    prompt_token_ids=list(prompt_ids), sampling=req.sampling(max_tokens),
-                                    arrival=arrival)
+        return max_tokens
+
+    def _format(self, req: CompletionRequest | ChatCompletionRequest, request_id: str, endpoint: str,
+                index: int = 0) -> Format:
         fmt_type = ChatFormat if endpoint == "chat" else CompletionFormat
-        fmt: Format = fmt_type(gen_req.request_id, int(time.time()), self.model_name,
-                               logprobs=req.top_logprobs_n is not None, include_usage=req.include_usage,
-                               texts=self.texts, token_ids=req.return_tokens_as_token_ids)
-        out = OutputText(self.tokenizer, req.stop_list)
+        return fmt_type(request_id, int(time.time()), self.model_name, logprobs=req.top_logprobs_n is not None,
+                        include_usage=req.include_usage, texts=self.texts, token_ids=req.return_tokens_as_token_ids,
+                        index=index)
+
+    def _admit(self) -> None:
+        """Count a request in flight, or refuse it (503) at ``max_inflight``."""
         if self.max_inflight and self.inflight >= self.max_inflight:
             raise APIError(503, f"the proxy has {self.inflight} requests in flight (max_inflight_requests "
                                 f"{self.max_inflight}); try again shortly", code="overloaded", cause="proxy_full",
                            retry_after_s=1)
         self.inflight += 1
         self.metrics.inflight.inc()
+
+    def _leave(self) -> None:
+        self.inflight -= 1
+        self.metrics.inflight.dec()
+
+    async def _several(self, request: Request, req: CompletionRequest | ChatCompletionRequest,
+                       prompts: list[list[int]], endpoint: str, id_prefix: str, prompt_param: str,
+                       arrival: float) -> Response:
+        """``n`` > 1 samples and several prompts: one choice each (``proxy.choices``)."""
+        nodes = self.view.snapshot()
+        n = req.n or 1
+        request_id = f"{id_prefix}-{uuid.uuid4().hex}"
+        children = []
+        for p, ids in enumerate(prompts):
+            max_tokens = self._checked_max_tokens(req, ids, nodes, prompt_param)
+            self._check_kv_budget(nodes, len(ids) + max_tokens, n)
+            for i in range(n):
+                sampling = req.sampling(max_tokens)
+                if sampling.HasField("seed"):
+                    sampling.seed = (sampling.seed + i) % 2 ** 63  # vLLM's rule: sample i gets seed + i
+                k = p * n + i
+                child_req = GenerationRequest(request_id=f"{request_id}-{k}", endpoint=endpoint,
+                                              prompt_token_ids=list(ids), sampling=sampling, arrival=arrival)
+                children.append(Child(child_req, self._format(req, request_id, endpoint, k),
+                                      OutputText(self.tokenizer, req.stop_list), p, i == 0))
+        choices = Choices(self.pipeline, self.metrics, children, nodes, _pieces)
+        self._admit()
+        handed_off = False
+        try:
+            await until_disconnected(request, choices.start())
+            if not req.stream:
+                body = await until_disconnected(request, choices.complete())
+                self.metrics.e2e.labels(endpoint).observe(time.perf_counter() - arrival)
+                return JSONResponse(body)
+
+            def close(disconnected: bool) -> None:
+                choices.close()
+                self._leave()
+                if disconnected:
+                    self.metrics.errors.labels("client_disconnect").inc()
+
+            handed_off = True
+            return EventStreamResponse(choices.events(req.include_usage, req.continuous_usage), on_close=close)
+        except ClientDisconnected:
+            self.metrics.errors.labels("client_disconnect").inc()
+            return Response(status_code=499)
+        finally:
+            if not handed_off:
+                choices.close()
+                self._leave()
+
+    def _check_kv_budget(self, nodes: list[NodeState], tokens: int, n: int) -> None:
+        """400 when ``n`` sequences of ``tokens`` cannot fit in the decode nodes' KV caches at once."""
+        decode = [s for s in nodes if s.info.role == "decode" and s.info.model == self.model_name and s.healthy]
+        if not decode:
+            return  # no decode node known: routing answers 503 with its reasons
+        have = sum(s.info.num_blocks * s.info.dp for s in decode)
+        need = n * -(-tokens // decode[0].info.block_size)
+        if need > have:
+            raise bad_request(f"n={n} sequences of up to {tokens} tokens need {need} KV blocks; the decode nodes "
+                              f"have {have} in all", param="n")
+
+    async def _generate(self, request: Request, req: CompletionRequest | ChatCompletionRequest, prompt_ids: list[int],
+                        endpoint: str, id_prefix: str, prompt_param: str, arrival: float) -> Response:
+        nodes = self.view.snapshot()
+        max_tokens = self._checked_max_tokens(req, prompt_ids, nodes, prompt_param)
+        gen_req = GenerationRequest(request_id=f"{id_prefix}-{uuid.uuid4().hex}", endpoint=endpoint,
+                                    prompt_token_ids=list(prompt_ids), sampling=req.sampling(max_tokens),
+                                    arrival=arrival)
+        fmt = self._format(req, gen_req.request_id, endpoint)
+        out = OutputText(self.tokenizer, req.stop_list)
+        self._admit()
         handed_off = False  # once the stream response owns the request, it ends it
         try:
             if not req.stream:
@@ -143,8 +225,7 @@ class Serving:
 
             def close(disconnected: bool) -> None:
                 gen.close()
-                self.inflight -= 1
-                self.metrics.inflight.dec()
+                self._leave()
                 if disconnected:
                     self.metrics.errors.labels("client_disconnect").inc()
 
@@ -156,8 +237,7 @@ class Serving:
             return Response(status_code=499)  # nobody reads it; the metrics middleware counts it
         finally:
             if not handed_off:
-                self.inflight -= 1
-                self.metrics.inflight.dec()
+                self._leave()
 
     async def _complete(self, req: GenerationRequest, nodes: list[NodeState], fmt: Format,
                         out: OutputText) -> dict[str, Any]:

@@ -32,7 +32,7 @@ def cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory,
         # decode-0 caches prefixes (a conversation's next turn pulls only its new blocks), decode-1 not
         "decode": [{"dp": 2, "max_model_len": 1024, "num_kv_blocks": 256, "dp_processes": "on",
                     "enable_prefix_caching": True},
-                   {"dp": 1, "max_model_len": 1024, "num_kv_blocks": 256}],
+                   {"dp": 1, "max_model_len": 1024, "num_kv_blocks": 256, "enable_prefix_caching": False}],
     })
     with running_cluster(topo, run_dir, tiny_model, cluster_run_dirs) as c:
         yield c

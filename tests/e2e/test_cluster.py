@@ -226,7 +226,7 @@ def test_a_conversations_next_turn_pulls_only_its_new_blocks_into_the_same_decod
     blocks; the answers equal one colocated engine's."""
     turn1 = [(i * 31 + 7) % 1000 + 2 for i in range(300)]  # 18 full blocks of 16, and 12 tokens
     user2 = [(i * 13 + 3) % 1000 + 2 for i in range(100)]
-    pdctl(cluster, "drain", "decode-1")  # it does not cache: keep the conversation on decode-0
+    pdctl(cluster, "drain", "decode-1")  # it does not cache prefixes: keep the conversation on decode-0
     try:
         moved, cached, answers, prompt = [], [], [], turn1
         for _ in range(2):
@@ -271,6 +271,29 @@ def test_penalties_and_logit_bias_through_the_cluster_equal_colocated(cluster: C
             SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, **params),  # type: ignore[arg-type]
             SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)])
     assert ids == want.token_ids != plain.token_ids
+
+
+def test_n_samples_share_the_prompts_kv_and_equal_seeded_single_requests(cluster: Cluster) -> None:
+    """n=3 with a seed: sample i equals a single request with seed + i; the prompt's full blocks are
+    prefilled and pulled once (the other samples find them in both nodes' prefix caches)."""
+    prompt = [(i * 23 + 4) % 1000 + 2 for i in range(100)]  # 6 full blocks of 16, and 4 tokens
+    kw = dict(model=MODEL, prompt=prompt, max_tokens=6, temperature=1.0, logprobs=0)
+    ids = {"ignore_eos": True, "return_tokens_as_token_ids": True}
+    pdctl(cluster, "drain", "decode-1")  # decode-1 does not cache prefixes
+    try:
+        hits = [metric(cluster, f'pdcluster_proxy_prefix_cached_tokens_total{{leg="{leg}"}}')
+                for leg in ("prefill", "decode")]
+        r = client(cluster).completions.create(n=3, seed=5, extra_body=ids, **kw)
+        hits = [metric(cluster, f'pdcluster_proxy_prefix_cached_tokens_total{{leg="{leg}"}}') - before
+                for leg, before in zip(("prefill", "decode"), hits)]
+        singles = [client(cluster).completions.create(seed=5 + i, extra_body=ids, **kw) for i in range(3)]
+    finally:
+        pdctl(cluster, "undrain", "decode-1")
+    got = [[t for t in ch.logprobs.tokens] for ch in sorted(r.choices, key=lambda ch: ch.index)]
+    assert got == [s.choices[0].logprobs.tokens for s in singles]
+    assert r.usage.prompt_tokens == 100 and r.usage.completion_tokens == 18
+    assert hits[0] >= 2 * 96 and hits[1] >= 2 * 96, hits  # samples 1 and 2 found the 6 full blocks
+    assert not any(wait_all_free(cluster).values())
 
 
 def test_pdctl_route_explains_the_expected_prefix_hit_of_a_prompts_text(cluster: Cluster) -> None:

@@ -245,6 +245,41 @@ def test_penalties_bias_and_min_p_reach_the_nodes(c: Cluster) -> None:
     assert dict(sent.logit_bias) == {7: -100.0, 9: 2.5}
 
 
+def test_n_samples_and_several_prompts_are_choices_with_their_own_seeds(c: Cluster) -> None:
+    r = c.client().completions.create(model=MODEL, prompt=["x", "yy"], max_tokens=4, n=3, seed=7)
+    assert [ch.index for ch in r.choices] == list(range(6))
+    assert all(ch.text == c.text(4) and ch.finish_reason == "length" for ch in r.choices)
+    assert r.usage.completion_tokens == 24
+    assert r.usage.prompt_tokens == len(c.tokenizer.encode("x")) + len(c.tokenizer.encode("yy"))  # once per prompt
+    seeds = {int(q.request_id.rsplit("-", 1)[1]): q.sampling.seed for p in (c.p0, c.p1) for q in p.requests
+             if q.request_id.startswith(r.id + "-")}  # each choice is a request of its own: <id>-<index>
+    assert seeds == {k: 7 + k % 3 for k in range(6)}  # sample i of each prompt: seed + i (vLLM's rule)
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_n_samples_stream_as_indexed_chunks(c: Cluster, endpoint: str) -> None:
+    if endpoint == "chat":
+        chunks = list(c.client().chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                                         max_tokens=5, n=2, stream=True,
+                                                         stream_options={"include_usage": True}))
+        texts = {i: "".join(ch.choices[0].delta.content or "" for ch in chunks
+                            if ch.choices and ch.choices[0].index == i) for i in range(2)}
+    else:
+        chunks = list(c.client().completions.create(model=MODEL, prompt="x", max_tokens=5, n=2, stream=True,
+                                                    stream_options={"include_usage": True}))
+        texts = {i: "".join(ch.choices[0].text for ch in chunks if ch.choices and ch.choices[0].index == i)
+                 for i in range(2)}
+    assert texts == {0: c.text(5), 1: c.text(5)}
+    finished = [ch.choices[0].index for ch in chunks if ch.choices and ch.choices[0].finish_reason]
+    assert sorted(finished) == [0, 1]
+    assert chunks[-1].usage.completion_tokens == 10 and not chunks[-1].choices
+
+
+def test_n_too_large_for_the_decode_nodes_kv_is_a_400(c: Cluster) -> None:
+    r = c.http().post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 500, "n": 128})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "n", r.text
+
+
 def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(c: Cluster) -> None:
     chunks = list(c.client().completions.create(
         model=MODEL, prompt="x", max_tokens=5, stream=True,
@@ -309,9 +344,7 @@ BAD_REQUESTS = [
     ("completions", {"model": MODEL, "prompt": "x", "top_p": 0}, 400, None),
     ("completions", {"model": MODEL, "prompt": "x", "top_p": 1.5}, 400, None),
     ("completions", {"model": MODEL, "prompt": "x", "logprobs": 21}, 400, None),
-    ("completions", {"model": MODEL, "prompt": "x", "n": 2}, 400, None),
     ("completions", {"model": MODEL, "prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400, None),
-    ("completions", {"model": MODEL, "prompt": ["a", "b"]}, 400, None),
     ("completions", {"model": MODEL, "prompt": []}, 400, None),
     ("completions", {"model": MODEL}, 400, None),
     ("completions", {"model": MODEL, "prompt": 5}, 400, None),
@@ -320,6 +353,11 @@ BAD_REQUESTS = [
     ("completions", {"model": MODEL, "prompt": LONG_PROMPT}, 400, "context_length_exceeded"),
     ("completions", {"model": MODEL, "prompt": "x", "max_tokens": MAX_MODEL_LEN}, 400, "context_length_exceeded"),
     ("completions", {"model": MODEL, "prompt": "x", "min_tokens": 600}, 400, None),
+    ("completions", {"model": MODEL, "prompt": "x", "n": 0}, 400, None),
+    ("completions", {"model": MODEL, "prompt": "x", "n": 129}, 400, None),
+    ("completions", {"model": MODEL, "prompt": ["a"] * 65, "n": 2}, 400, None),
+    ("completions", {"model": MODEL, "prompt": ["a", []]}, 400, None),
+    ("completions", {"model": MODEL, "prompt": "x", "best_of": 3}, 400, None),
     ("completions", {"model": MODEL, "prompt": "x", "presence_penalty": 2.5}, 400, None),
     ("completions", {"model": MODEL, "prompt": "x", "repetition_penalty": 0}, 400, None),
     ("completions", {"model": MODEL, "prompt": "x", "min_p": 1.5}, 400, None),
