@@ -26,6 +26,7 @@ def sampling_from_pb(m: pb.SamplingParams, max_tokens: int | None = None) -> Sam
         repetition_penalty=float(m.repetition_penalty) if m.repetition_penalty else 1.0,
         min_p=float(m.min_p),
         logit_bias={int(t): float(b) for t, b in m.logit_bias.items()} or None,
+        prompt_logprobs=int(m.prompt_logprobs) if m.HasField("prompt_logprobs") else None,
     )
 
 
@@ -40,6 +41,8 @@ def sampling_to_pb(p: SamplingParams) -> pb.SamplingParams:
         m.seed = p.seed
     if p.logprobs is not None:
         m.logprobs = p.logprobs
+    if p.prompt_logprobs is not None:
+        m.prompt_logprobs = p.prompt_logprobs
     return m
 
 

@@ -258,6 +258,10 @@ class PrefillWorker(EngineLoop):
         resp = pb.PrefillResponse(request_id=seq.request_id, dp_rank=d, first_token=first, finish_reason=reason,
                                   queue_s=started - job.arrived, prefill_s=now - started,
                                   cached_tokens=seq.prefix_hit_blocks * eng.config.block_size)
+        if job.params.prompt_logprobs is not None:  # echo: every prompt token, its logprob and top-N
+            resp.prompt_tokens.extend(
+                token_pb(t, lp, top) for t, lp, top in zip(seq.prompt_token_ids, seq.prompt_logprobs,
+                                                           seq.prompt_top_logprobs))
         if reason:
             eng.release(seq.request_id)
         else:

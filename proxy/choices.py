@@ -46,6 +46,7 @@ class Child:
     out: OutputText
     prompt: int  # which prompt it samples
     first: bool  # the prompt's first sample: the others follow it
+    echo: str | None = None  # echo: the prompt's text, before the answer
     gen: Generation | None = None
     tokens: list[pb.Token] = field(default_factory=list)
     finish: str = ""
@@ -88,6 +89,8 @@ class Choices:
         fut = self._started[id(c)]
         try:
             c.gen = await self.pipeline.start(c.req, self.nodes)
+            if c.echo is not None:
+                c.fmt.echo(c.echo, c.gen.prompt_tokens)
         except BaseException as e:
             if not fut.done():
                 fut.set_exception(e)
@@ -168,9 +171,9 @@ class Choices:
 
     async def _stream(self, c: Child, queue: asyncio.Queue[Item]) -> None:
         try:
+            gen = await self._generation(c)
             for chunk in c.fmt.first_chunks():
                 queue.put_nowait((c, chunk))
-            gen = await self._generation(c)
             async for text, tokens, finish in self.pieces(gen, c.out):
                 c.tokens += tokens
                 if not finish:

@@ -193,7 +193,9 @@ class Pipeline:
         prefix = _PromptPrefix(legs.prefixes, nodes, req.prompt_token_ids)
         while True:
             try:
+                # prompt logprobs (echo) come from a prefill node's answer: never a local prefill then
                 route = legs.router.route(nodes, len(req.prompt_token_ids), req.sampling.max_tokens, failed,
+                                          local=False if req.sampling.HasField("prompt_logprobs") else None,
                                           cached=prefix.cached_tokens if prefix.useful else None)
             except NoRoute as e:
                 if last_error is not None:  # no other replica to retry on: the node's error it is
@@ -362,6 +364,11 @@ class Generation:
     @property
     def finished(self) -> bool:
         return self._finished
+
+    @property
+    def prompt_tokens(self) -> list[pb.Token]:
+        """The prompt's tokens with their logprobs, when the prefill node was asked for them (echo)."""
+        return list(self._reply.prompt_tokens) if self._reply is not None else []
 
     async def next_tokens(self) -> tuple[list[pb.Token], str]:
         """The next output tokens and the finish reason ("" until the last batch).

@@ -1,7 +1,7 @@
 """OpenAI request bodies as pydantic models, validated as OpenAI and the engine validate them.
 
 Unknown fields are ignored (as vLLM does: clients send many optional knobs); known fields we
-cannot honour (``n`` > 1, ``echo``, tools...) are refused with a 400 rather than
+cannot honour (``response_format``, ``tools``...) are refused with a 400 rather than
 silently ignored. The engine's limits (``engine.sampling_params``) are checked here too, so a bad
 request never costs a round trip to a node.
 """
@@ -151,6 +151,12 @@ class CompletionRequest(_Sampling):
     best_of: int | None = None
     suffix: str | None = None
 
+    def sampling(self, max_tokens: int) -> pb.SamplingParams:
+        params = super().sampling(max_tokens)
+        if self.echo and self.logprobs is not None:  # the echoed prompt's logprobs, from the prefill node
+            params.prompt_logprobs = self.logprobs
+        return params
+
     def prompts(self) -> list[str | list[int]]:
         """The prompts: one text or list of ids, or several (a batch: one choice each, times ``n``)."""
         v = self.prompt
@@ -179,8 +185,6 @@ class CompletionRequest(_Sampling):
 
     @model_validator(mode="after")
     def _check_completion_unsupported(self) -> CompletionRequest:
-        if self.echo:
-            raise ValueError("echo is not supported")
         if self.best_of not in (None, 1):
             raise ValueError("best_of must be 1 (as in vLLM's V1 engine)")
         if (self.n or 1) * len(self.prompts()) > MAX_CHOICES:

@@ -71,6 +71,8 @@ class Format(Protocol):
 
     def first_chunks(self) -> list[dict[str, Any]]: ...
 
+    def echo(self, prompt_text: str, prompt_tokens: Sequence[pb.Token]) -> None: ...
+
     def delta_chunk(self, text: str, tokens: Sequence[pb.Token]) -> dict[str, Any]: ...
 
     def final_chunks(self, text: str, tokens: Sequence[pb.Token], finish_reason: str) -> list[dict[str, Any]]: ...
@@ -116,15 +118,22 @@ class CompletionFormat(_Base):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._offset = 0  # text_offset of the next token, across chunks
+        self._echo: tuple[str, list[pb.Token]] | None = None
 
-    def _logprobs(self, tokens: Sequence[pb.Token]) -> dict[str, Any] | None:
+    def echo(self, prompt_text: str, prompt_tokens: Sequence[pb.Token]) -> None:
+        """``echo``: the answer starts with the prompt's text (and, with logprobs, its tokens: the
+        first has no logprob)."""
+        self._echo = (prompt_text, list(prompt_tokens))
+
+    def _logprobs(self, tokens: Sequence[pb.Token], prompt: bool = False) -> dict[str, Any] | None:
         if not self.logprobs:
             return None
         out: dict[str, Any] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-        for t in tokens:
+        for i, t in enumerate(tokens):
+            first = prompt and i == 0  # OpenAI: the first prompt token has no logprob
             out["tokens"].append(self.shown(t.token_id))
-            out["token_logprobs"].append(_logprob(t.logprob))
-            out["top_logprobs"].append({self.shown(x.token_id): _logprob(x.logprob) for x in t.top})
+            out["token_logprobs"].append(None if first else _logprob(t.logprob))
+            out["top_logprobs"].append(None if first else {self.shown(x.token_id): _logprob(x.logprob) for x in t.top})
             out["text_offset"].append(self._offset)
             self._offset += self.texts.visible_len(t.token_id)
         return out
@@ -132,12 +141,28 @@ class CompletionFormat(_Base):
     def _choice(self, text: str, tokens: Sequence[pb.Token], finish_reason: str | None) -> dict[str, Any]:
         return {"index": self.index, "text": text, "logprobs": self._logprobs(tokens), "finish_reason": finish_reason}
 
+    def _echoed(self) -> dict[str, Any] | None:
+        """The prompt's choice part (its text, its tokens' logprobs), once."""
+        if self._echo is None:
+            return None
+        text, tokens = self._echo
+        self._echo = None
+        return {"index": self.index, "text": text, "logprobs": self._logprobs(tokens, prompt=True),
+                "finish_reason": None}
+
     def response(self, text: str, finish_reason: str, tokens: Sequence[pb.Token],
                  usage: dict[str, int]) -> dict[str, Any]:
-        return {**self._envelope(self.object, [self._choice(text, tokens, finish_reason)]), "usage": usage}
+        echoed = self._echoed()
+        choice = self._choice(text, tokens, finish_reason)
+        if echoed is not None:
+            choice["text"] = echoed["text"] + text
+            if echoed["logprobs"] is not None and choice["logprobs"] is not None:
+                choice["logprobs"] = {k: echoed["logprobs"][k] + v for k, v in choice["logprobs"].items()}
+        return {**self._envelope(self.object, [choice]), "usage": usage}
 
     def first_chunks(self) -> list[dict[str, Any]]:
-        return []
+        echoed = self._echoed()
+        return [] if echoed is None else [self._chunk(echoed)]
 
     def delta_chunk(self, text: str, tokens: Sequence[pb.Token]) -> dict[str, Any]:
         return self._chunk(self._choice(text, tokens, None))
@@ -151,6 +176,9 @@ class ChatFormat(_Base):
 
     object = "chat.completion"
     chunk_object = "chat.completion.chunk"
+
+    def echo(self, prompt_text: str, prompt_tokens: Sequence[pb.Token]) -> None:
+        raise ValueError("echo is a completions option")
 
     def _entry(self, token_id: int, logprob: float) -> dict[str, Any]:
         s = self.shown(token_id)

@@ -372,10 +372,11 @@ class Router:
         return RoutePlan(p, d, pre, dec)
 
     def route(self, nodes: Sequence[NodeState], prompt_tokens: int, max_tokens: int,
-              exclude_prefill: Collection[str] = (), cached: CachedTokens | None = None) -> Route:
+              exclude_prefill: Collection[str] = (), cached: CachedTokens | None = None,
+              local: bool | None = None) -> Route:
         """Choose a prefill replica and a decode rank (or a decode rank that prefills locally: ``prefill``
-        None); raises ``NoRoute``."""
-        plan = self.plan(nodes, prompt_tokens, max_tokens, exclude_prefill, cached=cached)
+        None); raises ``NoRoute``. ``local`` False: never a local prefill (as in ``plan``)."""
+        plan = self.plan(nodes, prompt_tokens, max_tokens, exclude_prefill, cached=cached, local=local)
         if plan.local and plan.decode is not None:
             self._turn += 1
             return Route(None, plan.decode)

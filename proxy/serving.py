@@ -61,14 +61,19 @@ class Serving:
         body = await _json_body(request)
         req = _validate(CompletionRequest, body)
         self._check_model(req.model)
-        prompts = [list(p) if isinstance(p, list) else self.tokenizer.encode(p) for p in req.prompts()]
+        given = req.prompts()
+        prompts = [list(p) if isinstance(p, list) else self.tokenizer.encode(p) for p in given]
         for ids in prompts:
             if self.vocab_size is not None and ids and max(ids) >= self.vocab_size:
                 raise bad_request(f"prompt token id {max(ids)} is outside the model's vocabulary (size "
                                   f"{self.vocab_size})", param="prompt")
+        # echo: the prompt as given (ids: their text), before the answer
+        echo = [p if isinstance(p, str) else self.tokenizer.decode(ids, skip_special_tokens=False)
+                for p, ids in zip(given, prompts)] if req.echo else None
         if len(prompts) > 1 or (req.n or 1) > 1:
-            return await self._several(request, req, prompts, "completions", "cmpl", "prompt", arrival)
-        return await self._generate(request, req, prompts[0], "completions", "cmpl", "prompt", arrival)
+            return await self._several(request, req, prompts, "completions", "cmpl", "prompt", arrival, echo)
+        return await self._generate(request, req, prompts[0], "completions", "cmpl", "prompt", arrival,
+                                    echo[0] if echo else None)
 
     async def chat(self, request: Request) -> Response:
         arrival = time.perf_counter()
@@ -151,7 +156,7 @@ class Serving:
 
     async def _several(self, request: Request, req: CompletionRequest | ChatCompletionRequest,
                        prompts: list[list[int]], endpoint: str, id_prefix: str, prompt_param: str,
-                       arrival: float) -> Response:
+                       arrival: float, echo: list[str] | None = None) -> Response:
         """``n`` > 1 samples and several prompts: one choice each (``proxy.choices``)."""
         nodes = self.view.snapshot()
         n = req.n or 1
@@ -168,7 +173,8 @@ class Serving:
                 child_req = GenerationRequest(request_id=f"{request_id}-{k}", endpoint=endpoint,
                                               prompt_token_ids=list(ids), sampling=sampling, arrival=arrival)
                 children.append(Child(child_req, self._format(req, request_id, endpoint, k),
-                                      OutputText(self.tokenizer, req.stop_list), p, i == 0))
+                                      OutputText(self.tokenizer, req.stop_list), p, i == 0,
+                                      echo=echo[p] if echo else None))
         choices = Choices(self.pipeline, self.metrics, children, nodes, _pieces)
         self._admit()
         handed_off = False
@@ -207,7 +213,9 @@ class Serving:
                               f"have {have} in all", param="n")
 
     async def _generate(self, request: Request, req: CompletionRequest | ChatCompletionRequest, prompt_ids: list[int],
-                        endpoint: str, id_prefix: str, prompt_param: str, arrival: float) -> Response:
+                        endpoint: str, id_prefix: str, prompt_param: str, arrival: float,
+                        echo: str | None = None) -> Response:
+        """One choice (the common case, kept short); ``echo``: the prompt's text, echoed first."""
         nodes = self.view.snapshot()
         max_tokens = self._checked_max_tokens(req, prompt_ids, nodes, prompt_param)
         gen_req = GenerationRequest(request_id=f"{id_prefix}-{uuid.uuid4().hex}", endpoint=endpoint,
@@ -219,9 +227,11 @@ class Serving:
         handed_off = False  # once the stream response owns the request, it ends it
         try:
             if not req.stream:
-                body = await until_disconnected(request, self._complete(gen_req, nodes, fmt, out))
+                body = await until_disconnected(request, self._complete(gen_req, nodes, fmt, out, echo))
                 return JSONResponse(body)
             gen = await until_disconnected(request, self.pipeline.start(gen_req, nodes))
+            if echo is not None:
+                fmt.echo(echo, gen.prompt_tokens)
 
             def close(disconnected: bool) -> None:
                 gen.close()
@@ -240,8 +250,10 @@ class Serving:
                 self._leave()
 
     async def _complete(self, req: GenerationRequest, nodes: list[NodeState], fmt: Format,
-                        out: OutputText) -> dict[str, Any]:
+                        out: OutputText, echo: str | None = None) -> dict[str, Any]:
         gen = await self.pipeline.start(req, nodes)
+        if echo is not None:
+            fmt.echo(echo, gen.prompt_tokens)
         try:
             tokens: list[pb.Token] = []
             finish = ""

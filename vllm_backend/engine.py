@@ -139,6 +139,20 @@ def tokens_pb(completion: Any, start: int = 0) -> list[pb.Token]:
     return out
 
 
+def prompt_tokens_pb(prompt: list[int], prompt_logprobs: list[Any] | None) -> list[pb.Token]:
+    """vLLM's ``RequestOutput.prompt_logprobs`` (None first, then {token: Logprob}) as the wire's tokens."""
+    out = []
+    for i, tid in enumerate(prompt):
+        entry = prompt_logprobs[i] if prompt_logprobs is not None and i < len(prompt_logprobs) else None
+        if not entry:
+            out.append(pb.Token(token_id=int(tid), logprob=math.nan))
+            continue
+        ranked = sorted(entry.items(), key=lambda kv: kv[1].rank if kv[1].rank is not None else 1 << 30)
+        out.append(pb.Token(token_id=int(tid), logprob=float(entry[tid].logprob) if tid in entry else math.nan,
+                            top=[pb.TopLogprob(token_id=int(t), logprob=float(v.logprob)) for t, v in ranked]))
+    return out
+
+
 def finish_reason(completion: Any) -> str:
     """The wire's finish reason ("stop"/"length"); "" for none, or for vLLM's "abort"/"error"."""
     r = completion.finish_reason

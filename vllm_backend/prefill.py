@@ -19,7 +19,7 @@ from cluster.config import NodeConfig
 from cluster.proto_gen import pdcluster_v1_pb2 as pb
 from cluster.proto_gen import pdcluster_v1_pb2_grpc as pb_grpc
 from node_runtime import server as node_runtime
-from vllm_backend.engine import VllmWorker, finish_reason, sampling_to_vllm, tokens_pb
+from vllm_backend.engine import VllmWorker, finish_reason, prompt_tokens_pb, sampling_to_vllm, tokens_pb
 
 log = logging.getLogger("pdcluster.prefill")
 _RECENT = 4096  # prefilled request ids remembered for Release
@@ -41,6 +41,8 @@ class VllmPrefillService(pb_grpc.PrefillServiceServicer):
             # max_tokens 1: the first token is the whole answer, nothing is kept for a decode side.
             remote = request.sampling.max_tokens > 1
             params = sampling_to_vllm(request.sampling, {"do_remote_decode": True} if remote else None, max_tokens=1)
+            if request.sampling.HasField("prompt_logprobs"):  # echo with logprobs
+                params.prompt_logprobs = int(request.sampling.prompt_logprobs)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         prompt = {"prompt_token_ids": list(request.token_ids)}
@@ -75,6 +77,8 @@ class VllmPrefillService(pb_grpc.PrefillServiceServicer):
         reply = pb.PrefillResponse(request_id=rid, dp_rank=0, first_token=tokens_pb(completion)[0],
                                    finish_reason=reason, queue_s=0.0, prefill_s=done,
                                    cached_tokens=last.num_cached_tokens or 0)  # vLLM's prefix cache hit
+        if request.sampling.HasField("prompt_logprobs"):
+            reply.prompt_tokens.extend(prompt_tokens_pb(list(request.token_ids), last.prompt_logprobs))
         if kv:  # the kv_source oneof stays unset when nothing is held
             reply.vllm_kv_params_json = json.dumps(kv)
         return reply

@@ -160,7 +160,7 @@ class RankGroup:
                 except (EOFError, OSError):
                     self._fail(f"rank {rank} closed its pipe")
                 if isinstance(msg, RankError):
-                    self._fail(msg.text)
+                    self._fail(self._root_cause(rank, msg.text))
                 return msg
             for s in ready:
                 if s in sentinels:
@@ -184,7 +184,7 @@ class RankGroup:
                 except (EOFError, OSError):
                     self._fail(f"rank {rank} closed its pipe")
                 if isinstance(msg, RankError):
-                    self._fail(msg.text)
+                    self._fail(self._root_cause(rank, msg.text))
                 out.append((rank, msg))
         if not out:
             for s in ready:
@@ -192,6 +192,22 @@ class RankGroup:
                     i = sentinels[s]
                     self._fail(self._last_words(i) or f"rank {i} exited with code {self._procs[i].exitcode}")
         return out
+
+    def _root_cause(self, rank: int, error: str, wait_s: float = 0.5) -> str:
+        """``rank``'s error, or, when another rank died (a collective then fails in the survivors
+        first), the dead rank named first and the survivor's error after it, as its effect. Waits up
+        to ``wait_s`` for a dying peer to be reaped."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            dead = [i for i, p in enumerate(self._procs) if i != rank and p.exitcode is not None]
+            if dead:
+                i = dead[0]
+                cause = self._last_words(i) or f"rank {i} exited with code {self._procs[i].exitcode}"
+                return f"{cause}; then {error}"
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return error
+            wait([p.sentinel for j, p in enumerate(self._procs) if j != rank], timeout=left)
 
     def _last_words(self, rank: int) -> str | None:
         """The error a dead rank sent before exiting, if it is still in its pipe."""

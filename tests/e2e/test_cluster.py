@@ -296,6 +296,27 @@ def test_n_samples_share_the_prompts_kv_and_equal_seeded_single_requests(cluster
     assert not any(wait_all_free(cluster).values())
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_echo_with_logprobs_gives_the_prompt_and_its_logprobs_then_the_answer(cluster: Cluster, stream: bool) -> None:
+    """As lm-eval's loglikelihood requests use it: the prompt's logprobs come from the prefill node."""
+    prompt = "A serving cluster keeps prompts"
+    ids = Tokenizer(cluster.model).encode(prompt)
+    with LLM(str(cluster.model), **KW) as llm:
+        want = llm.generate([ids], SamplingParams(max_tokens=4, temperature=0.0, logprobs=1, prompt_logprobs=1))[0]
+    kw = dict(model=MODEL, prompt=prompt, max_tokens=4, temperature=0, echo=True, logprobs=1)
+    if stream:
+        chunks = [ch.choices[0] for ch in client(cluster).completions.create(stream=True, **kw) if ch.choices]
+        text = "".join(ch.text for ch in chunks)
+        token_logprobs = [x for ch in chunks if ch.logprobs for x in ch.logprobs.token_logprobs]
+    else:
+        choice = client(cluster).completions.create(**kw).choices[0]
+        text, token_logprobs = choice.text, choice.logprobs.token_logprobs
+    assert text == prompt + want.text
+    assert len(token_logprobs) == len(ids) + 4 and token_logprobs[0] is None
+    assert token_logprobs[1:len(ids)] == pytest.approx(want.prompt_logprobs[1:], abs=1e-3)
+    assert token_logprobs[len(ids):] == pytest.approx(want.logprobs, abs=1e-3)
+
+
 def test_pdctl_route_explains_the_expected_prefix_hit_of_a_prompts_text(cluster: Cluster) -> None:
     text = "A serving cluster keeps the prompt's blocks for the next request. " * 12
     client(cluster).completions.create(model=MODEL, prompt=text, max_tokens=2, temperature=0)

@@ -275,6 +275,15 @@ def test_n_samples_stream_as_indexed_chunks(c: Cluster, endpoint: str) -> None:
     assert chunks[-1].usage.completion_tokens == 10 and not chunks[-1].choices
 
 
+def test_echo_puts_the_prompt_before_the_answer(c: Cluster) -> None:
+    r = c.client().completions.create(model=MODEL, prompt="Hello", max_tokens=3, echo=True)
+    assert r.choices[0].text == "Hello" + c.text(3)
+    chunks = list(c.client().completions.create(model=MODEL, prompt=["Hi", "Yo"], max_tokens=2, echo=True,
+                                                stream=True))
+    for i, p in enumerate(("Hi", "Yo")):
+        assert "".join(ch.choices[0].text for ch in chunks if ch.choices and ch.choices[0].index == i) == p + c.text(2)
+
+
 def test_n_too_large_for_the_decode_nodes_kv_is_a_400(c: Cluster) -> None:
     r = c.http().post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 500, "n": 128})
     assert r.status_code == 400 and r.json()["error"]["param"] == "n", r.text
