@@ -30,6 +30,7 @@ from cluster.proto_gen import pdcluster_v1_pb2 as pb
 from engine.engine_config import EngineConfig
 from engine.parallel.rank_group import RankContext, RankFailure, RankGroup
 from engine.parallel.rank_messages import Stop
+from engine.prefix_cache import split_events
 from engine.sampling_params import SamplingParams
 from kv_transfer.handle import KVSource
 from kv_transfer.handoff import TransferStats
@@ -195,8 +196,7 @@ class RemoteReplica:
 
     def take_kv_events(self) -> tuple[list[int], list[int]]:
         events, self.kv_events = self.kv_events, {}
-        items = list(events.items())
-        return [h for h, on in items if on], [h for h, on in items if not on]
+        return split_events(events)
 
     def send(self, message: object) -> None:
         from decode_node.worker import Abort, AbortAll, Start

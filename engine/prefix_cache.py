@@ -31,6 +31,13 @@ from engine.kv_cache import BlockSpace
 MAX_PENDING_EVENTS = 1 << 16  # hashes stored or evicted and not yet taken: the oldest beyond are dropped
 
 
+def split_events(events: dict[int, bool]) -> tuple[list[int], list[int]]:
+    """Pending events (hash -> stored, or evicted) as (stored, evicted) hashes. Copies the items in one
+    C call first: another thread may still write to a dict it took before it was swapped out."""
+    items = list(events.items())
+    return [h for h, on in items if on], [h for h, on in items if not on]
+
+
 class PrefixCache:
     """A ``BlockSpace`` with reference counts and cached blocks kept after use (see the module doc)."""
 
@@ -140,8 +147,7 @@ class PrefixCache:
     def take_events(self) -> tuple[list[int], list[int]]:
         """The hashes stored in and evicted from the cache since the last call (net of each other)."""
         events, self._events = self._events, {}
-        items = list(events.items())  # one C call: safe if the engine thread had the old dict in hand
-        return [h for h, on in items if on], [h for h, on in items if not on]
+        return split_events(events)
 
     def _event(self, h: int, stored: bool) -> None:
         self._events[h] = stored

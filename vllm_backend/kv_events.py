@@ -21,6 +21,7 @@ from collections.abc import Hashable, Iterable
 from typing import Any
 
 from engine.block_hash import block_hash
+from engine.prefix_cache import split_events
 
 log = logging.getLogger("pdcluster.vllm")
 
@@ -74,7 +75,7 @@ class KVEventTranslator:
     def take(self) -> tuple[list[int], list[int]]:
         with self._lock:
             pending, self._pending = self._pending, {}
-        return [h for h, on in pending.items() if on], [h for h, on in pending.items() if not on]
+        return split_events(pending)
 
 
 class VllmKVEvents(threading.Thread):
