@@ -33,6 +33,14 @@ class Tokenizer:
             return None
         return backend
 
+    def special_ids(self, texts: tuple[str, ...]) -> frozenset[int]:
+        """The ids of those of ``texts`` that are special tokens of this tokenizer (decoding skips them)."""
+        special = set(getattr(self._tok, "all_special_ids", []) or [])
+        decoder = getattr(self._tok, "added_tokens_decoder", {}) or {}
+        special |= {i for i, t in decoder.items() if getattr(t, "special", False)}
+        ids = {self._tok.convert_tokens_to_ids(t) for t in texts}
+        return frozenset(i for i in ids if isinstance(i, int) and i in special)
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self._tok(text, add_special_tokens=add_special_tokens).input_ids)
 
@@ -41,8 +49,11 @@ class Tokenizer:
         assert isinstance(text, str)  # one sequence in, one string out (a batch would give a list)
         return text
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
-        """Chat messages -> prompt token ids (the template adds the BOS token itself)."""
-        text = self._tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """Chat messages (and ``tools``, OpenAI's function specs, for a template that renders them) ->
+        prompt token ids (the template adds the BOS token itself)."""
+        text = self._tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                             tools=list(tools) if tools is not None else None)
         assert isinstance(text, str)  # tokenize=False: the rendered prompt
         return self.encode(text, add_special_tokens=False)

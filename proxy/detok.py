@@ -31,15 +31,22 @@ class IncrementalDetokenizer:
     ``Tokenizer.decode`` instead, so the text still equals the whole output decoded at once.
     """
 
-    def __init__(self, tokenizer: Tokenizer) -> None:
+    def __init__(self, tokenizer: Tokenizer, keep: frozenset[int] = frozenset()) -> None:
+        """``keep``: special tokens whose text is wanted all the same (a tool call's markers)."""
         self._tok = tokenizer
         self._backend = tokenizer.stream_backend
         self._stream = DecodeStream(skip_special_tokens=True)  # unused without a backend
         self._window: list[int] = []
         self._read = 0
+        self._keep = keep
 
     def push(self, token_id: int) -> str:
         """Add a token; return the text that became stable (may be empty)."""
+        if token_id in self._keep:  # what is held back, then the token's own text; then start afresh
+            text = self.flush() + self._tok.decode([token_id], skip_special_tokens=False)
+            self._window, self._read = [], 0
+            self._stream = DecodeStream(skip_special_tokens=True)
+            return text
         self._window.append(token_id)
         delta = None
         if self._backend is not None:
@@ -76,8 +83,8 @@ class IncrementalDetokenizer:
 class OutputText:
     """One output's text as its tokens arrive, cut at the first stop string."""
 
-    def __init__(self, tokenizer: Tokenizer, stop: Sequence[str] = ()) -> None:
-        self._detok = IncrementalDetokenizer(tokenizer)
+    def __init__(self, tokenizer: Tokenizer, stop: Sequence[str] = (), keep: frozenset[int] = frozenset()) -> None:
+        self._detok = IncrementalDetokenizer(tokenizer, keep)
         self._stops = [s for s in stop if s]
         self._longest = max((len(s) for s in self._stops), default=0)
         self._text = ""

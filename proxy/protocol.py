@@ -203,10 +203,23 @@ class TextPart(_Request):
     text: str
 
 
+class FunctionCall(_Request):
+    name: str = Field(min_length=1)
+    arguments: str = ""
+
+
+class MessageToolCall(_Request):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool's answer: to which call
 
     @model_validator(mode="after")
     def _content_required(self) -> ChatMessage:
@@ -214,13 +227,30 @@ class ChatMessage(_Request):
             raise ValueError(f"a {self.role} message needs content")
         return self
 
-    def as_template_input(self) -> dict[str, str]:
-        """The message as the chat template reads it: text parts joined, "developer" as "system"."""
+    def as_template_input(self) -> dict[str, Any]:
+        """The message as the chat template reads it: text parts joined, "developer" as "system",
+        an assistant's tool calls and a tool answer's call id passed on."""
         if isinstance(self.content, list):
             text = "".join(p.text for p in self.content)
         else:
             text = self.content or ""
-        return {"role": "system" if self.role == "developer" else self.role, "content": text}
+        out: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": text}
+        if self.tool_calls:
+            out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
+
+
+class FunctionSpec(_Request):
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class Tool(_Request):
+    type: Literal["function"]
+    function: FunctionSpec
 
 
 class ChatCompletionRequest(_Sampling):
@@ -230,18 +260,39 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    tools: list[Any] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
     response_format: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _check_chat(self) -> ChatCompletionRequest:
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs to be true")
-        if self.tools:
-            raise ValueError("tools are not supported")
+        names = [t.function.name for t in self.tools or []]
+        if len(set(names)) != len(names):
+            raise ValueError("tools must have distinct function names")
+        choice = self.tool_choice
+        if isinstance(choice, dict):
+            name = (choice.get("function") or {}).get("name") if choice.get("type") == "function" else None
+            if not isinstance(name, str):
+                raise ValueError('tool_choice must be "none", "auto", "required" or {"type": "function", '
+                                 '"function": {"name": ...}}')
+            if name not in names:
+                raise ValueError(f"tool_choice names {name!r}, which is not among the tools")
+        elif choice == "required" and not names:
+            raise ValueError('tool_choice "required" needs tools')
         if self.response_format and self.response_format.get("type", "text") != "text":
             raise ValueError("only the text response_format is supported")
         return self
+
+    @property
+    def tools_on(self) -> bool:
+        """Whether the tools are offered (rendered into the prompt, and calls read from the answer)."""
+        return bool(self.tools) and self.tool_choice != "none"
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        return [t.model_dump(exclude_none=True) for t in self.tools or []] if self.tools_on else None
 
     @property
     def max_output_tokens(self) -> int | None:

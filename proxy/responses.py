@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from cluster.proto_gen import pdcluster_v1_pb2 as pb
+from proxy.tool_calls import ToolCall, ToolCallStream
 
 # JSON has no -inf: a token the sampler could not have picked gets this instead (as vLLM does).
 MIN_LOGPROB = -9999.0
@@ -192,10 +193,24 @@ class ChatFormat(_Base):
             for t in tokens
         ]}
 
+    _tools: ToolCallStream | None = None
+    _calls = 0  # tool calls sent so far
+
+    def offer_tools(self, stream: ToolCallStream) -> None:
+        """Read DeepSeek's tool calls out of the answer (``proxy.tool_calls``) into ``tool_calls``."""
+        self._tools = stream
+
     def response(self, text: str, finish_reason: str, tokens: Sequence[pb.Token],
                  usage: dict[str, int]) -> dict[str, Any]:
-        choice = {"index": self.index, "message": {"role": "assistant", "content": text},
-                  "logprobs": self._logprobs(tokens),
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        if self._tools is not None:
+            content, calls = self._tools.feed(text)
+            rest, last = self._tools.finish()
+            message["content"] = (content + rest) or None
+            if calls or last:
+                message["tool_calls"] = [c.to_openai() for c in calls + last]
+                finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
+        choice = {"index": self.index, "message": message, "logprobs": self._logprobs(tokens),
                   "finish_reason": finish_reason}
         return {**self._envelope(self.object, [choice]), "usage": usage}
 
@@ -207,9 +222,27 @@ class ChatFormat(_Base):
         return [self._delta({"role": "assistant", "content": ""}, (), None)]
 
     def delta_chunk(self, text: str, tokens: Sequence[pb.Token]) -> dict[str, Any]:
-        return self._delta({"content": text}, tokens, None)
+        if self._tools is None:
+            return self._delta({"content": text}, tokens, None)
+        content, calls = self._tools.feed(text)
+        return self._delta(self._tool_delta(content, calls), tokens, None)
+
+    def _tool_delta(self, content: str, calls: list[ToolCall]) -> dict[str, Any]:
+        delta: dict[str, Any] = {"content": content} if content else {}
+        if calls:
+            delta["tool_calls"] = [c.to_openai(index=self._calls + k) for k, c in enumerate(calls)]
+            self._calls += len(calls)
+        return delta
 
     def final_chunks(self, text: str, tokens: Sequence[pb.Token], finish_reason: str) -> list[dict[str, Any]]:
         # OpenAI sends the finish reason in a chunk of its own, with an empty delta.
+        if self._tools is not None:
+            content, calls = self._tools.feed(text)
+            rest, last = self._tools.finish()
+            delta = self._tool_delta(content + rest, calls + last)
+            out = [self._delta(delta, tokens, None)] if delta or (tokens and self.logprobs) else []
+            if self._calls and finish_reason == "stop":
+                finish_reason = "tool_calls"
+            return out + [self._delta({}, (), finish_reason)]
         out = [self.delta_chunk(text, tokens)] if text or (tokens and self.logprobs) else []
         return out + [self._delta({}, (), finish_reason)]

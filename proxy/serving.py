@@ -32,6 +32,7 @@ from proxy.pipeline import Generation, GenerationError, GenerationRequest, Pipel
 from proxy.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from proxy.responses import ChatFormat, CompletionFormat, Format, TokenTexts, sse, usage
 from proxy.sse import ClientDisconnected, EventStreamResponse, until_disconnected
+from proxy.tool_calls import MARKERS, ToolCallStream, forced_prefix
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +56,7 @@ class Serving:
         self.max_model_len = max_model_len  # the model's own limit, when no node says otherwise
         self.vocab_size = vocab_size  # token ids in a prompt must be below it (None: the nodes check)
         self.texts = TokenTexts(tokenizer)
+        self.tool_markers = tokenizer.special_ids(MARKERS)  # kept in the text when tools are offered
 
     async def completions(self, request: Request) -> Response:
         arrival = time.perf_counter()
@@ -82,12 +84,16 @@ class Serving:
         self._check_model(req.model)
         messages = [m.as_template_input() for m in req.messages]
         try:
-            ids = self.tokenizer.apply_chat_template(messages)
+            ids = self.tokenizer.apply_chat_template(messages, tools=req.template_tools())
         except Exception as e:  # the template is the model's code: any failure is about these messages
             raise bad_request(f"the chat template failed on these messages: {e}", param="messages") from None
+        prefix = forced_prefix(req.tool_choice) if req.tools_on and req.tool_choice not in (None, "auto") else ""
+        if prefix:  # "required" or a named function: the answer starts inside a call
+            ids = ids + self.tokenizer.encode(prefix, add_special_tokens=False)
+        tools = prefix if req.tools_on else None
         if (req.n or 1) > 1:
-            return await self._several(request, req, [ids], "chat", "chatcmpl", "messages", arrival)
-        return await self._generate(request, req, ids, "chat", "chatcmpl", "messages", arrival)
+            return await self._several(request, req, [ids], "chat", "chatcmpl", "messages", arrival, tools=tools)
+        return await self._generate(request, req, ids, "chat", "chatcmpl", "messages", arrival, tools=tools)
 
     async def tokenize(self, request: Request) -> JSONResponse:
         """vLLM's ``POST /tokenize``: a prompt (or chat messages, through the chat template) as token ids."""
@@ -135,11 +141,23 @@ class Serving:
         return max_tokens
 
     def _format(self, req: CompletionRequest | ChatCompletionRequest, request_id: str, endpoint: str,
-                index: int = 0) -> Format:
-        fmt_type = ChatFormat if endpoint == "chat" else CompletionFormat
-        return fmt_type(request_id, int(time.time()), self.model_name, logprobs=req.top_logprobs_n is not None,
-                        include_usage=req.include_usage, texts=self.texts, token_ids=req.return_tokens_as_token_ids,
-                        index=index)
+                index: int = 0, tools: str | None = None) -> Format:
+        """The response shapes of one choice; ``tools`` (chat with tools offered): the answer's forced
+        start ("" for none), and tool calls are read out of it."""
+        if endpoint == "chat":
+            fmt = ChatFormat(request_id, int(time.time()), self.model_name, logprobs=req.top_logprobs_n is not None,
+                             include_usage=req.include_usage, texts=self.texts,
+                             token_ids=req.return_tokens_as_token_ids, index=index)
+            if tools is not None:
+                fmt.offer_tools(ToolCallStream(tools))
+            return fmt
+        return CompletionFormat(request_id, int(time.time()), self.model_name, logprobs=req.top_logprobs_n is not None,
+                                include_usage=req.include_usage, texts=self.texts,
+                                token_ids=req.return_tokens_as_token_ids, index=index)
+
+    def _output(self, req: CompletionRequest | ChatCompletionRequest, tools: str | None) -> OutputText:
+        """The answer's text; with tools offered, the call markers' text kept (if they are special tokens)."""
+        return OutputText(self.tokenizer, req.stop_list, self.tool_markers if tools is not None else frozenset())
 
     def _admit(self) -> None:
         """Count a request in flight, or refuse it (503) at ``max_inflight``."""
@@ -156,7 +174,7 @@ class Serving:
 
     async def _several(self, request: Request, req: CompletionRequest | ChatCompletionRequest,
                        prompts: list[list[int]], endpoint: str, id_prefix: str, prompt_param: str,
-                       arrival: float, echo: list[str] | None = None) -> Response:
+                       arrival: float, echo: list[str] | None = None, tools: str | None = None) -> Response:
         """``n`` > 1 samples and several prompts: one choice each (``proxy.choices``)."""
         nodes = self.view.snapshot()
         n = req.n or 1
@@ -172,9 +190,8 @@ class Serving:
                 k = p * n + i
                 child_req = GenerationRequest(request_id=f"{request_id}-{k}", endpoint=endpoint,
                                               prompt_token_ids=list(ids), sampling=sampling, arrival=arrival)
-                children.append(Child(child_req, self._format(req, request_id, endpoint, k),
-                                      OutputText(self.tokenizer, req.stop_list), p, i == 0,
-                                      echo=echo[p] if echo else None))
+                children.append(Child(child_req, self._format(req, request_id, endpoint, k, tools),
+                                      self._output(req, tools), p, i == 0, echo=echo[p] if echo else None))
         choices = Choices(self.pipeline, self.metrics, children, nodes, _pieces)
         self._admit()
         handed_off = False
@@ -214,15 +231,16 @@ class Serving:
 
     async def _generate(self, request: Request, req: CompletionRequest | ChatCompletionRequest, prompt_ids: list[int],
                         endpoint: str, id_prefix: str, prompt_param: str, arrival: float,
-                        echo: str | None = None) -> Response:
-        """One choice (the common case, kept short); ``echo``: the prompt's text, echoed first."""
+                        echo: str | None = None, tools: str | None = None) -> Response:
+        """One choice (the common case, kept short); ``echo``: the prompt's text, echoed first; ``tools``:
+        see ``_format``."""
         nodes = self.view.snapshot()
         max_tokens = self._checked_max_tokens(req, prompt_ids, nodes, prompt_param)
         gen_req = GenerationRequest(request_id=f"{id_prefix}-{uuid.uuid4().hex}", endpoint=endpoint,
                                     prompt_token_ids=list(prompt_ids), sampling=req.sampling(max_tokens),
                                     arrival=arrival)
-        fmt = self._format(req, gen_req.request_id, endpoint)
-        out = OutputText(self.tokenizer, req.stop_list)
+        fmt = self._format(req, gen_req.request_id, endpoint, tools=tools)
+        out = self._output(req, tools)
         self._admit()
         handed_off = False  # once the stream response owns the request, it ends it
         try:
