@@ -164,12 +164,13 @@ class LLMEngine:
         # With prefix caching the leading blocks already cached here are shared, not transferred:
         # ``seq.block_ids[:seq.prefix_hit_blocks]`` hold them, the transfer fills the rest.
         seq.block_ids = self.scheduler.match_transferred(seq)
-        n = -(-len(prompt) // self.config.block_size) - len(seq.block_ids)
-        if not self.scheduler.allocator.can_allocate(n):
+        first = len(seq.block_ids)  # logical position of the first new block (a sharded layout's owner)
+        n = -(-len(prompt) // self.config.block_size) - first
+        if not self.scheduler.allocator.can_allocate(n, first):
             self._requests.pop(seq.request_id, None)
             self.scheduler.finish(seq, "abort")
             raise MemoryError(f"no room for {n} KV blocks (free: {self.scheduler.allocator.num_free})")
-        seq.block_ids += self.scheduler.allocator.allocate(n)
+        seq.block_ids += self.scheduler.allocator.allocate(n, first)
         return seq
 
     def admit_prefilled(

@@ -23,6 +23,7 @@ ones to guess where a prompt's prefix is cached (``proxy.prefix_index``).
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 
@@ -50,6 +51,7 @@ class PrefixCache:
         self.hits = 0  # blocks found in the cache, since start
         self.queries = 0  # blocks looked up
         self._events: dict[int, bool] = {}  # hash -> stored (True) or evicted (False) since take_events
+        self._events_lock = threading.Lock()  # the engine thread records, a heartbeat thread takes
 
     # -- BlockSpace ----------------------------------------------------------------------------
     @property
@@ -146,13 +148,15 @@ class PrefixCache:
 
     def take_events(self) -> tuple[list[int], list[int]]:
         """The hashes stored in and evicted from the cache since the last call (net of each other)."""
-        events, self._events = self._events, {}
+        with self._events_lock:
+            events, self._events = self._events, {}
         return split_events(events)
 
     def _event(self, h: int, stored: bool) -> None:
-        self._events[h] = stored
-        if len(self._events) > MAX_PENDING_EVENTS:
-            del self._events[next(iter(self._events))]
+        with self._events_lock:
+            self._events[h] = stored
+            if len(self._events) > MAX_PENDING_EVENTS:
+                del self._events[next(iter(self._events))]
 
     def _evict_one(self) -> None:
         b, _ = self._idle.popitem(last=False)

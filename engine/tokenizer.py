@@ -38,8 +38,9 @@ class Tokenizer:
         special = set(getattr(self._tok, "all_special_ids", []) or [])
         decoder = getattr(self._tok, "added_tokens_decoder", {}) or {}
         special |= {i for i, t in decoder.items() if getattr(t, "special", False)}
+        unk = getattr(self._tok, "unk_token_id", None)  # what an absent token converts to
         ids = {self._tok.convert_tokens_to_ids(t) for t in texts}
-        return frozenset(i for i in ids if isinstance(i, int) and i in special)
+        return frozenset(i for i in ids if isinstance(i, int) and i in special and i != unk)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self._tok(text, add_special_tokens=add_special_tokens).input_ids)

@@ -114,8 +114,14 @@ class Choices:
         return await self._started[id(c)]
 
     async def complete(self) -> dict[str, Any]:
-        """The whole response: every choice run to its end, in index order."""
-        await asyncio.gather(*(self._run(c) for c in self.children))
+        """The whole response: every choice run to its end, in index order (the first failure cancels
+        the others and is the request's)."""
+        tasks = [asyncio.ensure_future(self._run(c)) for c in self.children]
+        try:
+            await asyncio.gather(*tasks)
+        finally:
+            for t in tasks:
+                t.cancel()
         responses = [c.fmt.response(c.out.text, c.finish, c.tokens, {}) for c in self.children]
         body = responses[0]
         body["choices"] = [r["choices"][0] for r in responses]
@@ -130,6 +136,8 @@ class Choices:
                 c.finish = finish
         except GenerationError as e:
             raise e.error from None
+        finally:
+            gen.close()  # at once: a choice cut by a stop string must not keep decoding on its node
 
     async def events(self, include_usage: bool, continuous: bool) -> AsyncIterator[str]:
         """The SSE stream: every choice's chunks as they come; with ``continuous`` (vLLM's
@@ -187,11 +195,17 @@ class Choices:
             raise
         except BaseException as e:
             queue.put_nowait((c, e))
+        finally:
+            if c.gen is not None:
+                c.gen.close()  # at once: a choice cut by a stop string must not keep decoding on its node
 
     def close(self) -> None:
         """End every choice (idempotent): followers not started are cancelled, generations closed."""
         for t in self._followers:
             t.cancel()
+        for fut in self._started.values():
+            if not fut.done():
+                fut.cancel()  # a choice waiting for a generation that will never start ends too
         for c in self.children:
             if c.gen is not None:
                 c.gen.close()

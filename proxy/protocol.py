@@ -274,7 +274,8 @@ class ChatCompletionRequest(_Sampling):
             raise ValueError("tools must have distinct function names")
         choice = self.tool_choice
         if isinstance(choice, dict):
-            name = (choice.get("function") or {}).get("name") if choice.get("type") == "function" else None
+            function = choice.get("function") if choice.get("type") == "function" else None
+            name = function.get("name") if isinstance(function, dict) else None
             if not isinstance(name, str):
                 raise ValueError('tool_choice must be "none", "auto", "required" or {"type": "function", '
                                  '"function": {"name": ...}}')

@@ -284,6 +284,21 @@ def test_echo_puts_the_prompt_before_the_answer(c: Cluster) -> None:
         assert "".join(ch.choices[0].text for ch in chunks if ch.choices and ch.choices[0].index == i) == p + c.text(2)
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_choices_cut_by_a_stop_string_stop_decoding_on_the_node(c: Cluster, stream: bool) -> None:
+    """Each choice's decode stream is cancelled once its stop string arrives (the script goes on)."""
+    c.d0.delay_s = 0.05  # every event: the script is still streaming when the stop string completes
+    try:
+        r = c.client().completions.create(model=MODEL, prompt="x", stop="日本", max_tokens=200, n=2, stream=stream)
+        choices = [ch.choices[0] for ch in r if ch.choices] if stream else r.choices
+        texts = ["".join(x.text for x in choices if x.index == i) for i in range(2)]
+    finally:
+        c.d0.delay_s = 0.0
+    assert texts == 2 * [SCRIPT_TEXT[:SCRIPT_TEXT.index("日本")]]
+    assert wait_until(lambda: len(c.d0.cancelled) >= 2, timeout_s=5)
+    assert len({rid.rsplit("-", 1)[0] for rid in c.d0.cancelled[-2:]}) == 1  # both choices of that request
+
+
 def test_n_too_large_for_the_decode_nodes_kv_is_a_400(c: Cluster) -> None:
     r = c.http().post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 500, "n": 128})
     assert r.status_code == 400 and r.json()["error"]["param"] == "n", r.text

@@ -94,6 +94,7 @@ def test_tool_choice_none_leaves_the_text_and_a_named_choice_starts_the_answer_i
     {"tool_choice": "required"},
     {"tools": [{"type": "function", "function": {"description": "no name"}}]},
     {"tools": TOOLS, "tool_choice": "sometimes"},
+    {"tools": TOOLS, "tool_choice": {"type": "function", "function": "get_time"}},
 ])
 def test_bad_tool_requests_are_400s(proxy, body) -> None:
     client, _, _ = proxy
