@@ -27,5 +27,16 @@ if ! command -v docker-compose >/dev/null; then
     echo "warning: no apt-get: install docker-compose to validate docker-compose.yml" >&2
   fi
 fi
+if ! command -v ip >/dev/null; then
+  echo "== installing iproute2 (tests/integration/test_multi_host_netns.py: network namespaces as separate hosts)"
+  if command -v apt-get >/dev/null; then
+    SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
+    $SUDO apt-get install -y -q iproute2 >/dev/null 2>&1 \
+      || { $SUDO apt-get update -q >/dev/null && $SUDO apt-get install -y -q iproute2 >/dev/null 2>&1; } \
+      || echo "warning: could not install iproute2; the namespace test will skip (fail under CI)" >&2
+  else
+    echo "warning: no apt-get: install iproute2 for the namespace test" >&2
+  fi
+fi
 echo "== installing pdcluster and its Python dependencies"
 "$PY" -m pip install -q -e ".[dev,transfer-cpu]"
