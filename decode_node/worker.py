@@ -360,9 +360,8 @@ class DecodeWorker:
         return sum(len(r.jobs) for r in self.replicas)
 
     def take_kv_events(self) -> list[tuple[int, list[int], list[int]]]:
-        out = [(r.index, *(r.engine.take_kv_events() if isinstance(r, Replica) else r.take_kv_events()))
-               for r in self.replicas]
-        return [(d, stored, removed) for d, stored, removed in out if stored or removed]
+        return [(r.index, *(r.engine.take_kv_events() if isinstance(r, Replica) else r.take_kv_events()))
+                for r in self.replicas]
 
     def abort_all(self, why: str) -> None:
         for r in self.replicas:

@@ -59,8 +59,8 @@ class NodeWorker(Protocol):
     def load(self) -> list[ReplicaLoad]: ...
 
     def take_kv_events(self) -> list[tuple[int, list[int], list[int]]]:
-        """Per DP replica whose prefix cache changed since the last call: (dp rank, hashes stored,
-        hashes evicted)."""
+        """Per DP replica: (dp rank, hashes its prefix cache stored, hashes it evicted) since the last
+        call (replicas without changes are skipped when published)."""
         ...
 
     def in_flight(self) -> int: ...

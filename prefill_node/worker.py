@@ -152,8 +152,7 @@ class PrefillWorker(EngineLoop):
         return list(self._load)
 
     def take_kv_events(self) -> list[tuple[int, list[int], list[int]]]:
-        out = [(d, *e.take_kv_events()) for d, e in enumerate(self.engines)]
-        return [(d, stored, removed) for d, stored, removed in out if stored or removed]
+        return [(d, *e.take_kv_events()) for d, e in enumerate(self.engines)]
 
     def in_flight(self) -> int:
         return len(self.jobs) + len(self.leases)

@@ -233,10 +233,7 @@ class VllmWorker:
         return len(self.active)
 
     def take_kv_events(self) -> list[tuple[int, list[int], list[int]]]:
-        if self.kv_events is None:
-            return []
-        stored, removed = self.kv_events.take()
-        return [(0, stored, removed)] if stored or removed else []
+        return [] if self.kv_events is None else [(0, *self.kv_events.take())]
 
     def stats(self) -> pb.ReplicaStats:
         (r,) = self.load()

@@ -54,13 +54,11 @@ def test_topology_matches_pcp1(tiny_model, reference, topo, budget) -> None:
 SHARED = [(i * 11 + 5) % 1000 + 2 for i in range(200)]
 CACHED_PROMPTS = [SHARED + [(i * k + 1) % 1000 + 2 for i in range(30 + 9 * k)] for k in range(1, 4)]
 CACHED_PARAMS = SamplingParams(max_tokens=8, temperature=0.0, logprobs=1)
+# every topology above, PCP2 in both KV layouts
 CACHED_TOPOLOGIES = {
     "pcp2-sharded": dict(pcp=2, kv_layout="sharded"),
     "pcp2-replicated": dict(pcp=2, kv_layout="replicated"),
-    "pcp4": dict(pcp=4),
-    "pp2": dict(pp=2),
-    "pp2-pcp2": dict(pp=2, pcp=2),
-    "dp2-pcp2": dict(dp=2, pcp=2),
+    **{k: v for k, v in TOPOLOGIES.items() if k != "pcp2"},
 }
 
 
