@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 from cluster.proto_gen import pdcluster_v1_pb2 as pb
 from engine.sampling_params import SamplingParams
+from engine.structured_output import StructuredOutputsParams
 
 
 def sampling_from_pb(m: pb.SamplingParams, max_tokens: int | None = None) -> SamplingParams:
@@ -27,7 +29,34 @@ def sampling_from_pb(m: pb.SamplingParams, max_tokens: int | None = None) -> Sam
         min_p=float(m.min_p),
         logit_bias={int(t): float(b) for t, b in m.logit_bias.items()} or None,
         prompt_logprobs=int(m.prompt_logprobs) if m.HasField("prompt_logprobs") else None,
+        structured_outputs=structured_from_pb(m.structured_output) if m.HasField("structured_output") else None,
     )
+
+
+def structured_from_pb(m: pb.StructuredOutput) -> StructuredOutputsParams:
+    """The engine's constraint; ValueError when it names none or does not compile."""
+    kind = m.WhichOneof("kind")
+    if kind is None:
+        raise ValueError("structured_output names no constraint")
+    if kind == "choice":
+        return StructuredOutputsParams(choice=list(m.choice.items), any_whitespace=m.any_whitespace)
+    arg = {"json_schema": "json"}.get(kind, kind)
+    return StructuredOutputsParams(**{arg: getattr(m, kind)}, any_whitespace=m.any_whitespace)
+
+
+def structured_to_pb(s: StructuredOutputsParams) -> pb.StructuredOutput:
+    m = pb.StructuredOutput(any_whitespace=s.any_whitespace)
+    if s.json_object:
+        m.json_object = True
+    elif s.json is not None:
+        m.json_schema = s.json if isinstance(s.json, str) else json.dumps(s.json)
+    elif s.choice is not None:
+        m.choice.items.extend(s.choice)
+    elif s.regex is not None:
+        m.regex = s.regex
+    else:
+        m.grammar = s.grammar or ""
+    return m
 
 
 def sampling_to_pb(p: SamplingParams) -> pb.SamplingParams:
@@ -43,6 +72,8 @@ def sampling_to_pb(p: SamplingParams) -> pb.SamplingParams:
         m.logprobs = p.logprobs
     if p.prompt_logprobs is not None:
         m.prompt_logprobs = p.prompt_logprobs
+    if p.structured_outputs is not None:
+        m.structured_output.CopyFrom(structured_to_pb(p.structured_outputs))
     return m
 
 

@@ -23,6 +23,7 @@ from engine.sampler import sample, top_logprobs
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduled, Scheduler
 from engine.sequence import SeqStatus, Sequence
+from engine.structured_output import Grammar, GuidanceTokenizers
 from engine.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -51,6 +52,8 @@ class LLMEngine:
             config.max_num_seqs, prefix=self.prefix_cache,
         )
         self.tokenizer = None if config.skip_tokenizer_init else Tokenizer(config.tokenizer or config.model)
+        self._guidance = None if self.tokenizer is None else \
+            GuidanceTokenizers(self.tokenizer, mc.vocab_size, mc.eos_token_ids)
         # Sampling runs on the driver's CPU unless the model is local on a GPU.
         self.device = getattr(self.executor, "device", torch.device("cpu"))
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
@@ -118,6 +121,10 @@ class LLMEngine:
             hold_kv=hold_kv,
             cacheable=not want_prompt_logits and params.prompt_logprobs is None,  # a hit skips prompt rows
         )
+        if params.structured_outputs is not None:
+            if self._guidance is None:
+                raise ValueError("structured output needs the tokenizer (the engine runs without one)")
+            seq.grammar = Grammar(self._guidance.get(), params.structured_outputs)
         self._requests[request_id] = seq
         self.scheduler.add(seq)
         return seq
@@ -194,6 +201,8 @@ class LLMEngine:
             raise ValueError(f"the block table must keep the {hit} cached prefix blocks first, in order")
         if not 0 <= first_token < self.model_config.vocab_size:
             raise ValueError(f"first token {first_token} outside the vocabulary")
+        if seq.grammar is not None and not seq.grammar.allows(first_token):
+            raise ValueError(f"first token {first_token} is not allowed by the request's structured output")
         seq.block_ids = list(table)
         seq.num_computed = len(seq.prompt_token_ids)
         self.scheduler.cache_computed(seq)  # its full prompt blocks now hold KV: later requests may share them
@@ -384,8 +393,10 @@ class LLMEngine:
         if top is not None:
             seq.top_logprobs.append(top)
         reason = None
+        if seq.grammar is not None and (not seq.grammar.advance(token) or seq.grammar.done):
+            reason = "stop"  # the grammar is complete (or, never with its masks applied, refused the token)
         n_out = len(seq.output_token_ids)
-        if n_out >= p.min_tokens:
+        if reason is None and n_out >= p.min_tokens:
             if token in (p.stop_token_ids or ()) or (not p.ignore_eos and token in seq.eos_token_ids):
                 reason = "stop"
             elif p.stop_strings and self.tokenizer is not None and self._hit_stop_string(seq):

@@ -1,6 +1,7 @@
 """Token selection: greedy, temperature, min-p, top-k, top-p, per-request seeds; logprobs of the raw logits.
 
-Logit bias and penalties change the logits first (``engine.logits_processors``), for greedy rows too.
+Logit bias and penalties change the logits first (``engine.logits_processors``), for greedy rows too, then
+a request's grammar masks the tokens it does not allow (``engine.structured_output``).
 
 A step's rows are sampled together on the logits' device (a GPU on GPU nodes): no loop of kernels per
 row except one noise draw per seeded request, and one wait for the host at the end.
@@ -14,6 +15,7 @@ import torch
 
 from engine.logits_processors import apply_bias_and_penalties
 from engine.sequence import Sequence
+from engine.structured_output import mask_logits
 
 
 @dataclass
@@ -89,12 +91,15 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], default_generator: torch.
     dev = logits.device
     logp = torch.log_softmax(logits, dim=-1)  # logprobs of the raw logits (vLLM's default)
     chosen_logits = apply_bias_and_penalties(logits, seqs)
+    # min_tokens bans the stop tokens, unless the request's grammar could end here (it decides then)
     banned = [(i, t) for i, seq in enumerate(seqs) if len(seq.output_token_ids) < seq.params.min_tokens
-              for t in _stop_ids(seq)]
+              and (seq.grammar is None or not seq.grammar.accepting) for t in _stop_ids(seq)]
     if banned:
         chosen_logits = chosen_logits.clone() if chosen_logits is logits else chosen_logits
         where = torch.tensor(banned, device=dev)
         chosen_logits[where[:, 0], where[:, 1]] = float("-inf")
+    if any(seq.grammar is not None for seq in seqs):
+        chosen_logits = mask_logits(chosen_logits.clone() if chosen_logits is logits else chosen_logits, seqs)
     tokens = chosen_logits.argmax(dim=-1)
     random_rows = [i for i, seq in enumerate(seqs) if not seq.params.greedy]
     if random_rows:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from engine.structured_output import StructuredOutputsParams
+
 MAX_LOGPROBS = 20
 # Temperatures below this are greedy: dividing logits by a tiny temperature overflows to inf and
 # the sampling distribution to NaN (vLLM uses the same threshold).
@@ -24,6 +26,8 @@ class SamplingParams:
     positive logits divided by it, negative ones multiplied), ``frequency_penalty`` (subtracted once per
     occurrence in the output) and ``presence_penalty`` (subtracted once if in the output). When sampling,
     ``min_p`` drops tokens less likely than ``min_p`` times the most likely one (after temperature).
+    ``structured_outputs`` constrains the output to a grammar (a JSON schema, a regex, a choice...):
+    tokens it does not allow next are masked out before the choice (``engine.structured_output``).
     """
 
     n: int = 1
@@ -44,6 +48,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     min_p: float = 0.0
     logit_bias: dict[int, float] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
     _stop_list: list[str] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -84,6 +89,8 @@ class SamplingParams:
                 raise ValueError(f"logit_bias keys must be token ids (>= 0), got {t!r}")
             if not isinstance(b, (int, float)) or not -100 <= b <= 100:
                 raise ValueError(f"logit_bias values must be in [-100, 100], got {b!r} for token {t}")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise ValueError("structured_outputs must be a StructuredOutputsParams")
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if any(not s for s in stops):
             raise ValueError("stop strings must be non-empty")

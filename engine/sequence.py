@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from engine.sampling_params import SamplingParams
+from engine.structured_output import Grammar
 
 
 class SeqStatus(enum.Enum):
@@ -48,6 +49,7 @@ class Sequence:
     num_registered: int = 0  # prefix caching: leading blocks already in the cache
     prefix_hit_blocks: int = 0  # prefix caching: leading blocks it found cached when it (last) started
     prompt_token_set: Any = None  # repetition penalty: the prompt's distinct ids, a tensor made once
+    grammar: Grammar | None = None  # structured output: the matcher of what may come next
     cacheable: bool = True  # prefix caching may share its blocks (not when prompt logits are wanted)
 
     @property

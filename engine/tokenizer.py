@@ -19,6 +19,11 @@ class Tokenizer:
             raise ValueError(f"cannot load a tokenizer from {path}: {e}") from e
 
     @property
+    def hf(self) -> Any:
+        """The transformers tokenizer (for libraries that read one, such as llguidance)."""
+        return self._tok
+
+    @property
     def eos_token_id(self) -> int | None:
         return self._tok.eos_token_id
 

@@ -1,7 +1,7 @@
 """OpenAI request bodies as pydantic models, validated as OpenAI and the engine validate them.
 
 Unknown fields are ignored (as vLLM does: clients send many optional knobs); known fields we
-cannot honour (``response_format``, ``tools``...) are refused with a 400 rather than
+cannot honour (``suffix``, ``best_of`` > 1...) are refused with a 400 rather than
 silently ignored. The engine's limits (``engine.sampling_params``) are checked here too, so a bad
 request never costs a round trip to a node.
 """
@@ -13,7 +13,10 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from cluster.proto_gen import pdcluster_v1_pb2 as pb
+from cluster.wire import structured_to_pb
 from engine.sampling_params import MAX_LOGPROBS
+from engine.structured_output import StructuredOutputsParams
+from proxy import structured
 
 MAX_STOP_STRINGS = 4  # OpenAI's limit
 MAX_CHOICES = 128  # n times the number of prompts: choices in one request
@@ -51,6 +54,14 @@ class _Sampling(_Request):
     logit_bias: dict[str, float] | None = None  # token id (as a string, OpenAI's JSON) -> [-100, 100]
     user: str | None = None
     return_tokens_as_token_ids: bool = False  # vLLM's: logprobs name tokens "token_id:<id>"
+    # Structured output (proxy.structured): OpenAI's response_format, vLLM's structured_outputs and guided_*
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    _constraint: StructuredOutputsParams | None = None
 
     @field_validator("stop")
     @classmethod
@@ -74,6 +85,9 @@ class _Sampling(_Request):
         if self.n is not None and not 1 <= self.n <= MAX_CHOICES:
             raise ValueError(f"n must be in [1, {MAX_CHOICES}], got {self.n}")
         self.token_bias()  # raises on a bad key or value
+        self._constraint = structured.resolve(self.response_format, self.structured_outputs, {
+            "json": self.guided_json, "regex": self.guided_regex, "choice": self.guided_choice,
+            "grammar": self.guided_grammar})
         if self.min_tokens and self.max_output_tokens is not None and self.min_tokens > self.max_output_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_output_tokens})")
         return self
@@ -137,7 +151,14 @@ class _Sampling(_Request):
             params.seed = self.seed
         if self.top_logprobs_n is not None:
             params.logprobs = self.top_logprobs_n
+        if self._constraint is not None:
+            params.structured_output.CopyFrom(structured_to_pb(self._constraint))
         return params
+
+    @property
+    def constraint(self) -> StructuredOutputsParams | None:
+        """The structured output asked for (compiled when the request was validated), or None."""
+        return self._constraint
 
 
 class CompletionRequest(_Sampling):
@@ -263,7 +284,6 @@ class ChatCompletionRequest(_Sampling):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
-    response_format: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _check_chat(self) -> ChatCompletionRequest:
@@ -283,8 +303,6 @@ class ChatCompletionRequest(_Sampling):
                 raise ValueError(f"tool_choice names {name!r}, which is not among the tools")
         elif choice == "required" and not names:
             raise ValueError('tool_choice "required" needs tools')
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise ValueError("only the text response_format is supported")
         return self
 
     @property

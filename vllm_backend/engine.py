@@ -27,6 +27,7 @@ from cluster.config import NodeConfig
 from cluster.net import free_port
 from cluster.nodes import ReplicaLoad
 from cluster.proto_gen import pdcluster_v1_pb2 as pb
+from cluster.wire import structured_from_pb
 from vllm_backend.kv_events import VllmKVEvents, endpoint_for
 
 log = logging.getLogger("pdcluster.vllm")
@@ -118,7 +119,19 @@ def sampling_to_vllm(m: pb.SamplingParams, kv_params: dict[str, Any] | None, max
         repetition_penalty=float(m.repetition_penalty) or 1.0, min_p=float(m.min_p),
         logit_bias={int(t): float(b) for t, b in m.logit_bias.items()} or None,
         extra_args={"kv_transfer_params": kv_params} if kv_params is not None else None,
+        structured_outputs=structured_to_vllm(m.structured_output) if m.HasField("structured_output") else None,
     )
+
+
+def structured_to_vllm(m: pb.StructuredOutput) -> Any:
+    """vLLM's ``StructuredOutputsParams`` for the wire's constraint (checked as the native engine does first,
+    so a bad one is INVALID_ARGUMENT on both backends)."""
+    from vllm.sampling_params import StructuredOutputsParams
+
+    ours = structured_from_pb(m)
+    return StructuredOutputsParams(json=ours.json, regex=ours.regex, choice=ours.choice, grammar=ours.grammar,
+                                   json_object=ours.json_object or None,
+                                   disable_any_whitespace=not ours.any_whitespace)
 
 
 def tokens_pb(completion: Any, start: int = 0) -> list[pb.Token]:

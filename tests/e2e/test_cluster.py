@@ -10,18 +10,22 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
+from typing import Literal
 
 import httpx
 import openai
 import psutil
+import pydantic
 import pytest
 from e2e_cluster import ADMIN_KEY, Cluster, wait_all_free
 
 from engine import LLM, SamplingParams
+from engine.structured_output import StructuredOutputsParams
 from engine.tokenizer import Tokenizer
 from pdctl.launcher import read_state
 
@@ -134,6 +138,12 @@ BAD = [
     ("/v1/chat/completions", {"model": MODEL, "messages": []}),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "top_p": 0}),
     ("/v1/chat/completions", {"model": MODEL}),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                              "response_format": {"type": "json_schema",
+                                                  "json_schema": {"name": "x", "schema": {"type": "objectx"}}}}),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "guided_regex": "(a"}),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "guided_choice": ["a"], "guided_regex": "a"}),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "response_format": {"type": "yaml"}}),
 ]
 
 
@@ -315,6 +325,68 @@ def test_echo_with_logprobs_gives_the_prompt_and_its_logprobs_then_the_answer(cl
     assert len(token_logprobs) == len(ids) + 4 and token_logprobs[0] is None
     assert token_logprobs[1:len(ids)] == pytest.approx(want.prompt_logprobs[1:], abs=1e-3)
     assert token_logprobs[len(ids):] == pytest.approx(want.logprobs, abs=1e-3)
+
+
+class Shirt(pydantic.BaseModel):
+    """What the openai client's ``parse`` turns into a strict JSON schema (bounded: see the unit corpus)."""
+
+    color: Literal["red", "green", "blue"]
+    size: int = pydantic.Field(ge=1, le=5)
+    name: str = pydantic.Field(max_length=10)
+    tags: list[Literal["new", "sale"]] = pydantic.Field(max_length=2)
+
+
+def structured_colocated(c: Cluster, ids: list[int], spec: StructuredOutputsParams, max_tokens: int) -> str:
+    with LLM(str(c.model), **KW) as llm:
+        return llm.generate([ids], SamplingParams(max_tokens=max_tokens, temperature=0.0,
+                                                  structured_outputs=spec))[0].text
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_structured_output_through_the_cluster_validates_and_equals_colocated(cluster: Cluster, stream: bool) -> None:
+    """The openai client's ``parse`` (response_format json_schema, strict) and a stream of the same: the
+    prefill node masks the first token, the decode node replays it and masks the rest."""
+    messages = [{"role": "user", "content": "Describe a shirt as JSON."}]
+    ids = Tokenizer(cluster.model).apply_chat_template(messages)
+    schema = openai.lib._pydantic.to_strict_json_schema(Shirt)
+    want = structured_colocated(cluster, ids, StructuredOutputsParams(json=schema), 200)
+    if stream:
+        fmt = {"type": "json_schema", "json_schema": {"name": "Shirt", "schema": schema, "strict": True}}
+        chunks = client(cluster).chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=200,
+                                                         response_format=fmt, stream=True)
+        text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+        shirt = Shirt.model_validate_json(text)
+    else:
+        r = client(cluster).chat.completions.parse(model=MODEL, messages=messages, temperature=0, max_tokens=200,
+                                                   response_format=Shirt)
+        text, shirt = r.choices[0].message.content, r.choices[0].message.parsed
+        assert r.choices[0].finish_reason == "stop"
+    assert isinstance(shirt, Shirt) and text == want
+
+
+def test_guided_choice_regex_and_json_object_through_the_cluster(cluster: Cluster) -> None:
+    """vLLM's guided_* fields and structured_outputs object, on completions (n=2 samples each follow it)."""
+    prompt = "The answer is"
+    choices, regex, array = ["yes", "no", "it depends"], "[0-9]{2}-[a-z]{3}", {"type": "array", "maxItems": 3,
+                                                                                "items": {"type": "boolean"}}
+    cases = [({"guided_choice": choices}, StructuredOutputsParams(choice=choices)),
+             ({"guided_regex": regex}, StructuredOutputsParams(regex=regex)),
+             ({"structured_outputs": {"json": array}}, StructuredOutputsParams(json=array))]
+    ids = Tokenizer(cluster.model).encode(prompt)
+    with LLM(str(cluster.model), **KW) as llm:
+        want = [o.text for o in llm.generate([ids] * len(cases), [
+            SamplingParams(max_tokens=40, temperature=0.0, structured_outputs=spec) for _, spec in cases])]
+    kw = dict(model=MODEL, prompt=prompt, max_tokens=40)
+    for (body, _), text in zip(cases, want):
+        assert client(cluster).completions.create(temperature=0, extra_body=body, **kw).choices[0].text == text
+        sampled = client(cluster).completions.create(temperature=1.0, seed=3, n=2, extra_body=body, **kw)
+        follows = {"guided_choice": lambda t: t in choices, "guided_regex": lambda t: re.fullmatch(regex, t),
+                   "structured_outputs": lambda t: isinstance(json.loads(t), list)}[next(iter(body))]
+        assert all(ch.finish_reason == "stop" and follows(ch.text) for ch in sampled.choices), sampled.choices
+    r = client(cluster).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                                max_tokens=64, temperature=0, response_format={"type": "json_object"})
+    assert r.choices[0].message.content.startswith("{")
+    assert not any(wait_all_free(cluster).values())
 
 
 def test_pdctl_route_explains_the_expected_prefix_hit_of_a_prompts_text(cluster: Cluster) -> None:
