@@ -28,26 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-MEDIUM_SCHEMA: dict[str, Any] = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 24},
-        "age": {"type": "integer", "minimum": 0, "maximum": 150},
-        "email": {"type": "string", "maxLength": 40},
-        "role": {"enum": ["admin", "editor", "viewer"]},
-        "score": {"type": "number"},
-        "active": {"type": "boolean"},
-        "tags": {"type": "array", "items": {"type": "string", "maxLength": 12}, "maxItems": 4},
-        "address": {
-            "type": "object",
-            "properties": {"street": {"type": "string", "maxLength": 32}, "city": {"type": "string", "maxLength": 20},
-                           "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
-            "required": ["street", "city", "zip"], "additionalProperties": False,
-        },
-    },
-    "required": ["name", "age", "email", "role", "score", "active", "tags", "address"],
-    "additionalProperties": False,
-}
+from presets import MEDIUM_SCHEMA  # noqa: E402
 
 CORPUS: list[tuple[str, str, Any]] = [
     ("medium_schema", "json", MEDIUM_SCHEMA),

@@ -2,8 +2,32 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from engine.config import ModelConfig
 from pdctl.model_presets import V2_LITE  # noqa: F401  (re-exported: the benchmarks' model shape)
+
+# A medium JSON schema (nested object, array, enum, bounded strings, numbers): structured output's cost.
+MEDIUM_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 24},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        "email": {"type": "string", "maxLength": 40},
+        "role": {"enum": ["admin", "editor", "viewer"]},
+        "score": {"type": "number"},
+        "active": {"type": "boolean"},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 12}, "maxItems": 4},
+        "address": {
+            "type": "object",
+            "properties": {"street": {"type": "string", "maxLength": 32}, "city": {"type": "string", "maxLength": 20},
+                           "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
+            "required": ["street", "city", "zip"], "additionalProperties": False,
+        },
+    },
+    "required": ["name", "age", "email", "role", "score", "active", "tags", "address"],
+    "additionalProperties": False,
+}
 
 H200_BF16_PEAK_TFLOPS = 989.0  # dense bf16 tensor-core peak (datasheet), the MFU denominator
 

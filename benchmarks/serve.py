@@ -20,6 +20,12 @@ the chunk's tokens; tokens arriving with the first one count 0), TPOT ((e2e - TT
 e2e (to the end of the stream). Goodput: the requests meeting both ``--slo-ttft-ms`` and ``--slo-tpot-ms``.
 The proxy's own view is the mean of its histograms over the run (``/metrics`` scraped before and after
 the measured requests). A table, then one JSON line with every figure, last.
+
+``--schema medium`` (or a JSON schema file) measures structured output's cost: after the plain pass as
+many prompts again (new ones, of the same lengths' mix) run with ``response_format`` ``json_schema`` (the
+output may then end before
+``--max-tokens``, where the grammar ends), and ``structured_tpot_p50_ratio`` is its TPOT p50 over the
+plain pass's.
 """
 
 from __future__ import annotations
@@ -108,11 +114,12 @@ def prompt_lengths(args: argparse.Namespace, n: int, limit: int, rng: random.Ran
     return [min(n_, top) for n_ in lens], sum(n_ > top for n_ in lens)
 
 
-async def one_request(client: httpx.AsyncClient, model: str, prompt: list[int], max_tokens: int) -> Result:
-    """Send one streaming completion and time its token-carrying chunks."""
+async def one_request(client: httpx.AsyncClient, model: str, prompt: list[int], max_tokens: int,
+                      extra: dict[str, Any] | None = None) -> Result:
+    """Send one streaming completion (with the ``extra`` body fields) and time its token-carrying chunks."""
     res = Result(len(prompt))
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "stream": True,
-            "logprobs": 1, "temperature": 0.0, "return_tokens_as_token_ids": True}
+            "logprobs": 1, "temperature": 0.0, "return_tokens_as_token_ids": True, **(extra or {})}
     t0 = last = time.perf_counter()
     done = False
     try:
@@ -151,7 +158,7 @@ async def one_request(client: httpx.AsyncClient, model: str, prompt: list[int], 
     res.e2e = time.perf_counter() - t0
     if not done:
         res.error = "stream ended without [DONE]"
-    elif res.tokens != max_tokens:
+    elif res.tokens != max_tokens and not (extra and 0 < res.tokens < max_tokens):  # a grammar may end first
         res.error = f"got {res.tokens} tokens, not {max_tokens}"
     res.ok = not res.error
     return res
@@ -166,7 +173,7 @@ def _error_code(content: bytes) -> str:
 
 
 async def run_load(client: httpx.AsyncClient, model: str, prompts: Sequence[list[int]], args: argparse.Namespace,
-                   rng: random.Random) -> list[Result]:
+                   rng: random.Random, extra: dict[str, Any] | None = None) -> list[Result]:
     """Closed loop (``--concurrency`` workers) or open loop (Poisson arrivals at ``--rate``)."""
     results: list[Result | None] = [None] * len(prompts)
     if args.rate is None:
@@ -174,7 +181,7 @@ async def run_load(client: httpx.AsyncClient, model: str, prompts: Sequence[list
 
         async def worker() -> None:
             for i in queue:  # shared: each index goes to one worker
-                results[i] = await one_request(client, model, prompts[i], args.max_tokens)
+                results[i] = await one_request(client, model, prompts[i], args.max_tokens, extra)
 
         await asyncio.gather(*(worker() for _ in range(args.concurrency)))
     else:
@@ -182,7 +189,7 @@ async def run_load(client: httpx.AsyncClient, model: str, prompts: Sequence[list
 
         async def send(i: int) -> None:
             async with cap:
-                results[i] = await one_request(client, model, prompts[i], args.max_tokens)
+                results[i] = await one_request(client, model, prompts[i], args.max_tokens, extra)
 
         tasks = []
         for i in range(len(prompts)):
@@ -320,23 +327,45 @@ async def bench(target: Target, args: argparse.Namespace) -> dict[str, Any]:
         card = (await client.get("/v1/models")).raise_for_status().json()["data"][0]
         rng = random.Random(args.seed)
         n = args.warmup + args.requests
-        lens, clipped = prompt_lengths(args, n, int(card["max_model_len"]), rng)
+        passes = 2 if args.schema else 1  # the schema's pass gets prompts of its own (no prefix cache hits)
+        lens, clipped = prompt_lengths(args, n * passes, int(card["max_model_len"]), rng)
         prompts = [[rng.randrange(target.vocab) for _ in range(k)] for k in lens]
         mode = f"Poisson {args.rate:g} req/s" if args.rate else f"concurrency {args.concurrency}"
         print(f"model {card['id']} (max_model_len {card['max_model_len']}) at {target.url}: {args.warmup} warmup + "
               f"{args.requests} requests, {mode}, {args.max_tokens} output tokens each", flush=True)
-        warm = await run_load(client, card["id"], prompts[:args.warmup], args, rng)
-        before = await scrape(client)
-        t0 = time.perf_counter()
-        measured = await run_load(client, card["id"], prompts[args.warmup:], args, rng)
-        window = time.perf_counter() - t0
-        after = await scrape(client)
-    summary = summarize(measured, warm + measured, window, args, proxy_view(before, after))
+        summary = await measure(client, card["id"], prompts[:n], args, rng)
+        structured: dict[str, Any] = {}
+        if args.schema:
+            print(f"again with response_format json_schema ({args.schema}), other prompts", flush=True)
+            s = await measure(client, card["id"], prompts[n:], args, rng, structured_body(args.schema))
+            plain, constrained = summary["tpot_ms"]["p50"], s["tpot_ms"]["p50"]
+            structured = {"schema": args.schema, "structured": s, "structured_tpot_p50_ratio":
+                          round(constrained / plain, 4) if plain and constrained else None}
     return {"benchmark": "serve", "url": target.url, "model": card["id"], "max_model_len": card["max_model_len"],
             "mode": "open" if args.rate else "closed", "concurrency": args.concurrency, "rate": args.rate,
             "requests": args.requests, "warmup": args.warmup, "max_tokens": args.max_tokens,
             "prompt_mix": args.prompt_mix or args.prompt_len, "clipped_prompts": clipped, "seed": args.seed,
-            "cores": os.cpu_count(), **summary}
+            "cores": os.cpu_count(), **summary, **structured}
+
+
+async def measure(client: httpx.AsyncClient, model: str, prompts: list[list[int]], args: argparse.Namespace,
+                  rng: random.Random, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The warmup requests, then the measured ones between two scrapes of the proxy's metrics."""
+    warm = await run_load(client, model, prompts[:args.warmup], args, rng, extra)
+    before = await scrape(client)
+    t0 = time.perf_counter()
+    measured = await run_load(client, model, prompts[args.warmup:], args, rng, extra)
+    window = time.perf_counter() - t0
+    after = await scrape(client)
+    return summarize(measured, warm + measured, window, args, proxy_view(before, after))
+
+
+def structured_body(schema: str) -> dict[str, Any]:
+    """``response_format`` for ``--schema``: "medium" (benchmarks/presets.py) or a JSON schema file."""
+    from presets import MEDIUM_SCHEMA
+
+    spec = MEDIUM_SCHEMA if schema == "medium" else json.loads(Path(schema).read_text())
+    return {"response_format": {"type": "json_schema", "json_schema": {"name": "bench", "schema": spec}}}
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -360,6 +389,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--vocab-size", type=int, help=f"prompt ids below this (default: the model's; --url: {URL_VOCAB})")
     ap.add_argument("--request-timeout", type=float, default=600.0, help="seconds, per request")
     ap.add_argument("--start-timeout", type=float, default=300.0, help="seconds for the cluster to start")
+    ap.add_argument("--schema", help="then the same load with this JSON schema as response_format: medium or a file")
     args = ap.parse_args(argv)
     if args.rate is None and args.concurrency is None:
         args.concurrency = 4
@@ -381,6 +411,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     with cluster(args) as target:
         result = asyncio.run(bench(target, args))
     print_table(result)
+    if "structured" in result:
+        print(f"\nwith response_format json_schema ({result['schema']}):")
+        print_table(result["structured"])
+        print(f"TPOT p50 with the schema / without: {result['structured_tpot_p50_ratio']}")
     print(json.dumps(result))
 
 

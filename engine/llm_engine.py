@@ -393,8 +393,13 @@ class LLMEngine:
         if top is not None:
             seq.top_logprobs.append(top)
         reason = None
-        if seq.grammar is not None and (not seq.grammar.advance(token) or seq.grammar.done):
-            reason = "stop"  # the grammar is complete (or, never with its masks applied, refused the token)
+        if seq.grammar is not None:
+            if not seq.grammar.advance(token):  # never with its masks applied: a bug, but not the node's end
+                log.warning("request %s: token %d breaks its structured output (%s); stopping it",
+                            seq.request_id, token, seq.grammar.error)
+                reason = "stop"
+            elif seq.grammar.done:
+                reason = "stop"  # the grammar is complete: nothing may follow
         n_out = len(seq.output_token_ids)
         if reason is None and n_out >= p.min_tokens:
             if token in (p.stop_token_ids or ()) or (not p.ignore_eos and token in seq.eos_token_ids):

@@ -146,7 +146,7 @@ class Grammar:
     def __init__(self, tokenizer: llguidance.LLTokenizer, params: StructuredOutputsParams) -> None:
         from llguidance import LLMatcher
 
-        self.matcher = LLMatcher(tokenizer, params.lark)
+        self.matcher = LLMatcher(tokenizer, params.lark, log_level=0)  # errors: ``error``, logged by the engine
         if self.matcher.is_error():
             raise ValueError(f"{params.kind} does not compile: {self.matcher.get_error()}")
 
@@ -157,6 +157,10 @@ class Grammar:
     def advance(self, token: int) -> bool:
         """Take ``token``; False when the grammar does not allow it."""
         return bool(self.matcher.consume_token(token))
+
+    @property
+    def error(self) -> str:
+        return str(self.matcher.get_error())
 
     @property
     def done(self) -> bool:
@@ -171,16 +175,18 @@ class Grammar:
 
 def mask_logits(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     """logits [N, V] -> the same tensor with, in each row whose request has a grammar, every token the
-    grammar does not allow next at -inf (masks filled on the host, applied on the logits' device)."""
+    grammar does not allow next at -inf."""
+    rows = [(i, s.grammar) for i, s in enumerate(seqs) if s.grammar is not None]
+    return mask_rows(logits, [i for i, _ in rows], [g for _, g in rows]) if rows else logits
+
+
+def mask_rows(logits: torch.Tensor, rows: list[int], grammars: list[Grammar]) -> torch.Tensor:
+    """``logits`` with row ``rows[j]`` masked by ``grammars[j]``: masks filled on the host (before any wait
+    for the device, so on a GPU this overlaps the step still running), applied on the logits' device."""
     import llguidance.torch as lt
 
-    rows = [i for i, s in enumerate(seqs) if s.grammar is not None]
-    if not rows:
-        return logits
     bitmask = lt.allocate_token_bitmask(len(rows), logits.shape[-1])
-    for j, i in enumerate(rows):
-        grammar = seqs[i].grammar
-        assert grammar is not None
+    for j, grammar in enumerate(grammars):
         lt.fill_next_token_bitmask(grammar.matcher, bitmask, j)
     dev = logits.device
     if dev.type == "cuda":

@@ -80,7 +80,7 @@ class VllmDecodeService(pb_grpc.DecodeServiceServicer):
                                  "is required")
             kv["remote_num_tokens"] = n  # load the prompt; the first token is computed here
             params = sampling_to_vllm(request.sampling, kv, max_tokens=request.sampling.max_tokens - 1,
-                                      min_tokens=max(0, request.sampling.min_tokens - 1))
+                                      min_tokens=max(0, request.sampling.min_tokens - 1), first_output_in_prompt=True)
         except ValueError as e:  # json.JSONDecodeError included
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         prompt = {"prompt_token_ids": [*request.prompt_token_ids, request.first_token.token_id]}

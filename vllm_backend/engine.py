@@ -33,6 +33,7 @@ from vllm_backend.kv_events import VllmKVEvents, endpoint_for
 log = logging.getLogger("pdcluster.vllm")
 
 CONNECTOR = "PdKVConnector"
+STRUCTURED_OUTPUT_PROCESSOR = "vllm_backend.structured:GrammarLogitsProcessor"
 CONNECTOR_MODULE = "vllm_backend.connector"
 ROLES = {"prefill": "kv_producer", "decode": "kv_consumer"}
 
@@ -72,6 +73,7 @@ def engine_args(config: NodeConfig, transfer_host: str, kv_events_endpoint: str 
         block_size=ec.block_size, max_num_seqs=ec.max_num_seqs, max_num_batched_tokens=ec.max_num_batched_tokens,
         enable_prefix_caching=ec.enable_prefix_caching, seed=ec.seed, num_gpu_blocks_override=ec.num_kv_blocks,
         kv_cache_memory_bytes=envs.vllm_kv_cache_bytes(), kv_transfer_config=kv,
+        logits_processors=[STRUCTURED_OUTPUT_PROCESSOR],  # vllm_backend.structured
         kv_events_config=None if kv_events_endpoint is None else KVEventsConfig(
             enable_kv_cache_events=True, publisher="zmq", endpoint=kv_events_endpoint),
         disable_log_stats=True,
@@ -103,10 +105,19 @@ def place_devices(device: str, n: int, gpus: list[int] | None = None) -> None:
 
 
 def sampling_to_vllm(m: pb.SamplingParams, kv_params: dict[str, Any] | None, max_tokens: int | None = None,
-                     min_tokens: int | None = None) -> Any:
-    """vLLM ``SamplingParams`` (DELTA outputs) from the wire's; stop strings stay with the proxy."""
+                     min_tokens: int | None = None, first_output_in_prompt: bool = False) -> Any:
+    """vLLM ``SamplingParams`` (DELTA outputs) from the wire's; stop strings stay with the proxy. A structured
+    output goes to our logits processor (``vllm_backend.structured``), told whether the prompt's last token
+    is the first output (a decode node's request)."""
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
+
+    extra: dict[str, Any] = {} if kv_params is None else {"kv_transfer_params": kv_params}
+    if m.HasField("structured_output"):
+        from vllm_backend.structured import extra_args
+
+        structured_from_pb(m.structured_output)  # a constraint that does not compile: ValueError here
+        extra |= extra_args(m.structured_output, first_output_in_prompt)
 
     return SamplingParams(
         temperature=float(m.temperature), top_p=float(m.top_p) if m.top_p else 1.0,
@@ -118,20 +129,8 @@ def sampling_to_vllm(m: pb.SamplingParams, kv_params: dict[str, Any] | None, max
         presence_penalty=float(m.presence_penalty), frequency_penalty=float(m.frequency_penalty),
         repetition_penalty=float(m.repetition_penalty) or 1.0, min_p=float(m.min_p),
         logit_bias={int(t): float(b) for t, b in m.logit_bias.items()} or None,
-        extra_args={"kv_transfer_params": kv_params} if kv_params is not None else None,
-        structured_outputs=structured_to_vllm(m.structured_output) if m.HasField("structured_output") else None,
+        extra_args=extra or None,
     )
-
-
-def structured_to_vllm(m: pb.StructuredOutput) -> Any:
-    """vLLM's ``StructuredOutputsParams`` for the wire's constraint (checked as the native engine does first,
-    so a bad one is INVALID_ARGUMENT on both backends)."""
-    from vllm.sampling_params import StructuredOutputsParams
-
-    ours = structured_from_pb(m)
-    return StructuredOutputsParams(json=ours.json, regex=ours.regex, choice=ours.choice, grammar=ours.grammar,
-                                   json_object=ours.json_object or None,
-                                   disable_any_whitespace=not ours.any_whitespace)
 
 
 def tokens_pb(completion: Any, start: int = 0) -> list[pb.Token]:

@@ -14,12 +14,14 @@ Each test drains the prefill node it does not want, so every request goes throug
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import jsonschema
 import openai
 import psutil
 import pytest
@@ -162,3 +164,21 @@ def test_vllm_nodes_publish_whether_vllm_caches_prefixes_and_then_their_kv_event
     while _metric(proxy_url, "pdcluster_proxy_kv_event_messages_total") == 0 and time.monotonic() < deadline:
         time.sleep(0.3)
     assert _metric(proxy_url, "pdcluster_proxy_kv_event_messages_total") > 0
+
+
+@pytest.mark.parametrize("prefill", ["prefill-0", "prefill-1"])
+def test_structured_output_on_vllm_nodes(proxy_url: str, prefill: str) -> None:
+    """vLLM's own structured outputs (vLLM prefill) or our llguidance masks (native prefill) choose the first
+    token; the vLLM decode node continues under vLLM's: every answer follows the constraint."""
+    _only_prefill(proxy_url, prefill)
+    oa = openai.OpenAI(base_url=f"{proxy_url}/v1", api_key="unused", max_retries=0, timeout=120)
+    choices = ["alpha", "beta gamma"]
+    r = oa.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=16, temperature=0.0,
+                              extra_body={"guided_choice": choices})
+    assert r.choices[0].text in choices
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"},
+                                               "n": {"type": "integer", "minimum": 0, "maximum": 9}},
+              "required": ["ok", "n"], "additionalProperties": False}
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+    r = oa.chat.completions.create(model="tiny", messages=CHAT, max_tokens=32, temperature=0.0, response_format=fmt)
+    jsonschema.validate(json.loads(r.choices[0].message.content), schema)
