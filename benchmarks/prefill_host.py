@@ -7,7 +7,9 @@ One engine (``enable_prefix_caching`` on), one request at a time, each to its fi
 
 - lengths already seen (each length run once to warm it, then three times),
 - lengths never seen before (each once: what serving sees, since prompt lengths vary),
-- a 2,048-token cached prefix followed by a new user turn (prefix caching's hit path),
+- a cached prefix followed by a new user turn (prefix caching's hit path): 2,048 + ~200 tokens, and a
+  496-token prefix + 16 (a repeated short prompt: a hit must not cost more than the miss), with the
+  context attention of ``engine.mla.CONTEXT_ATTENTION`` "joint" and "split" interleaved,
 
 and the host time of one ``F.linear`` at a new and at a seen row count. The last line is one JSON object.
 """
@@ -29,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from presets import V2_LITE  # noqa: E402
 
+from engine import mla  # noqa: E402
 from engine.engine_config import EngineConfig  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
@@ -66,9 +69,18 @@ def main() -> None:
         ttft(fresh(n))
         seen[n] = statistics.median(ttft(fresh(n)) for _ in range(3))
     new = {n: ttft(fresh(n)) for n in (65, 257, 513, 1025, 2049, 67, 259, 515, 1027, 2051)}
-    system = fresh(2048)
-    ttft(system + fresh(150))  # the prefix is cached from here on
-    cached = [ttft(system + fresh(n)) for n in (200, 201, 202, 203, 204, 205)]
+    system, short = fresh(2048), fresh(496)
+    ttft(system + fresh(150))  # the prefixes are cached from here on
+    ttft(short + fresh(16))
+    cached: dict[str, list[float]] = {"joint": [], "split": []}
+    cached_short: dict[str, list[float]] = {"joint": [], "split": []}
+    for n in (200, 201, 202, 203, 204, 205):
+        for form in ("joint", "split"):
+            mla.CONTEXT_ATTENTION = form
+            cached[form].append(ttft(system + fresh(n)))
+            cached_short[form].append(ttft(short + fresh(16)))
+    mla.CONTEXT_ATTENTION = "joint"
+    miss_512 = statistics.median(ttft(fresh(512)) for _ in range(3))
 
     w = torch.randn(2048, 2048, device=args.device, dtype=torch.bfloat16)
 
@@ -84,10 +96,18 @@ def main() -> None:
     linear = {m: (round(linear_host_us(m), 1), round(linear_host_us(m), 1)) for m in (3001, 3002, 3003)}
     print("prefill of a length seen before (ms, median of 3):", {n: round(v, 1) for n, v in seen.items()})
     print("prefill of a length never seen (ms):", {n: round(v, 1) for n, v in new.items()})
-    print("2,048 cached + 200-205 new tokens (ms):", [round(v, 1) for v in cached])
+    for form in ("joint", "split"):
+        print(f"context attention {form}: 2,048 cached + 200-205 new (ms):", [round(v, 1) for v in cached[form]],
+              "; 496 cached + 16 new:", [round(v, 1) for v in cached_short[form]])
+    print(f"512 tokens, nothing cached (ms, median of 3): {miss_512:.1f}")
     print("one F.linear's host time, new row count then again (us):", linear)
+    med = {f: {"2048+200": statistics.median(cached[f]), "496+16": statistics.median(cached_short[f])}
+           for f in cached}
     print(json.dumps({"benchmark": "prefill_host", "device": torch.cuda.get_device_name(), "seen_ms": seen,
-                      "new_ms": new, "cached_prefix_ms": cached, "linear_host_us": linear}))
+                      "new_ms": new, "cached_prefix_ms": cached, "cached_short_ms": cached_short,
+                      "cached_median_ms": med, "miss_512_ms": miss_512,
+                      "joint_over_split": {k: round(med["joint"][k] / med["split"][k], 3) for k in med["joint"]},
+                      "linear_host_us": linear}))
 
 
 if __name__ == "__main__":

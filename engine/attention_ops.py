@@ -57,8 +57,12 @@ def _fused(
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool) -> torch.Tensor:
-    """Plain attention without the lse (the common no-context prefill)."""
+    """Plain attention without the lse (a prefill, with or without cached context before its rows)."""
     if q.shape[0] != k.shape[0] and causal:
+        if _use_flash(q):  # FlashAttention's causal mask is bottom-right aligned when the lengths differ
+            res = torch.ops.aten._scaled_dot_product_flash_attention(
+                _bhsd(q), _bhsd(k), _bhsd(_pad_v(v, q.shape[-1])), 0.0, True, False, scale=scale)
+            return res[0][0].transpose(0, 1)[..., : v.shape[-1]]
         return attention_lse(q, k, v, scale, causal)[0]
     if _use_flash(q):
         return _fused(q, k, v, scale, causal, lse=False)[0]

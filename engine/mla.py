@@ -27,6 +27,11 @@ from engine.parallel.pcp_mla import pcp_attention, start_new_kv_gather
 from engine.rope import RotaryEmbedding
 
 DECODE_KERNEL = "triton"  # CUDA decode attention: "triton" (fused, engine.mla_decode) or "torch"
+# New rows over a cached context (chunked prefill, prefix-cache hits): "joint" decompresses the context
+# and the new rows together and runs one causal attention (bottom-right aligned); "split" attends the
+# new rows and the context apart and merges them by log-sum-exp (three more kernels and a merge per
+# layer: benchmarks/prefill_host.py compares them).
+CONTEXT_ATTENTION = "joint"
 
 
 class MLAttention(nn.Module):
@@ -150,12 +155,16 @@ class MLAttention(nn.Module):
     ) -> torch.Tensor:
         """One request's new rows [S, ...] attending its cached context and itself -> [S, H, v]."""
         q = torch.cat((q_nope, q_pe), dim=-1)
-        k, v = self.expand_kv(kv_c, k_pe)
         if context_len == 0:
-            return attention(q, k, v, self.scale, causal=True)
-        out_new, lse_new = attention_lse(q, k, v, self.scale, causal=True)
+            return attention(q, *self.expand_kv(kv_c, k_pe), self.scale, causal=True)
         ctx = flat_cache[slots_for(block_table, 0, context_len, block_size)].to(kv_c.dtype)  # [C, L+R]
-        k_ctx, v_ctx = self.expand_kv(ctx[:, : self.cfg.kv_lora_rank], ctx[:, self.cfg.kv_lora_rank :])
+        lora = self.cfg.kv_lora_rank
+        if CONTEXT_ATTENTION == "joint":  # the new rows are the last of the keys
+            kv_all = torch.cat((ctx, torch.cat((kv_c, k_pe), dim=-1)))
+            return attention(q, *self.expand_kv(kv_all[:, :lora], kv_all[:, lora:]), self.scale, causal=True)
+        k, v = self.expand_kv(kv_c, k_pe)
+        out_new, lse_new = attention_lse(q, k, v, self.scale, causal=True)
+        k_ctx, v_ctx = self.expand_kv(ctx[:, :lora], ctx[:, lora:])
         out_ctx, lse_ctx = attention_lse(q, k_ctx, v_ctx, self.scale, causal=False)
         return merge_attention(out_ctx, lse_ctx, out_new, lse_new)[0]
 

@@ -84,3 +84,19 @@ def test_pcp_local_attention_flash_path_matches_fp64() -> None:
         o, _ = pcp_local_attention(qb[idx], contiguous_runs(idx), kb, vb, 0.07)
         out[idx] = o.double().cpu()
     assert _rel(out, ref) < 1e-2
+
+
+def test_new_rows_over_a_context_in_one_flash_call_match_fp64() -> None:
+    """``attention`` with fewer queries than keys, causal: FlashAttention aligns the mask bottom-right (the
+    queries are the last rows), as the fp64 reference does; the joint context path relies on it."""
+    from engine.attention_ops import attention
+
+    h = 16
+    g = torch.Generator().manual_seed(1)
+    for s, ctx in ((1, 64), (37, 500), (300, 2048)):
+        q = torch.randn(s, h, 192, generator=g, dtype=torch.float64)
+        k = torch.randn(ctx + s, h, 192, generator=g, dtype=torch.float64)
+        v = torch.randn(ctx + s, h, 128, generator=g, dtype=torch.float64)
+        ref = attention(q, k, v, 0.07, causal=True)
+        out = attention(*(t.to("cuda", torch.bfloat16) for t in (q, k, v)), 0.07, causal=True)
+        assert _rel(out.double().cpu(), ref) < 1e-2, (s, ctx)
