@@ -173,6 +173,19 @@ class Grammar:
         return bool(self.matcher.is_accepting())
 
 
+_EXECUTOR: llguidance.LLExecutor | None = None
+
+
+def _executor() -> llguidance.LLExecutor:
+    """llguidance's thread pool for filling several rows' masks at once (one per process)."""
+    global _EXECUTOR
+    if _EXECUTOR is None:
+        import llguidance
+
+        _EXECUTOR = llguidance.LLExecutor()
+    return _EXECUTOR
+
+
 def mask_logits(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     """logits [N, V] -> the same tensor with, in each row whose request has a grammar, every token the
     grammar does not allow next at -inf."""
@@ -181,18 +194,17 @@ def mask_logits(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
 
 
 def mask_rows(logits: torch.Tensor, rows: list[int], grammars: list[Grammar]) -> torch.Tensor:
-    """``logits`` with row ``rows[j]`` masked by ``grammars[j]``: masks filled on the host (before any wait
-    for the device, so on a GPU this overlaps the step still running), applied on the logits' device."""
+    """``logits`` with row ``rows[j]`` masked by ``grammars[j]``, in place. The masks are filled on the host
+    before anything waits for the device (on a GPU this overlaps the step still running), into a
+    whole-batch bitmask (other rows allow every token) that goes over asynchronously from pinned memory
+    and is applied to every row at once: nothing here makes the host wait for the device (an index
+    tensor made from a list would, and the sampler's launches after it would then no longer overlap)."""
     import llguidance.torch as lt
 
-    bitmask = lt.allocate_token_bitmask(len(rows), logits.shape[-1])
-    for j, grammar in enumerate(grammars):
-        lt.fill_next_token_bitmask(grammar.matcher, bitmask, j)
-    dev = logits.device
-    if dev.type == "cuda":
-        bitmask = bitmask.pin_memory().to(dev, non_blocking=True)
-    idx = torch.tensor(rows, device=dev)
-    sub = logits[idx]
-    lt.apply_token_bitmask_inplace(sub, bitmask)
-    logits[idx] = sub
+    bitmask = lt.allocate_token_bitmask(logits.shape[0], logits.shape[-1])  # all allowed; pinned with CUDA
+    if len(rows) == 1:
+        lt.fill_next_token_bitmask(grammars[0].matcher, bitmask, rows[0])
+    else:  # rows in parallel on llguidance's threads (16 rows of a medium schema: 0.50 -> 0.36 ms on 2 cores)
+        lt.fill_next_token_bitmask_par(_executor(), [(g.matcher, row) for row, g in zip(rows, grammars)], bitmask)
+    lt.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True))
     return logits
