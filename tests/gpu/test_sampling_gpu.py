@@ -5,20 +5,14 @@ other batch sizes round differently, which could move a seeded draw at a near-ti
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
+import cpu_tests
 import pytest
 
 from engine import LLM
 
 pytestmark = pytest.mark.gpu
 
-_CPU_TESTS = Path(__file__).parents[1] / "unit" / "test_sampling.py"
-_spec = importlib.util.spec_from_file_location("cpu_sampling_tests", _CPU_TESTS)
-assert _spec is not None and _spec.loader is not None
-_cpu = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(_cpu)
+_cpu = cpu_tests.load("unit/test_sampling.py")
 globals().update({name: getattr(_cpu, name) for name in dir(_cpu) if name.startswith("test_")})
 
 

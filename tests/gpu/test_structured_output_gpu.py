@@ -3,20 +3,14 @@ the host and applied to the logits on the device, after the CUDA-graph decode st
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
+import cpu_tests
 import pytest
 
 from engine import LLM
 
 pytestmark = pytest.mark.gpu
 
-_CPU_TESTS = Path(__file__).parents[1] / "unit" / "test_structured_output.py"
-_spec = importlib.util.spec_from_file_location("cpu_structured_output_tests", _CPU_TESTS)
-assert _spec is not None and _spec.loader is not None
-_cpu = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(_cpu)
+_cpu = cpu_tests.load("unit/test_structured_output.py")
 # the tests that take the engine fixture (the others do not touch a device)
 globals().update({name: getattr(_cpu, name) for name in dir(_cpu)
                   if name.startswith("test_") and "llm" in getattr(_cpu, name).__code__.co_varnames})
