@@ -20,10 +20,9 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
-import torch
-
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # the proxy imports this module (to check constraints): neither torch nor llguidance here
     import llguidance
+    import torch
 
     from engine.sequence import Sequence
     from engine.tokenizer import Tokenizer

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import jsonschema
@@ -164,3 +166,11 @@ def test_the_constraint_crosses_the_wire_unchanged() -> None:
         back = sampling_from_pb(sampling_to_pb(SamplingParams(structured_outputs=spec))).structured_outputs
         assert back is not None and back.lark == spec.lark and back.any_whitespace == spec.any_whitespace
     assert sampling_from_pb(sampling_to_pb(SamplingParams())).structured_outputs is None
+
+
+def test_the_proxy_checks_constraints_without_importing_torch() -> None:
+    """The proxy compiles constraints to refuse bad ones; that must not pull torch into it (startup, RSS)."""
+    code = ("import sys; from proxy.app import create_app; from proxy.protocol import CompletionRequest; "
+            "CompletionRequest(prompt='x', guided_json={'type': 'object'}).sampling(4); "
+            "assert 'torch' not in sys.modules, 'torch imported'")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
