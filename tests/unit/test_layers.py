@@ -33,9 +33,11 @@ LAYERS = {
 }
 ENTRY = 7  # <package>/__main__.py
 # Packages that may import only these of the layers below them (module prefixes).
-# The proxy takes from the engine only its torch-free vocabulary: the tokenizer, sampling params, and
-# the block hash (it must compute the engine's own, to guess where a prompt's prefix is cached).
-ONLY_FROM_BELOW = {"proxy": ("cluster", "engine.tokenizer", "engine.sampling_params", "engine.block_hash")}
+# The proxy takes from the engine only its torch-free vocabulary: the tokenizer, sampling params and their
+# structured output constraint (compiled in the proxy to refuse a bad one), and the block hash (it must
+# compute the engine's own, to guess where a prompt's prefix is cached).
+ONLY_FROM_BELOW = {"proxy": ("cluster", "engine.tokenizer", "engine.sampling_params", "engine.structured_output",
+                             "engine.block_hash")}
 
 
 def imported_modules(source: str) -> list[tuple[int, str]]:
