@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from engine.net import free_port
+from engine.net import free_port, free_port_outside_ephemeral
 
-__all__ = ["dial_host", "free_port", "is_loopback"]
+__all__ = ["dial_host", "free_port", "free_port_outside_ephemeral", "is_loopback"]
 
 
 def dial_host(host: str) -> str:

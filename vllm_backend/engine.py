@@ -24,7 +24,7 @@ import grpc
 
 from cluster import envs
 from cluster.config import NodeConfig
-from cluster.net import free_port
+from cluster.net import free_port_outside_ephemeral
 from cluster.nodes import ReplicaLoad
 from cluster.proto_gen import pdcluster_v1_pb2 as pb
 from cluster.wire import structured_from_pb
@@ -49,7 +49,10 @@ def engine_args(config: NodeConfig, transfer_host: str, kv_events_endpoint: str 
     ec = config.engine
     if ec.dp != 1:
         raise ValueError("--engine vllm runs one vLLM engine per node: dp must be 1")
-    extra: dict[str, Any] = {"side_channel_host": transfer_host, "side_channel_port": free_port(transfer_host),
+    # bound ~30 s later by vLLM's engine core: a port outside the kernel's ephemeral range (a port-0 one
+    # was taken in between once, by another process's listener)
+    side = free_port_outside_ephemeral(transfer_host)
+    extra: dict[str, Any] = {"side_channel_host": transfer_host, "side_channel_port": side,
                              "mooncake_host": transfer_host}
     if config.role == "prefill":
         extra["lease_s"] = config.lease_s
