@@ -38,10 +38,12 @@ def _bhsd(x: torch.Tensor) -> torch.Tensor:
 
 
 def _fused(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool, lse: bool
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool, lse: bool, flash: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``flash``: FlashAttention whatever ``LSE_KERNEL`` says (its causal mask is aligned bottom-right when
+    there are fewer queries than keys)."""
     dv = v.shape[-1]
-    if LSE_KERNEL == "cudnn" or (LSE_KERNEL == "auto" and q.shape[0] >= CUDNN_MIN_ROWS):
+    if not flash and (LSE_KERNEL == "cudnn" or (LSE_KERNEL == "auto" and q.shape[0] >= CUDNN_MIN_ROWS)):
         res = torch.ops.aten._scaled_dot_product_cudnn_attention(
             _bhsd(q), _bhsd(k), _bhsd(v.contiguous()), None, lse, 0.0, causal, False, scale=scale
         )
@@ -59,10 +61,8 @@ def _fused(
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool) -> torch.Tensor:
     """Plain attention without the lse (a prefill, with or without cached context before its rows)."""
     if q.shape[0] != k.shape[0] and causal:
-        if _use_flash(q):  # FlashAttention's causal mask is bottom-right aligned when the lengths differ
-            res = torch.ops.aten._scaled_dot_product_flash_attention(
-                _bhsd(q), _bhsd(k), _bhsd(_pad_v(v, q.shape[-1])), 0.0, True, False, scale=scale)
-            return res[0][0].transpose(0, 1)[..., : v.shape[-1]]
+        if _use_flash(q):  # the new rows are the last of the keys: FlashAttention's bottom-right mask
+            return _fused(q, k, v, scale, causal, lse=False, flash=True)[0]
         return attention_lse(q, k, v, scale, causal)[0]
     if _use_flash(q):
         return _fused(q, k, v, scale, causal, lse=False)[0]

@@ -45,9 +45,12 @@ class StructuredOutputsParams:
     json_object: bool = False
     any_whitespace: bool = False
 
+    def _kinds(self) -> list[str]:
+        given = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        return given + ["json_object"] if self.json_object else given
+
     def __post_init__(self) -> None:
-        kinds = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
-        kinds += ["json_object"] if self.json_object else []
+        kinds = self._kinds()
         if len(kinds) != 1:
             raise ValueError("structured output takes exactly one of json, json_object, regex, choice, grammar; "
                              f"got {', '.join(kinds) or 'none'}")
@@ -68,8 +71,7 @@ class StructuredOutputsParams:
 
     @property
     def kind(self) -> str:
-        return next(k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None) \
-            if not self.json_object else "json_object"
+        return self._kinds()[0]
 
     def schema(self) -> dict[str, Any] | bool | None:
         """The JSON schema (parsed), or None for a non-JSON constraint."""

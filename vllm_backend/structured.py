@@ -46,12 +46,6 @@ class _Row:
 class GrammarLogitsProcessor(LogitsProcessor):
     """Masks the rows of requests that carry a constraint in ``extra_args``; the others pass untouched."""
 
-    @classmethod
-    def validate_params(cls, sampling_params: SamplingParams) -> None:
-        raw = (sampling_params.extra_args or {}).get(KEY)
-        if raw is not None:
-            structured_from_pb(pb.StructuredOutput.FromString(bytes.fromhex(raw)))  # ValueError: a 400
-
     def __init__(self, vllm_config: Any, device: torch.device, is_pin_memory: bool) -> None:
         self._model = vllm_config.model_config.model
         self._tokenizer_path = vllm_config.model_config.tokenizer or self._model
