@@ -61,8 +61,9 @@ def serve_null_grpc(redis_url: str, cluster: str, max_model_len: int) -> None:
     from cluster.proto_gen import pdcluster_v1_pb2_grpc as pb_grpc
     from cluster.registry import Registry
     from decode_node.service import coalesced
+    from node_runtime.mux import DecodeMux, PrefillMux
 
-    class Prefill(pb_grpc.PrefillServiceServicer):
+    class Prefill(PrefillMux, pb_grpc.PrefillServiceServicer):
         async def Prefill(self, request: pb.PrefillRequest, context: Any) -> pb.PrefillResponse:  # noqa: N802
             reply = pb.PrefillResponse(request_id=request.request_id, first_token=pb.Token(token_id=300, logprob=-0.1))
             reply.kv.prefill_address = "null"
@@ -74,7 +75,7 @@ def serve_null_grpc(redis_url: str, cluster: str, max_model_len: int) -> None:
         async def Abort(self, request: pb.AbortRequest, context: Any) -> pb.AbortResponse:  # noqa: N802
             return pb.AbortResponse(found=False)
 
-    class Decode(pb_grpc.DecodeServiceServicer):
+    class Decode(DecodeMux, pb_grpc.DecodeServiceServicer):
         async def Decode(self, request: pb.DecodeRequest, context: Any):  # noqa: ANN201, N802
             # As a decode node relays its engine's events: a queue filled one token per step (here one
             # per turn of the event loop), drained by the node's own relay (``coalesced``).
@@ -220,29 +221,36 @@ def body_for(args: argparse.Namespace) -> dict:
 
 
 async def direct_grpc(ports: dict, args: argparse.Namespace, n: int) -> Run:
-    """The two null legs called directly (our nodes' gRPC), at concurrency 1."""
+    """The two null legs called directly (our nodes' gRPC, over the multiplexed streams the proxy
+    uses: ``proxy.mux``), at concurrency 1."""
     import grpc
 
     from cluster.proto_gen import pdcluster_v1_pb2 as pb
     from cluster.proto_gen import pdcluster_v1_pb2_grpc as pb_grpc
+    from proxy import mux
 
     prompt = body_for(args)["prompt"]
     async with grpc.aio.insecure_channel(f"127.0.0.1:{ports['prefill']}") as pc, \
             grpc.aio.insecure_channel(f"127.0.0.1:{ports['decode']}") as dc:
-        prefill, decode = pb_grpc.PrefillServiceStub(pc), pb_grpc.DecodeServiceStub(dc)
+        prefill = mux.MuxStream(pb_grpc.PrefillServiceStub(pc).PrefillMux, pb.PrefillCalls)
+        decode = mux.MuxStream(pb_grpc.DecodeServiceStub(dc).DecodeMux, pb.DecodeCalls)
         sampling = pb.SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
         run = Run()
         for k in range(n + 5):
             t0 = time.perf_counter()
-            reply = await prefill.Prefill(pb.PrefillRequest(request_id=f"d{k}", token_ids=prompt, sampling=sampling))
+            reply = await mux.prefill(prefill, pb.PrefillRequest(request_id=f"d{k}", token_ids=prompt,
+                                                                  sampling=sampling), 10.0)
             first = time.perf_counter()
-            req = pb.DecodeRequest(request_id=f"d{k}", prompt_token_ids=prompt, sampling=sampling,
-                                   first_token=reply.first_token, kv=reply.kv)
-            async for _ in decode.Decode(req):
+            call = mux.DecodeCall(decode, pb.DecodeRequest(request_id=f"d{k}", prompt_token_ids=prompt,
+                                                           sampling=sampling, first_token=reply.first_token,
+                                                           kv=reply.kv))
+            while await call.read(10.0) is not grpc.aio.EOF:
                 pass
             if k >= 5:
                 run.ttft.append(first - t0)
                 run.e2e.append(time.perf_counter() - t0)
+        prefill.close()
+        decode.close()
         return run
 
 

@@ -14,6 +14,7 @@ from cluster.wire import sampling_from_pb
 from decode_node.worker import DecodeJob, DecodeWorker, KVLost, NodeStopping
 from kv_transfer.handle import from_handle
 from kv_transfer.transport import TransferError
+from node_runtime.mux import DecodeMux
 from node_runtime.server import Lifecycle
 
 log = logging.getLogger("pdcluster.decode")
@@ -49,7 +50,7 @@ async def coalesced(events: asyncio.Queue) -> AsyncIterator[object]:
         yield item
 
 
-class DecodeService(pb_grpc.DecodeServiceServicer):
+class DecodeService(DecodeMux, pb_grpc.DecodeServiceServicer):
     def __init__(self, worker: DecodeWorker, node_id: str, state: Lifecycle) -> None:
         self.worker = worker
         self.node_id = node_id

@@ -11,13 +11,14 @@ import grpc
 from cluster.proto_gen import pdcluster_v1_pb2 as pb
 from cluster.proto_gen import pdcluster_v1_pb2_grpc as pb_grpc
 from cluster.wire import sampling_from_pb
+from node_runtime.mux import PrefillMux
 from node_runtime.server import Lifecycle
 from prefill_node.worker import Aborted, NodeFailed, PrefillJob, PrefillWorker
 
 log = logging.getLogger("pdcluster.prefill")
 
 
-class PrefillService(pb_grpc.PrefillServiceServicer):
+class PrefillService(PrefillMux, pb_grpc.PrefillServiceServicer):
     def __init__(self, worker: PrefillWorker, node_id: str, state: Lifecycle) -> None:
         self.worker = worker
         self.node_id = node_id

@@ -1,4 +1,5 @@
-"""gRPC clients of the nodes: one ``grpc.aio`` channel per node address, created on first use.
+"""gRPC clients of the nodes: one ``grpc.aio`` channel per node address, created on first use, and on
+it one multiplexed stream per service that every request's call goes over (``proxy.mux``).
 
 Channels are bound to the event loop that creates them, so they are made lazily from within the
 app's loop and closed on shutdown.
@@ -14,6 +15,7 @@ from cluster import tls
 from cluster.auth import call_metadata
 from cluster.proto_gen import pdcluster_v1_pb2 as pb
 from cluster.proto_gen import pdcluster_v1_pb2_grpc as pb_grpc
+from proxy.mux import MuxStream
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +37,7 @@ class NodeClients:
 
     def __init__(self) -> None:
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self._streams: dict[tuple[str, str], MuxStream] = {}  # (role, address) -> its multiplexed stream
         self.metadata = call_metadata()  # the cluster token, on every call to a node (cluster.auth)
 
     def channel(self, address: str) -> grpc.aio.Channel:
@@ -49,6 +52,24 @@ class NodeClients:
     def decode(self, address: str) -> pb_grpc.DecodeServiceStub:
         return pb_grpc.DecodeServiceStub(self.channel(address))
 
+    def prefill_stream(self, address: str) -> MuxStream:
+        """The node's ``PrefillMux`` stream (a new one when there is none, or it broke)."""
+        stream = self._streams.get(("prefill", address))
+        if stream is None or stream.broken:
+            stub = self.prefill(address)
+            stream = self._streams["prefill", address] = MuxStream(
+                lambda: stub.PrefillMux(metadata=self.metadata), pb.PrefillCalls)
+        return stream
+
+    def decode_stream(self, address: str) -> MuxStream:
+        """The node's ``DecodeMux`` stream (a new one when there is none, or it broke)."""
+        stream = self._streams.get(("decode", address))
+        if stream is None or stream.broken:
+            stub = self.decode(address)
+            stream = self._streams["decode", address] = MuxStream(
+                lambda: stub.DecodeMux(metadata=self.metadata), pb.DecodeCalls)
+        return stream
+
     async def abort_prefill(self, address: str, request_id: str) -> bool:
         """Free whatever the prefill node holds for the request; never raises (the caller is cleaning up)."""
         try:
@@ -61,6 +82,9 @@ class NodeClients:
             return False
 
     async def close(self) -> None:
+        streams, self._streams = list(self._streams.values()), {}
+        for stream in streams:
+            stream.close()
         channels, self._channels = list(self._channels.values()), {}
         for ch in channels:
             await ch.close()

@@ -45,6 +45,7 @@ import grpc
 from cluster.nodes import NodeState
 from cluster.proto_gen import pdcluster_v1_pb2 as pb
 from engine.block_hash import prompt_block_hashes
+from proxy import mux
 from proxy.clients import NodeClients
 from proxy.discovery import NodeView
 from proxy.errors import APIError, rpc_error
@@ -237,8 +238,8 @@ class Pipeline:
                                     dp_rank=route.prefill.dp_rank)
         t0 = time.perf_counter()
         try:
-            reply = await legs.clients.prefill(route.prefill.address).Prefill(prefill, timeout=legs.prefill_timeout_s,
-                                                                              metadata=legs.clients.metadata)
+            reply = await mux.prefill(legs.clients.prefill_stream(route.prefill.address), prefill,
+                                      legs.prefill_timeout_s)
             legs.metrics.prefill_rpc_s.observe(time.perf_counter() - t0)
             legs.metrics.prefill_queue_s.observe(reply.queue_s)
             legs.metrics.prefill_s.observe(reply.prefill_s)
@@ -335,7 +336,7 @@ class Generation:
         if self._finished:
             self.admitted.set()
         self._last_token_at = time.perf_counter()
-        self._call: Any = None
+        self._call: mux.DecodeCall | None = None
         self._opened_at = time.perf_counter()
         self._first_event_seen = False
         self._events = 0  # decode events received
@@ -356,8 +357,7 @@ class Generation:
             decode.kv.CopyFrom(reply.kv)
         elif reply.WhichOneof("kv_source") == "vllm_kv_params_json":
             decode.vllm_kv_params_json = reply.vllm_kv_params_json
-        self._call = self._legs.clients.decode(self.route.decode.address).Decode(decode,
-                                                                                 metadata=self._legs.clients.metadata)
+        self._call = mux.DecodeCall(self._legs.clients.decode_stream(self.route.decode.address), decode)
         self._opened_at = time.perf_counter()
         self._first_event_seen = False
 
@@ -422,11 +422,12 @@ class Generation:
             self._prefix.decoded(self.route.decode.node_id, self.route.decode.dp_rank, self._outputs)
 
     async def _read(self) -> pb.DecodeEvent:
+        assert self._call is not None
         while True:
             # A local prefill's first token comes after its prefill (and its queue): the prefill's limit.
             limit = self._legs.prefill_timeout_s if self._ttft_pending else self._legs.token_timeout_s
             try:
-                event = await asyncio.wait_for(self._call.read(), limit)
+                event = await self._call.read(limit)
                 break
             except TimeoutError:
                 self._legs.node_failed(self.route.decode.node_id, None)

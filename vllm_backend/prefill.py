@@ -19,13 +19,14 @@ from cluster.config import NodeConfig
 from cluster.proto_gen import pdcluster_v1_pb2 as pb
 from cluster.proto_gen import pdcluster_v1_pb2_grpc as pb_grpc
 from node_runtime import server as node_runtime
+from node_runtime.mux import PrefillMux
 from vllm_backend.engine import VllmWorker, finish_reason, prompt_tokens_pb, sampling_to_vllm, tokens_pb
 
 log = logging.getLogger("pdcluster.prefill")
 _RECENT = 4096  # prefilled request ids remembered for Release
 
 
-class VllmPrefillService(pb_grpc.PrefillServiceServicer):
+class VllmPrefillService(PrefillMux, pb_grpc.PrefillServiceServicer):
     def __init__(self, worker: VllmWorker, node_id: str, state: node_runtime.Lifecycle) -> None:
         self.worker = worker
         self.node_id = node_id

@@ -313,3 +313,45 @@ class StatsResponse(_message.Message):
     replicas: _containers.RepeatedCompositeFieldContainer[ReplicaStats]
     transfers: TransferTotals
     def __init__(self, node_id: _Optional[str] = ..., role: _Optional[str] = ..., replicas: _Optional[_Iterable[_Union[ReplicaStats, _Mapping]]] = ..., transfers: _Optional[_Union[TransferTotals, _Mapping]] = ...) -> None: ...
+
+class PrefillCalls(_message.Message):
+    __slots__ = ("calls", "cancel")
+    CALLS_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_FIELD_NUMBER: _ClassVar[int]
+    calls: _containers.RepeatedCompositeFieldContainer[PrefillRequest]
+    cancel: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, calls: _Optional[_Iterable[_Union[PrefillRequest, _Mapping]]] = ..., cancel: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class DecodeCalls(_message.Message):
+    __slots__ = ("calls", "cancel")
+    CALLS_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_FIELD_NUMBER: _ClassVar[int]
+    calls: _containers.RepeatedCompositeFieldContainer[DecodeRequest]
+    cancel: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, calls: _Optional[_Iterable[_Union[DecodeRequest, _Mapping]]] = ..., cancel: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class CallStatus(_message.Message):
+    __slots__ = ("code", "details")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    DETAILS_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    details: str
+    def __init__(self, code: _Optional[int] = ..., details: _Optional[str] = ...) -> None: ...
+
+class MuxReply(_message.Message):
+    __slots__ = ("request_id", "prefill", "event", "status")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_FIELD_NUMBER: _ClassVar[int]
+    EVENT_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prefill: PrefillResponse
+    event: DecodeEvent
+    status: CallStatus
+    def __init__(self, request_id: _Optional[str] = ..., prefill: _Optional[_Union[PrefillResponse, _Mapping]] = ..., event: _Optional[_Union[DecodeEvent, _Mapping]] = ..., status: _Optional[_Union[CallStatus, _Mapping]] = ...) -> None: ...
+
+class MuxReplies(_message.Message):
+    __slots__ = ("replies",)
+    REPLIES_FIELD_NUMBER: _ClassVar[int]
+    replies: _containers.RepeatedCompositeFieldContainer[MuxReply]
+    def __init__(self, replies: _Optional[_Iterable[_Union[MuxReply, _Mapping]]] = ...) -> None: ...

@@ -39,6 +39,11 @@ class PrefillServiceStub:
                 request_serializer=pdcluster__v1__pb2.PrefillRequest.SerializeToString,
                 response_deserializer=pdcluster__v1__pb2.PrefillResponse.FromString,
                 _registered_method=True)
+        self.PrefillMux = channel.stream_stream(
+                '/pdcluster.v1.PrefillService/PrefillMux',
+                request_serializer=pdcluster__v1__pb2.PrefillCalls.SerializeToString,
+                response_deserializer=pdcluster__v1__pb2.MuxReplies.FromString,
+                _registered_method=True)
         self.Release = channel.unary_unary(
                 '/pdcluster.v1.PrefillService/Release',
                 request_serializer=pdcluster__v1__pb2.ReleaseRequest.SerializeToString,
@@ -60,6 +65,12 @@ class PrefillServiceServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Prefill(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PrefillMux(self, request_iterator, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -91,6 +102,11 @@ def add_PrefillServiceServicer_to_server(servicer, server):
                     servicer.Prefill,
                     request_deserializer=pdcluster__v1__pb2.PrefillRequest.FromString,
                     response_serializer=pdcluster__v1__pb2.PrefillResponse.SerializeToString,
+            ),
+            'PrefillMux': grpc.stream_stream_rpc_method_handler(
+                    servicer.PrefillMux,
+                    request_deserializer=pdcluster__v1__pb2.PrefillCalls.FromString,
+                    response_serializer=pdcluster__v1__pb2.MuxReplies.SerializeToString,
             ),
             'Release': grpc.unary_unary_rpc_method_handler(
                     servicer.Release,
@@ -135,6 +151,33 @@ class PrefillService:
             '/pdcluster.v1.PrefillService/Prefill',
             pdcluster__v1__pb2.PrefillRequest.SerializeToString,
             pdcluster__v1__pb2.PrefillResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PrefillMux(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/pdcluster.v1.PrefillService/PrefillMux',
+            pdcluster__v1__pb2.PrefillCalls.SerializeToString,
+            pdcluster__v1__pb2.MuxReplies.FromString,
             options,
             channel_credentials,
             insecure,
@@ -241,6 +284,11 @@ class DecodeServiceStub:
                 request_serializer=pdcluster__v1__pb2.DecodeRequest.SerializeToString,
                 response_deserializer=pdcluster__v1__pb2.DecodeEvent.FromString,
                 _registered_method=True)
+        self.DecodeMux = channel.stream_stream(
+                '/pdcluster.v1.DecodeService/DecodeMux',
+                request_serializer=pdcluster__v1__pb2.DecodeCalls.SerializeToString,
+                response_deserializer=pdcluster__v1__pb2.MuxReplies.FromString,
+                _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/pdcluster.v1.DecodeService/Abort',
                 request_serializer=pdcluster__v1__pb2.AbortRequest.SerializeToString,
@@ -257,6 +305,12 @@ class DecodeServiceServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Decode(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DecodeMux(self, request_iterator, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -281,6 +335,11 @@ def add_DecodeServiceServicer_to_server(servicer, server):
                     servicer.Decode,
                     request_deserializer=pdcluster__v1__pb2.DecodeRequest.FromString,
                     response_serializer=pdcluster__v1__pb2.DecodeEvent.SerializeToString,
+            ),
+            'DecodeMux': grpc.stream_stream_rpc_method_handler(
+                    servicer.DecodeMux,
+                    request_deserializer=pdcluster__v1__pb2.DecodeCalls.FromString,
+                    response_serializer=pdcluster__v1__pb2.MuxReplies.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
@@ -320,6 +379,33 @@ class DecodeService:
             '/pdcluster.v1.DecodeService/Decode',
             pdcluster__v1__pb2.DecodeRequest.SerializeToString,
             pdcluster__v1__pb2.DecodeEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DecodeMux(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/pdcluster.v1.DecodeService/DecodeMux',
+            pdcluster__v1__pb2.DecodeCalls.SerializeToString,
+            pdcluster__v1__pb2.MuxReplies.FromString,
             options,
             channel_credentials,
             insecure,

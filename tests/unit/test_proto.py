@@ -31,9 +31,12 @@ def test_services_have_the_contracted_methods() -> None:
 
     services = {s.name: [m.name for m in s.methods] for s in pb.DESCRIPTOR.services_by_name.values()}
     assert services == {
-        "PrefillService": ["Prefill", "Release", "Abort", "Stats"],
-        "DecodeService": ["Decode", "Abort", "Stats"],
+        "PrefillService": ["Prefill", "PrefillMux", "Release", "Abort", "Stats"],
+        "DecodeService": ["Decode", "DecodeMux", "Abort", "Stats"],
     }
+    for service, method in (("PrefillService", "PrefillMux"), ("DecodeService", "DecodeMux")):
+        m = pb.DESCRIPTOR.services_by_name[service].methods_by_name[method]
+        assert m.server_streaming and m.client_streaming
     assert pb.DESCRIPTOR.package == "pdcluster.v1"
     decode = pb.DESCRIPTOR.services_by_name["DecodeService"].methods_by_name["Decode"]
     assert decode.server_streaming and not decode.client_streaming

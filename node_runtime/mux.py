@@ -1,0 +1,158 @@
+"""Multiplexed calls on the node side: ``PrefillMux`` and ``DecodeMux`` over a servicer's own handlers.
+
+The proxy keeps one stream per node and sends every request's ``Prefill`` or ``Decode`` over it
+(``pdcluster.v1``, "Multiplexed calls"). Here each call on the stream runs the servicer's ordinary
+handler, as its own task, with a context whose ``abort`` ends that call alone: the same checks,
+status codes and events as the call on its own, with no RPC per request. What the handlers produce
+goes into one queue; the stream writes whatever is queued as one message (the tokens of a request
+that are queued together merge into one event), so under load a write carries many requests.
+
+A cancel message, the client ending the stream or the stream breaking cancels the calls concerned,
+exactly as cancelling each call would (the handlers free what the request holds).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, NoReturn
+
+import grpc
+
+from cluster.proto_gen import pdcluster_v1_pb2 as pb
+
+log = logging.getLogger("pdcluster.mux")
+
+MAX_REPLIES = 256  # replies per message: bounds a message (a prefill reply's KV handle can be large)
+
+
+class CallAborted(Exception):
+    """A handler aborted its call (``context.abort``): the call's status."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self.code = code
+        self.details = details
+
+
+class CallContext:
+    """What a handler may use of its context inside a multiplexed call: ``abort`` ends this call only."""
+
+    async def abort(self, code: grpc.StatusCode, details: str = "", trailing_metadata: Any = ()) -> NoReturn:
+        raise CallAborted(code, details)
+
+
+def _status(request_id: str, code: grpc.StatusCode, details: str) -> pb.MuxReply:
+    return pb.MuxReply(request_id=request_id, status=pb.CallStatus(code=code.value[0], details=details))
+
+
+def merged(replies: list[pb.MuxReply]) -> list[pb.MuxReply]:
+    """``replies`` in order, each run of one request's token events (nothing of that request between
+    them) merged into its first event."""
+    out: list[pb.MuxReply] = []
+    open_tokens: dict[str, pb.MuxReply] = {}  # request id -> its last reply here, an unfinished tokens event
+    for r in replies:
+        rid = r.request_id
+        if r.WhichOneof("reply") == "event" and r.event.WhichOneof("event") == "tokens":
+            prev = open_tokens.get(rid)
+            if prev is not None:
+                prev.event.tokens.tokens.extend(r.event.tokens.tokens)
+                if r.event.tokens.finish_reason:
+                    prev.event.tokens.finish_reason = r.event.tokens.finish_reason
+                    del open_tokens[rid]
+                continue
+            if not r.event.tokens.finish_reason:
+                open_tokens[rid] = r
+        else:
+            open_tokens.pop(rid, None)
+        out.append(r)
+    return out
+
+
+async def serve(calls: AsyncIterator[Any], handler: Callable[[Any, CallContext], Any],
+                streaming: bool) -> AsyncIterator[pb.MuxReplies]:
+    """Run each call of the ``calls`` stream through ``handler`` (a unary handler returning the reply,
+    or, ``streaming``, an async generator of decode events); yield their replies, batched."""
+    out: asyncio.Queue[pb.MuxReply | None] = asyncio.Queue()
+    running: dict[str, asyncio.Task[None]] = {}
+    context = CallContext()
+
+    async def one(call: Any) -> None:
+        rid = call.request_id
+        try:
+            if streaming:
+                async for event in handler(call, context):
+                    out.put_nowait(pb.MuxReply(request_id=rid, event=event))
+                out.put_nowait(_status(rid, grpc.StatusCode.OK, ""))
+            else:
+                reply = await handler(call, context)
+                out.put_nowait(pb.MuxReply(request_id=rid, prefill=reply))
+        except CallAborted as e:
+            out.put_nowait(_status(rid, e.code, e.details))
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # a handler's bug: this call fails as it would on its own, the others go on
+            log.exception("call %s failed", rid)
+            out.put_nowait(_status(rid, grpc.StatusCode.UNKNOWN, f"{type(e).__name__}: {e}"))
+        finally:
+            if running.get(rid) is asyncio.current_task():
+                del running[rid]
+
+    async def read() -> None:
+        async for message in calls:
+            for rid in message.cancel:
+                task = running.pop(rid, None)
+                if task is not None:
+                    task.cancel()
+            for call in message.calls:
+                if call.request_id in running:
+                    out.put_nowait(_status(call.request_id, grpc.StatusCode.INVALID_ARGUMENT,
+                                           f"request {call.request_id} is already in flight on this stream"))
+                    continue
+                running[call.request_id] = asyncio.ensure_future(one(call))
+        while running:  # the client is done sending: finish what runs, then end the stream
+            await asyncio.wait(list(running.values()))
+        out.put_nowait(None)
+
+    reader = asyncio.ensure_future(read())
+    reader.add_done_callback(lambda t: None if t.cancelled() or t.exception() is None else out.put_nowait(None))
+    try:
+        while True:
+            batch = [await out.get()]
+            while not out.empty() and len(batch) < MAX_REPLIES:
+                batch.append(out.get_nowait())
+            end = batch[-1] is None
+            replies = [r for r in batch if r is not None]
+            if replies:
+                yield pb.MuxReplies(replies=merged(replies))
+            if end:
+                if not reader.cancelled() and reader.done() and reader.exception() is not None:
+                    raise reader.exception()  # type: ignore[misc]
+                return
+    finally:
+        reader.cancel()
+        for task in list(running.values()):
+            task.cancel()
+
+
+class PrefillMux:
+    """``PrefillMux`` for a ``PrefillService`` servicer (put it first among the bases)."""
+
+    Prefill: Callable[[Any, Any], Awaitable[pb.PrefillResponse]]
+
+    async def PrefillMux(self, request_iterator: AsyncIterator[pb.PrefillCalls],  # noqa: N802
+                         context: grpc.aio.ServicerContext) -> AsyncIterator[pb.MuxReplies]:
+        async for replies in serve(request_iterator, self.Prefill, streaming=False):
+            yield replies
+
+
+class DecodeMux:
+    """``DecodeMux`` for a ``DecodeService`` servicer (put it first among the bases)."""
+
+    Decode: Callable[[Any, Any], AsyncIterator[pb.DecodeEvent]]
+
+    async def DecodeMux(self, request_iterator: AsyncIterator[pb.DecodeCalls],  # noqa: N802
+                        context: grpc.aio.ServicerContext) -> AsyncIterator[pb.MuxReplies]:
+        async for replies in serve(request_iterator, self.Decode, streaming=True):
+            yield replies

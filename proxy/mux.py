@@ -1,0 +1,204 @@
+"""The proxy's side of multiplexed calls: one ``PrefillMux`` / ``DecodeMux`` stream per node.
+
+Every request's prefill call and decode stream go over its node's one stream (``pdcluster.v1``,
+"Multiplexed calls") instead of an RPC each: a request costs the proxy a few protobuf messages
+inside shared stream messages, not a call's setup, metadata and completion-queue round trips. A
+writer task sends whatever calls and cancels are pending as one message; a reader task hands each
+reply to its request. They look like the calls they replace: a failed call raises
+``grpc.aio.AioRpcError`` with the node's status, a decode stream reads ``grpc.aio.EOF`` at its end.
+
+A stream that breaks (the node died, its connection dropped) fails every call on it with the
+stream's status, as each call would have failed on its own; the next call opens a new stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+
+from cluster.proto_gen import pdcluster_v1_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+_CODES = {code.value[0]: code for code in grpc.StatusCode}
+
+
+def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
+
+
+class _Waiter:
+    """One call's end of a stream."""
+
+    def deliver(self, reply: pb.MuxReply) -> bool:
+        """Take a reply; True when it ends the call."""
+        raise NotImplementedError
+
+    def fail(self, error: grpc.aio.AioRpcError) -> None:
+        raise NotImplementedError
+
+
+class MuxStream:
+    """One multiplexed stream to one node (``open_call`` starts the bidi call; ``calls_type`` is its
+    outgoing message, ``PrefillCalls`` or ``DecodeCalls``)."""
+
+    def __init__(self, open_call: Callable[[], Any], calls_type: type) -> None:
+        self._call = open_call()
+        self._calls_type = calls_type
+        self._waiters: dict[str, _Waiter] = {}
+        self._calls: list[Any] = []
+        self._cancels: list[str] = []
+        self._wake = asyncio.Event()
+        self.broken = False
+        self._writer = asyncio.ensure_future(self._write())
+        self._reader = asyncio.ensure_future(self._read())
+
+    def start(self, call: Any, waiter: _Waiter) -> None:
+        rid = call.request_id
+        if rid in self._waiters:  # the node would refuse it too; never reaches it
+            waiter.fail(rpc_error(grpc.StatusCode.INVALID_ARGUMENT, f"request {rid} is already in flight"))
+            return
+        self._waiters[rid] = waiter
+        self._calls.append(call)
+        self._wake.set()
+
+    def cancel(self, request_id: str) -> None:
+        if self._waiters.pop(request_id, None) is not None and not self.broken:
+            self._cancels.append(request_id)
+            self._wake.set()
+
+    async def _write(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            message = self._calls_type(calls=self._calls, cancel=self._cancels)
+            self._calls, self._cancels = [], []
+            try:
+                await self._call.write(message)
+            except Exception:  # the call has failed: the reader gets its status and fails the waiters
+                return
+
+    async def _read(self) -> None:
+        error = rpc_error(grpc.StatusCode.UNKNOWN, "the stream failed")
+        try:
+            while True:
+                message = await self._call.read()
+                if message is grpc.aio.EOF:
+                    error = rpc_error(grpc.StatusCode.UNAVAILABLE, "the node ended the stream")
+                    break
+                waiters = self._waiters
+                for reply in message.replies:
+                    waiter = waiters.get(reply.request_id)
+                    if waiter is not None and waiter.deliver(reply):
+                        del waiters[reply.request_id]
+        except grpc.aio.AioRpcError as e:
+            error = e
+        except asyncio.CancelledError:
+            error = rpc_error(grpc.StatusCode.CANCELLED, "the proxy closed the stream")
+            raise
+        finally:
+            self.broken = True
+            self._writer.cancel()
+            waiters, self._waiters = self._waiters, {}
+            for waiter in waiters.values():
+                waiter.fail(error)
+        if error.code() != grpc.StatusCode.CANCELLED:
+            log.warning("stream to a node broke (%s: %s); %d calls on it failed", error.code().name,
+                        error.details(), len(waiters))
+
+    def close(self) -> None:
+        self._call.cancel()
+        self._reader.cancel()
+
+
+class _PrefillWaiter(_Waiter):
+    __slots__ = ("future",)
+
+    def __init__(self, future: asyncio.Future[pb.PrefillResponse]) -> None:
+        self.future = future
+
+    def deliver(self, reply: pb.MuxReply) -> bool:
+        if not self.future.done():
+            if reply.WhichOneof("reply") == "prefill":
+                self.future.set_result(reply.prefill)
+            else:
+                self.future.set_exception(rpc_error(_CODES.get(reply.status.code, grpc.StatusCode.UNKNOWN),
+                                                    reply.status.details))
+        return True
+
+    def fail(self, error: grpc.aio.AioRpcError) -> None:
+        if not self.future.done():
+            self.future.set_exception(error)
+
+
+async def prefill(stream: MuxStream, request: pb.PrefillRequest, timeout: float) -> pb.PrefillResponse:
+    """``Prefill`` over the stream, with a deadline (DEADLINE_EXCEEDED past it, as the RPC's)."""
+    future: asyncio.Future[pb.PrefillResponse] = asyncio.get_running_loop().create_future()
+    stream.start(request, _PrefillWaiter(future))
+    try:
+        return await asyncio.wait_for(future, timeout)
+    except TimeoutError:
+        stream.cancel(request.request_id)
+        raise rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, f"no prefill answer in {timeout:g}s") from None
+    except asyncio.CancelledError:
+        stream.cancel(request.request_id)
+        raise
+
+
+class DecodeCall(_Waiter):
+    """One ``Decode`` stream over the multiplexed stream: ``read`` as a streaming call's."""
+
+    def __init__(self, stream: MuxStream, request: pb.DecodeRequest) -> None:
+        self._stream = stream
+        self._request_id = request.request_id
+        self._events: collections.deque[Any] = collections.deque()
+        self._error: grpc.aio.AioRpcError | None = None
+        self._wake: asyncio.Future[None] | None = None
+        self._ended = False
+        stream.start(request, self)
+
+    def deliver(self, reply: pb.MuxReply) -> bool:
+        if reply.WhichOneof("reply") == "event":
+            self._events.append(reply.event)
+            ended = False
+        else:
+            code = _CODES.get(reply.status.code, grpc.StatusCode.UNKNOWN)
+            if code == grpc.StatusCode.OK:
+                self._events.append(grpc.aio.EOF)
+            else:
+                self._error = rpc_error(code, reply.status.details)
+            self._ended = ended = True
+        if self._wake is not None and not self._wake.done():
+            self._wake.set_result(None)
+        return ended
+
+    def fail(self, error: grpc.aio.AioRpcError) -> None:
+        self._error = error
+        self._ended = True
+        if self._wake is not None and not self._wake.done():
+            self._wake.set_result(None)
+
+    async def read(self, timeout: float) -> Any:
+        """The next event (``grpc.aio.EOF`` at the end); raises the call's ``AioRpcError``, or
+        ``TimeoutError`` when nothing comes for ``timeout`` seconds."""
+        if not self._events and self._error is None:
+            self._wake = asyncio.get_running_loop().create_future()
+            try:
+                await asyncio.wait_for(self._wake, timeout)
+            finally:
+                self._wake = None
+        if self._events:
+            return self._events.popleft()
+        assert self._error is not None
+        raise self._error
+
+    def cancel(self) -> None:
+        """Cancel the stream (the node aborts the request); nothing more is read."""
+        if not self._ended:
+            self._ended = True
+            self._stream.cancel(self._request_id)

@@ -1,0 +1,164 @@
+"""Multiplexed calls (``node_runtime.mux`` on a real grpc.aio server, ``proxy.mux`` as its client):
+each call behaves as the same call on its own, however many share the stream."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import grpc
+import pytest
+
+from cluster.proto_gen import pdcluster_v1_pb2 as pb
+from cluster.proto_gen import pdcluster_v1_pb2_grpc as pb_grpc
+from node_runtime.mux import DecodeMux, PrefillMux, merged
+from proxy import mux
+
+
+def _tokens(rid: str, ids: list[int], finish: str = "") -> pb.MuxReply:
+    return pb.MuxReply(request_id=rid, event=pb.DecodeEvent(tokens=pb.Tokens(
+        tokens=[pb.Token(token_id=t) for t in ids], finish_reason=finish)))
+
+
+def test_merged_joins_a_requests_queued_tokens_only() -> None:
+    admitted = pb.MuxReply(request_id="a", event=pb.DecodeEvent(admitted=pb.Admitted()))
+    out = merged([_tokens("a", [1]), _tokens("b", [7]), _tokens("a", [2, 3]), admitted, _tokens("a", [4]),
+                  _tokens("a", [5], "length"), _tokens("a", [6]), _tokens("b", [8], "stop")])
+    got = [(r.request_id, r.WhichOneof("reply") == "event" and r.event.WhichOneof("event"),
+            [t.token_id for t in r.event.tokens.tokens], r.event.tokens.finish_reason) for r in out]
+    assert got == [("a", "tokens", [1, 2, 3], ""), ("b", "tokens", [7, 8], "stop"), ("a", "admitted", [], ""),
+                   ("a", "tokens", [4, 5], "length"), ("a", "tokens", [6], "")]
+
+
+class Prefill(PrefillMux, pb_grpc.PrefillServiceServicer):
+    def __init__(self) -> None:
+        self.cancelled: list[str] = []
+
+    async def Prefill(self, request: pb.PrefillRequest, context: Any) -> pb.PrefillResponse:  # noqa: N802
+        if not request.token_ids:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "token_ids is empty")
+        if request.token_ids[0] == 0:
+            raise RuntimeError("a bug")
+        try:
+            await asyncio.sleep(request.token_ids[0] / 1000)
+        except asyncio.CancelledError:
+            self.cancelled.append(request.request_id)
+            raise
+        return pb.PrefillResponse(request_id=request.request_id, first_token=pb.Token(token_id=len(request.token_ids)))
+
+
+class Decode(DecodeMux, pb_grpc.DecodeServiceServicer):
+    def __init__(self) -> None:
+        self.cancelled: list[str] = []
+
+    async def Decode(self, request: pb.DecodeRequest, context: Any) -> Any:  # noqa: N802
+        n = request.sampling.max_tokens
+        if n == 0:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "max_tokens is 0")
+        try:
+            yield pb.DecodeEvent(admitted=pb.Admitted(dp_rank=1))
+            for i in range(n):
+                await asyncio.sleep(0.001)
+                if request.first_token.token_id == 98:
+                    await asyncio.sleep(3600)
+                if request.first_token.token_id == 99 and i == 2:
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, "injected")
+                yield pb.DecodeEvent(tokens=pb.Tokens(tokens=[pb.Token(token_id=i)],
+                                                      finish_reason="length" if i == n - 1 else ""))
+        except asyncio.CancelledError:
+            self.cancelled.append(request.request_id)
+            raise
+
+
+async def _serve() -> tuple[grpc.aio.Server, Prefill, Decode, int]:
+    server = grpc.aio.server()
+    prefill, decode = Prefill(), Decode()
+    pb_grpc.add_PrefillServiceServicer_to_server(prefill, server)
+    pb_grpc.add_DecodeServiceServicer_to_server(decode, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    return server, prefill, decode, port
+
+
+async def _read_all(call: mux.DecodeCall) -> list[int]:
+    ids = []
+    while (event := await call.read(5.0)) is not grpc.aio.EOF:
+        ids += [t.token_id for t in event.tokens.tokens]
+    return ids
+
+
+def test_many_calls_share_one_stream_each_as_on_its_own() -> None:
+    async def main() -> None:
+        server, prefill_servicer, decode_servicer, port = await _serve()
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+            p = mux.MuxStream(pb_grpc.PrefillServiceStub(ch).PrefillMux, pb.PrefillCalls)
+            d = mux.MuxStream(pb_grpc.DecodeServiceStub(ch).DecodeMux, pb.DecodeCalls)
+            # prefill: answers out of order, by their own delays; a bad one and a buggy one fail alone
+            replies = await asyncio.gather(*(mux.prefill(p, pb.PrefillRequest(request_id=f"p{i}",
+                                                                              token_ids=[20 - i] * (i + 1)), 5.0)
+                                             for i in range(10)))
+            assert [r.first_token.token_id for r in replies] == list(range(1, 11))
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await mux.prefill(p, pb.PrefillRequest(request_id="bad"), 5.0)
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "empty" in e.value.details()
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await mux.prefill(p, pb.PrefillRequest(request_id="bug", token_ids=[0]), 5.0)
+            assert e.value.code() == grpc.StatusCode.UNKNOWN and "a bug" in e.value.details()
+            # a deadline: DEADLINE_EXCEEDED here, the call cancelled on the node
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await mux.prefill(p, pb.PrefillRequest(request_id="slow", token_ids=[3000]), 0.05)
+            assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            for _ in range(100):
+                if "slow" in prefill_servicer.cancelled:
+                    break
+                await asyncio.sleep(0.01)
+            assert prefill_servicer.cancelled == ["slow"]
+
+            # decode: concurrent streams get their own events, in order; an abort ends one stream only
+            calls = [mux.DecodeCall(d, pb.DecodeRequest(request_id=f"d{i}", sampling=pb.SamplingParams(
+                max_tokens=5 + i))) for i in range(8)]
+            failing = mux.DecodeCall(d, pb.DecodeRequest(request_id="f", first_token=pb.Token(token_id=99),
+                                                         sampling=pb.SamplingParams(max_tokens=9)))
+            refused = mux.DecodeCall(d, pb.DecodeRequest(request_id="r"))
+            outs = await asyncio.gather(*(_read_all(c) for c in calls))
+            assert outs == [list(range(5 + i)) for i in range(8)]
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await _read_all(failing)
+            assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await refused.read(5.0)
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+            # cancel: the node's handler is cancelled (it frees the request); the stream goes on
+            long = mux.DecodeCall(d, pb.DecodeRequest(request_id="long", sampling=pb.SamplingParams(max_tokens=10**6)))
+            assert (await long.read(5.0)).WhichOneof("event") == "admitted"
+            long.cancel()
+            for _ in range(100):
+                if "long" in decode_servicer.cancelled:
+                    break
+                await asyncio.sleep(0.01)
+            assert decode_servicer.cancelled == ["long"]
+            again = mux.DecodeCall(d, pb.DecodeRequest(request_id="long", sampling=pb.SamplingParams(max_tokens=3)))
+            assert await _read_all(again) == [0, 1, 2]  # the id is free again
+            # a read with nothing coming times out
+            stalled = mux.DecodeCall(d, pb.DecodeRequest(request_id="s", first_token=pb.Token(token_id=98),
+                                                         sampling=pb.SamplingParams(max_tokens=5)))
+            assert (await stalled.read(5.0)).WhichOneof("event") == "admitted"
+            with pytest.raises(TimeoutError):
+                await stalled.read(0.05)
+            stalled.cancel()
+            assert not d.broken and not p.broken
+
+            # the node goes away: every call still on the stream fails UNAVAILABLE, none hangs
+            pending = [mux.DecodeCall(d, pb.DecodeRequest(request_id=f"x{i}", sampling=pb.SamplingParams(
+                max_tokens=10**6))) for i in range(3)]
+            for c in pending:
+                await c.read(5.0)
+            await server.stop(grace=None)
+            for c in pending:
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    await _read_all(c)
+                assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert d.broken
+
+    asyncio.run(main())
