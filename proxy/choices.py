@@ -139,7 +139,7 @@ class Choices:
         finally:
             gen.close()  # at once: a choice cut by a stop string must not keep decoding on its node
 
-    async def events(self, include_usage: bool, continuous: bool) -> AsyncIterator[str]:
+    async def events(self, include_usage: bool, continuous: bool) -> AsyncIterator[bytes]:
         """The SSE stream: every choice's chunks as they come; with ``continuous`` (vLLM's
         ``continuous_usage_stats``) each carries the request's usage so far."""
         queue: asyncio.Queue[Item] = asyncio.Queue()

@@ -183,6 +183,11 @@ class DecodeCall(_Waiter):
         if self._wake is not None and not self._wake.done():
             self._wake.set_result(None)
 
+    @property
+    def ready(self) -> bool:
+        """Whether ``read`` would answer without waiting."""
+        return bool(self._events) or self._error is not None
+
     async def read(self, timeout: float) -> Any:
         """The next event (``grpc.aio.EOF`` at the end); raises the call's ``AioRpcError``, or
         ``TimeoutError`` when nothing comes for ``timeout`` seconds."""

@@ -361,6 +361,10 @@ class Generation:
         self._opened_at = time.perf_counter()
         self._first_event_seen = False
 
+    def ready(self) -> bool:
+        """Whether ``next_tokens`` would answer without waiting."""
+        return not self._first_taken or (self._call is not None and self._call.ready)
+
     @property
     def finished(self) -> bool:
         return self._finished

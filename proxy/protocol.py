@@ -8,6 +8,7 @@ request never costs a round trip to a node.
 
 from __future__ import annotations
 
+import array
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -198,8 +199,10 @@ class CompletionRequest(_Sampling):
             if isinstance(p, list):
                 if not p:
                     raise ValueError("a prompt must not be empty")
-                if not all(isinstance(t, int) for t in p) or any(t < 0 or t >= 2**32 for t in p):
-                    raise ValueError("prompt token ids must be ints >= 0")
+                try:  # ints in [0, 2**32), checked by array's C loop: prompts are long
+                    array.array("I", p)
+                except (TypeError, OverflowError):
+                    raise ValueError("prompt token ids must be ints >= 0") from None
             elif not isinstance(p, str):
                 raise ValueError("a prompt is a string or a list of token ids")
         return v

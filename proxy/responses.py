@@ -6,10 +6,11 @@
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
+
+import orjson
 
 from cluster.proto_gen import pdcluster_v1_pb2 as pb
 from proxy.tool_calls import ToolCall, ToolCallStream
@@ -22,10 +23,10 @@ class Decoder(Protocol):
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
 
 
-def sse(data: dict[str, Any] | str) -> str:
-    """One server-sent event."""
-    payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False, separators=(",", ":"))
-    return f"data: {payload}\n\n"
+def sse(data: dict[str, Any] | str) -> bytes:
+    """One server-sent event, as the bytes sent (orjson: compact UTF-8; a non-finite float is null)."""
+    payload = data.encode() if isinstance(data, str) else orjson.dumps(data)
+    return b"data: " + payload + b"\n\n"
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:

@@ -9,13 +9,13 @@ event. The client leaving cancels the work at any point; ``Generation.close`` cl
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any, TypeVar
 
+import orjson
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
@@ -286,7 +286,7 @@ class Serving:
             gen.close()
 
     async def _events(self, gen: Generation, fmt: Format, out: OutputText, include_usage: bool,
-                      continuous: bool = False) -> AsyncIterator[str]:
+                      continuous: bool = False) -> AsyncIterator[bytes]:
         """The SSE stream; with ``continuous`` (vLLM's ``continuous_usage_stats``) every chunk carries
         the usage so far."""
         req = gen.request
@@ -298,37 +298,45 @@ class Serving:
                 chunk["usage"] = usage(prompt_tokens, completion_tokens)
             return chunk
 
-        for chunk in fmt.first_chunks():
-            yield sse(so_far(chunk))
+        # Chunks ready together leave in one write; each goes out before the stream next waits.
+        buf = [sse(so_far(chunk)) for chunk in fmt.first_chunks()]
         try:
-            async for text, tokens, finish in _pieces(gen, out):
+            async for text, tokens, finish in _pieces(gen, out, marks=True):
                 completion_tokens += len(tokens)
                 if not finish:
-                    yield sse(so_far(fmt.delta_chunk(text, tokens)))
+                    if text:
+                        buf.append(sse(so_far(fmt.delta_chunk(text, tokens))))
+                    elif buf:  # the mark: the stream waits now
+                        yield b"".join(buf)
+                        buf = []
                     continue
                 for chunk in fmt.final_chunks(text, tokens, finish):
-                    yield sse(so_far(chunk))
+                    buf.append(sse(so_far(chunk)))
                 if include_usage:
-                    yield sse(fmt.usage_chunk(usage(prompt_tokens, completion_tokens)))
-                yield sse("[DONE]")
+                    buf.append(sse(fmt.usage_chunk(usage(prompt_tokens, completion_tokens))))
+                buf.append(sse("[DONE]"))
+                yield b"".join(buf)
                 self.metrics.e2e.labels(req.endpoint).observe(time.perf_counter() - req.arrival)
                 return
         except GenerationError as e:
             # Headers are gone already: the error travels as an event, and the stream ends without [DONE].
             log.warning("request %s failed mid-stream: %s", req.request_id, e.error.message)
             self.metrics.errors.labels(e.error.cause).inc()
-            yield sse(e.error.body())
+            yield b"".join(buf) + sse(e.error.body())
         except Exception:
             log.exception("request %s failed mid-stream", req.request_id)
             self.metrics.errors.labels("internal").inc()
-            yield sse(error_body("internal server error", type="server_error", code="internal_error"))
+            yield b"".join(buf) + sse(error_body("internal server error", type="server_error", code="internal_error"))
 
 
-async def _pieces(gen: Generation, out: OutputText) -> AsyncIterator[Piece]:
+async def _pieces(gen: Generation, out: OutputText, marks: bool = False) -> AsyncIterator[Piece]:
     """Text as it becomes sendable, each piece with the tokens since the last; the last piece has the
-    finish reason. Tokens after a stop string are dropped: the output ends there ("stop")."""
+    finish reason. Tokens after a stop string are dropped: the output ends there ("stop"). With
+    ``marks``, also an empty piece ("", [], "") each time before it waits for the decode node."""
     pending: list[pb.Token] = []
     while True:
+        if marks and not gen.ready():
+            yield "", [], ""
         tokens, finish = await gen.next_tokens()
         for t in tokens:
             pending.append(t)
@@ -363,8 +371,8 @@ def _resolve_max_tokens(requested: int | None, prompt_len: int, limit: int, prom
 async def _json_body(request: Request) -> dict[str, Any]:
     raw = await request.body()
     try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as e:
         raise bad_request(f"the request body is not valid JSON: {e}", code="invalid_json") from None
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object", code="invalid_json")

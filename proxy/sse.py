@@ -48,12 +48,12 @@ async def until_disconnected(request: Request, work: Coroutine[Any, Any, T]) -> 
 
 
 class EventStreamResponse(StreamingResponse):
-    """``text/event-stream`` from an async iterator of SSE strings, cancelled on client disconnect.
+    """``text/event-stream`` from an async iterator of SSE frames (bytes), cancelled on client disconnect.
 
     ``on_close(disconnected)`` runs exactly once, however the response ends.
     """
 
-    def __init__(self, events: AsyncIterator[str], on_close: Callable[[bool], None]) -> None:
+    def __init__(self, events: AsyncIterator[bytes], on_close: Callable[[bool], None]) -> None:
         super().__init__(events, media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         self._events = events
@@ -80,5 +80,5 @@ class EventStreamResponse(StreamingResponse):
     async def _produce(self, send: Send) -> None:
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
         async for event in self._events:
-            await send({"type": "http.response.body", "body": event.encode("utf-8"), "more_body": True})
+            await send({"type": "http.response.body", "body": event, "more_body": True})
         await send({"type": "http.response.body", "body": b"", "more_body": False})
