@@ -10,7 +10,10 @@ nodes register) behind ``python -m proxy``; for vllm-router (``pip install vllm-
 ``--vllm-pd-disaggregation`` mode, round robin), a null prefill and a null decode vLLM HTTP server
 (aiohttp: the prefill answers ``max_tokens`` 1 with ``kv_transfer_params``, the decode streams). Every
 request is a streamed ``/v1/completions`` of a ``--prompt-tokens`` token-id prompt for
-``--max-tokens`` tokens, one token per event, from a closed-loop aiohttp client at each concurrency.
+``--max-tokens`` tokens from a closed-loop aiohttp client at each concurrency. Both null decode
+engines make one token per turn of their event loop (``--pacing turn``), so each token reaches the
+front end on its own as a real engine's do, however fast the front end reads; ``--pacing burst``
+has both write every token at once.
 The runs interleave (repetition, then front end, then concurrency) and each figure is the median over
 repetitions. Reported per front end and concurrency: req/s, e2e / TTFT / ITL p50 and p99, the front
 end's CPU time per request and its share of one core, and RSS; at concurrency 1 also the latency it
@@ -51,7 +54,7 @@ MODEL = "tiny"
 
 
 # -- null engines ------------------------------------------------------------------------------------
-def serve_null_grpc(redis_url: str, cluster: str, max_model_len: int) -> None:
+def serve_null_grpc(redis_url: str, cluster: str, max_model_len: int, pacing: str) -> None:
     """A null prefill and a null decode node in this process, registered like real nodes."""
     import grpc
 
@@ -85,7 +88,8 @@ def serve_null_grpc(redis_url: str, cluster: str, max_model_len: int) -> None:
                 events.put_nowait(pb.DecodeEvent(admitted=pb.Admitted(dp_rank=0)))
                 n = request.sampling.max_tokens
                 for i in range(1, n):
-                    await asyncio.sleep(0)
+                    if pacing == "turn":
+                        await asyncio.sleep(0)
                     events.put_nowait(pb.DecodeEvent(tokens=pb.Tokens(
                         tokens=[pb.Token(token_id=300 + i % 200, logprob=-0.1)],
                         finish_reason="length" if i == n - 1 else "")))
@@ -126,7 +130,7 @@ def serve_null_grpc(redis_url: str, cluster: str, max_model_len: int) -> None:
     asyncio.run(main())
 
 
-def serve_null_http(role: str, port: int) -> None:
+def serve_null_http(role: str, port: int, pacing: str) -> None:
     """A null vLLM OpenAI server: prefill answers one token with kv_transfer_params, decode streams."""
     from aiohttp import web
 
@@ -145,6 +149,8 @@ def serve_null_http(role: str, port: int) -> None:
         await resp.prepare(request)
         n = int(body.get("max_tokens", 16))
         for i in range(n):
+            if i and pacing == "turn":
+                await asyncio.sleep(0)
             chunk = {"id": "cmpl-null", "object": "text_completion", "model": MODEL,
                      "choices": [{"index": 0, "text": f" t{i}", "finish_reason": "length" if i == n - 1 else None}]}
             await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
@@ -342,14 +348,17 @@ def main() -> None:
     ap.add_argument("--workers", type=int, nargs="+", default=[1],
                     help="our proxy with each of these worker counts (one front end each)")
     ap.add_argument("--proxy-args", default="", help="extra flags for python -m proxy")
+    ap.add_argument("--pacing", choices=("turn", "burst"), default="turn",
+                    help="both null decode engines make one token per turn of their event loop (turn: each "
+                         "token reaches the front end on its own, as a real engine's do), or all at once (burst)")
     ap.add_argument("--null-grpc", nargs=3, metavar=("REDIS", "CLUSTER", "LEN"), help=argparse.SUPPRESS)
     ap.add_argument("--null-http", nargs=2, metavar=("ROLE", "PORT"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.null_grpc:
-        serve_null_grpc(args.null_grpc[0], args.null_grpc[1], int(args.null_grpc[2]))
+        serve_null_grpc(args.null_grpc[0], args.null_grpc[1], int(args.null_grpc[2]), args.pacing)
         return
     if args.null_http:
-        serve_null_http(args.null_http[0], int(args.null_http[1]))
+        serve_null_http(args.null_http[0], int(args.null_http[1]), args.pacing)
         return
 
     from pdctl.redis_server import start_redis
@@ -368,9 +377,11 @@ def main() -> None:
     redis = start_redis(data_dir=tmp / "redis")
     fronts: dict[str, tuple[str, psutil.Process]] = {}
     result: dict[str, Any] = {"bench": "proxy", "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens,
-                              "seconds": args.seconds, "repeats": args.repeats, "cores": os.cpu_count()}
+                              "seconds": args.seconds, "repeats": args.repeats, "cores": os.cpu_count(),
+                              "pacing": args.pacing}
     try:
-        null = spawn([sys.executable, __file__, "--null-grpc", redis.url, "bench", "4096"], stdout=subprocess.PIPE)
+        null = spawn([sys.executable, __file__, "--null-grpc", redis.url, "bench", "4096", "--pacing", args.pacing],
+                     stdout=subprocess.PIPE)
         assert null.stdout is not None
         ports = json.loads(null.stdout.readline())
         for workers in args.workers:  # one proxy per worker count, all on the same null nodes
@@ -385,7 +396,7 @@ def main() -> None:
         if args.router:
             hp, hd, rp = free_port("127.0.0.1"), free_port("127.0.0.1"), free_port("127.0.0.1")
             for role, http_port in (("prefill", hp), ("decode", hd)):
-                spawn([sys.executable, __file__, "--null-http", role, str(http_port)])
+                spawn([sys.executable, __file__, "--null-http", role, str(http_port), "--pacing", args.pacing])
             for http_port in (hp, hd):
                 wait_http(f"http://127.0.0.1:{http_port}/health")
             router = spawn([args.router, "--host", "127.0.0.1", "--port", str(rp), "--vllm-pd-disaggregation",

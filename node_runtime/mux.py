@@ -43,38 +43,51 @@ class CallContext:
         raise CallAborted(code, details)
 
 
-def _status(request_id: str, code: grpc.StatusCode, details: str) -> pb.MuxReply:
-    return pb.MuxReply(request_id=request_id, status=pb.CallStatus(code=code.value[0], details=details))
+# A reply waiting to be written: (request id, which MuxReply field, its message). Replies are built
+# into the outgoing message only when it is written (one copy of each).
+Reply = tuple[str, str, Any]
 
 
-def merged(replies: list[pb.MuxReply]) -> list[pb.MuxReply]:
+def _status(request_id: str, code: grpc.StatusCode, details: str) -> Reply:
+    return request_id, "status", pb.CallStatus(code=code.value[0], details=details)
+
+
+def merged(replies: list[Reply]) -> list[Reply]:
     """``replies`` in order, each run of one request's token events (nothing of that request between
     them) merged into its first event."""
-    out: list[pb.MuxReply] = []
-    open_tokens: dict[str, pb.MuxReply] = {}  # request id -> its last reply here, an unfinished tokens event
+    out: list[Reply] = []
+    open_tokens: dict[str, pb.DecodeEvent] = {}  # request id -> its last reply here, an unfinished tokens event
     for r in replies:
-        rid = r.request_id
-        if r.WhichOneof("reply") == "event" and r.event.WhichOneof("event") == "tokens":
+        rid, kind, message = r
+        if kind == "event" and message.WhichOneof("event") == "tokens":
             prev = open_tokens.get(rid)
             if prev is not None:
-                prev.event.tokens.tokens.extend(r.event.tokens.tokens)
-                if r.event.tokens.finish_reason:
-                    prev.event.tokens.finish_reason = r.event.tokens.finish_reason
+                prev.tokens.tokens.extend(message.tokens.tokens)
+                if message.tokens.finish_reason:
+                    prev.tokens.finish_reason = message.tokens.finish_reason
                     del open_tokens[rid]
                 continue
-            if not r.event.tokens.finish_reason:
-                open_tokens[rid] = r
+            if not message.tokens.finish_reason:
+                open_tokens[rid] = message
         else:
             open_tokens.pop(rid, None)
         out.append(r)
     return out
 
 
+def _message(replies: list[Reply]) -> pb.MuxReplies:
+    message = pb.MuxReplies()
+    add = message.replies.add
+    for rid, kind, payload in merged(replies):
+        add(request_id=rid, **{kind: payload})
+    return message
+
+
 async def serve(calls: AsyncIterator[Any], handler: Callable[[Any, CallContext], Any],
                 streaming: bool) -> AsyncIterator[pb.MuxReplies]:
     """Run each call of the ``calls`` stream through ``handler`` (a unary handler returning the reply,
     or, ``streaming``, an async generator of decode events); yield their replies, batched."""
-    out: asyncio.Queue[pb.MuxReply | None] = asyncio.Queue()
+    out: asyncio.Queue[Reply | None] = asyncio.Queue()
     running: dict[str, asyncio.Task[None]] = {}
     context = CallContext()
 
@@ -83,11 +96,11 @@ async def serve(calls: AsyncIterator[Any], handler: Callable[[Any, CallContext],
         try:
             if streaming:
                 async for event in handler(call, context):
-                    out.put_nowait(pb.MuxReply(request_id=rid, event=event))
+                    out.put_nowait((rid, "event", event))
                 out.put_nowait(_status(rid, grpc.StatusCode.OK, ""))
             else:
                 reply = await handler(call, context)
-                out.put_nowait(pb.MuxReply(request_id=rid, prefill=reply))
+                out.put_nowait((rid, "prefill", reply))
         except CallAborted as e:
             out.put_nowait(_status(rid, e.code, e.details))
         except asyncio.CancelledError:
@@ -125,7 +138,7 @@ async def serve(calls: AsyncIterator[Any], handler: Callable[[Any, CallContext],
             end = batch[-1] is None
             replies = [r for r in batch if r is not None]
             if replies:
-                yield pb.MuxReplies(replies=merged(replies))
+                yield _message(replies)
             if end:
                 if not reader.cancelled() and reader.done() and reader.exception() is not None:
                     raise reader.exception()  # type: ignore[misc]

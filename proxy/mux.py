@@ -32,6 +32,21 @@ def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
     return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
 
 
+def _expire(future: asyncio.Future[Any]) -> None:
+    if not future.done():
+        future.set_exception(TimeoutError())
+
+
+async def _within(future: asyncio.Future[Any], timeout: float) -> Any:
+    """``await future``, raising ``TimeoutError`` after ``timeout`` seconds (one timer: cheaper than
+    ``asyncio.wait_for``, which this runs for every token read)."""
+    timer = asyncio.get_running_loop().call_later(timeout, _expire, future)
+    try:
+        return await future
+    finally:
+        timer.cancel()
+
+
 class _Waiter:
     """One call's end of a stream."""
 
@@ -141,7 +156,7 @@ async def prefill(stream: MuxStream, request: pb.PrefillRequest, timeout: float)
     future: asyncio.Future[pb.PrefillResponse] = asyncio.get_running_loop().create_future()
     stream.start(request, _PrefillWaiter(future))
     try:
-        return await asyncio.wait_for(future, timeout)
+        return await _within(future, timeout)
     except TimeoutError:
         stream.cancel(request.request_id)
         raise rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, f"no prefill answer in {timeout:g}s") from None
@@ -194,7 +209,7 @@ class DecodeCall(_Waiter):
         if not self._events and self._error is None:
             self._wake = asyncio.get_running_loop().create_future()
             try:
-                await asyncio.wait_for(self._wake, timeout)
+                await _within(self._wake, timeout)
             finally:
                 self._wake = None
         if self._events:

@@ -315,8 +315,8 @@ class Serving:
                 if include_usage:
                     buf.append(sse(fmt.usage_chunk(usage(prompt_tokens, completion_tokens))))
                 buf.append(sse("[DONE]"))
-                yield b"".join(buf)
                 self.metrics.e2e.labels(req.endpoint).observe(time.perf_counter() - req.arrival)
+                yield b"".join(buf)  # the stream's end: nothing runs after this yield (sse.EventStreamResponse)
                 return
         except GenerationError as e:
             # Headers are gone already: the error travels as an event, and the stream ends without [DONE].

@@ -19,6 +19,9 @@ from starlette.types import Receive, Scope, Send
 T = TypeVar("T")
 
 
+DONE = b"data: [DONE]\n\n"  # OpenAI's last event: the stream ends with it, the generator is not read on
+
+
 class ClientDisconnected(Exception):
     """The client closed the connection before the answer was ready."""
 
@@ -80,5 +83,8 @@ class EventStreamResponse(StreamingResponse):
     async def _produce(self, send: Send) -> None:
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
         async for event in self._events:
-            await send({"type": "http.response.body", "body": event, "more_body": True})
+            last = event.endswith(DONE)  # the body's end goes with the last event: one send less
+            await send({"type": "http.response.body", "body": event, "more_body": not last})
+            if last:
+                return
         await send({"type": "http.response.body", "body": b"", "more_body": False})

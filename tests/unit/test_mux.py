@@ -15,17 +15,17 @@ from node_runtime.mux import DecodeMux, PrefillMux, merged
 from proxy import mux
 
 
-def _tokens(rid: str, ids: list[int], finish: str = "") -> pb.MuxReply:
-    return pb.MuxReply(request_id=rid, event=pb.DecodeEvent(tokens=pb.Tokens(
-        tokens=[pb.Token(token_id=t) for t in ids], finish_reason=finish)))
+def _tokens(rid: str, ids: list[int], finish: str = "") -> tuple[str, str, pb.DecodeEvent]:
+    return rid, "event", pb.DecodeEvent(tokens=pb.Tokens(tokens=[pb.Token(token_id=t) for t in ids],
+                                                          finish_reason=finish))
 
 
 def test_merged_joins_a_requests_queued_tokens_only() -> None:
-    admitted = pb.MuxReply(request_id="a", event=pb.DecodeEvent(admitted=pb.Admitted()))
+    admitted = ("a", "event", pb.DecodeEvent(admitted=pb.Admitted()))
     out = merged([_tokens("a", [1]), _tokens("b", [7]), _tokens("a", [2, 3]), admitted, _tokens("a", [4]),
                   _tokens("a", [5], "length"), _tokens("a", [6]), _tokens("b", [8], "stop")])
-    got = [(r.request_id, r.WhichOneof("reply") == "event" and r.event.WhichOneof("event"),
-            [t.token_id for t in r.event.tokens.tokens], r.event.tokens.finish_reason) for r in out]
+    got = [(rid, event.WhichOneof("event"), [t.token_id for t in event.tokens.tokens], event.tokens.finish_reason)
+           for rid, _, event in out]
     assert got == [("a", "tokens", [1, 2, 3], ""), ("b", "tokens", [7, 8], "stop"), ("a", "admitted", [], ""),
                    ("a", "tokens", [4, 5], "length"), ("a", "tokens", [6], "")]
 
