@@ -58,7 +58,8 @@ def engine_args(config: NodeConfig, transfer_host: str, kv_events_endpoint: str 
         extra["lease_s"] = config.lease_s
     else:
         extra["transfer_timeout_s"] = config.transfer_timeout_s
-    if ec.torch_device().type == "cpu":
+    on_cpu = ec.torch_device().type == "cpu"
+    if on_cpu:
         envs.set_vllm_cpu_defaults()
     kv = {"kv_connector": CONNECTOR, "kv_connector_module_path": CONNECTOR_MODULE, "kv_role": ROLES[config.role],
           "kv_connector_extra_config": extra}
@@ -79,8 +80,16 @@ def engine_args(config: NodeConfig, transfer_host: str, kv_events_endpoint: str 
         logits_processors=[STRUCTURED_OUTPUT_PROCESSOR],  # vllm_backend.structured
         kv_events_config=None if kv_events_endpoint is None else KVEventsConfig(
             enable_kv_cache_events=True, publisher="zmq", endpoint=kv_events_endpoint),
+        attention_backend=cpu_attention_backend(ec.dtype) if on_cpu else None,
         disable_log_stats=True,
     )
+
+
+def cpu_attention_backend(dtype: str) -> str | None:
+    """vLLM's MLA backend on CPU for weights of ``dtype``. Where the processor has AMX, vLLM picks its AMX
+    kernels, which take 16-bit weights only (float32 fails at load: "expect weight to be bfloat16,
+    float16, ..."); other dtypes get its reference CPU backend. None: vLLM's own choice."""
+    return None if dtype in ("bfloat16", "float16", "half") else "CPU_MLA"
 
 
 def place_devices(device: str, n: int, gpus: list[int] | None = None) -> None:

@@ -36,7 +36,8 @@ def _server(model: Path, port: int, role: str, log: Path) -> subprocess.Popen:
     argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
             "--host", "127.0.0.1", "--port", str(port), "--served-model-name", "tiny", "--dtype", "float32",
             "--max-model-len", "256", "--enforce-eager", "--block-size", "16", "--no-enable-prefix-caching",
-            "--kv-cache-memory-bytes", str(64 << 20), "--kv-transfer-config", json.dumps(kv)]
+            "--kv-cache-memory-bytes", str(64 << 20), "--attention-backend", "CPU_MLA",  # float32: not AMX's
+            "--kv-transfer-config", json.dumps(kv)]
     return subprocess.Popen(argv, stdout=log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True)
 
 

@@ -14,7 +14,8 @@ PROMPTS = [
 ]
 MAX_TOKENS = 16
 ENGINE = dict(dtype="float32", max_model_len=256, enforce_eager=True, block_size=16, max_num_seqs=8,
-              enable_prefix_caching=False, kv_cache_memory_bytes=64 << 20)
+              enable_prefix_caching=False, kv_cache_memory_bytes=64 << 20,
+              attention_backend="CPU_MLA")  # float32: not the AMX kernels (vllm_backend.engine.cpu_attention_backend)
 
 
 def free_port() -> int:
