@@ -7,8 +7,9 @@ runs the same ``Replica`` (engine loop, KV pulls through its own transport, conf
 prefill node) as the threaded mode does.
 
 Pipe protocol (pickled; ``engine.parallel.rank_group``): the node sends ``StartJob``, ``AbortJob``,
-``AbortJobs`` and ``Stop``; a replica sends ``ReplicaUp`` once its engine is ready, then ``JobEvent``
-(an item of a request's event stream: a ``DecodeEvent``, an exception, or None at the end),
+``AbortJobs`` and ``Stop``; a replica sends ``ReplicaUp`` once its engine is ready, then ``JobEvents``
+(what one iteration of its engine loop emitted, ``decode_node.outbox``: items of requests' event
+streams, each a ``DecodeEvent``, an exception, or None at the end),
 ``LoadReport`` when its load or transfer totals change (or its prefix cache does: its KV events),
 and ``ReplicaFailed`` if its engine fails.
 """
@@ -20,13 +21,13 @@ import logging
 import pickle
 import threading
 import time
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from cluster.nodes import ReplicaLoad
 from cluster.proto_gen import pdcluster_v1_pb2 as pb
+from decode_node.outbox import Item, to_loops
 from engine.engine_config import EngineConfig
 from engine.parallel.rank_group import RankContext, RankFailure, RankGroup
 from engine.parallel.rank_messages import Stop
@@ -71,9 +72,8 @@ class ReplicaUp:
 
 
 @dataclass(frozen=True)
-class JobEvent:
-    request_id: str
-    item: Any  # a pb.DecodeEvent (serialized), an exception, or None (the stream's end)
+class JobEvents:
+    items: list[tuple[str, Any]]  # (request id, a pb.DecodeEvent serialized, an exception, or None: the end)
 
 
 @dataclass(frozen=True)
@@ -110,8 +110,10 @@ class _Link:
             try:
                 self.conn.send(msg)
             except (pickle.PickleError, TypeError, AttributeError, ValueError) as e:  # an item that does not pickle
-                if isinstance(msg, JobEvent):
-                    self.conn.send(JobEvent(msg.request_id, RuntimeError(f"{type(msg.item).__name__}: {msg.item}")))
+                if isinstance(msg, JobEvents):  # an exception that does not: its text instead
+                    self.conn.send(JobEvents([(rid, item if item is None or isinstance(item, bytes)
+                                               else RuntimeError(f"{type(item).__name__}: {item}"))
+                                              for rid, item in msg.items]))
                 else:
                     raise RuntimeError(f"cannot send {type(msg).__name__} to the node: {e}") from e
 
@@ -128,11 +130,11 @@ class _ProcessWorker:
     def fail(self, why: str) -> None:
         self.link.send(ReplicaFailed(why))
 
-
-def _sink(link: _Link, request_id: str) -> Callable[[Any], None]:
-    # protobuf messages travel serialized (the generated classes do not pickle by module path)
-    return lambda item: link.send(JobEvent(request_id, item.SerializeToString() if isinstance(item, pb.DecodeEvent)
-                                           else item))
+    def deliver(self, items: list[Item]) -> None:
+        """An engine-loop iteration's events: one message to the node. Protobuf messages travel
+        serialized (the generated classes do not pickle by module path)."""
+        self.link.send(JobEvents([(job.request_id, item.SerializeToString() if isinstance(item, pb.DecodeEvent)
+                                   else item) for job, item in items]))
 
 
 def serve_replica(ctx: RankContext) -> None:
@@ -158,8 +160,7 @@ def serve_replica(ctx: RankContext) -> None:
                 match msg:
                     case StartJob():
                         job = DecodeJob(msg.request_id, msg.prompt, msg.params, pb.Token.FromString(msg.first),
-                                        msg.source, None, None, t_submit=msg.t_submit,
-                                        sink=_sink(link, msg.request_id))
+                                        msg.source, None, None, t_submit=msg.t_submit)
                         replica.send(StartMsg(job))
                     case AbortJob(rid):
                         replica.send(Abort(rid))
@@ -274,17 +275,20 @@ class ReplicaProcesses:
     def _dispatch(self, d: int, msg: object) -> None:
         replica = self.replicas[d]
         match msg:
-            case JobEvent(rid, item):
+            case JobEvents(items):
+                out: list[Item] = []
                 with self.lock:
-                    job = replica.jobs.get(rid)
-                    if job is not None and (item is None or isinstance(item, BaseException)):
-                        del replica.jobs[rid]
-                if job is None:
-                    return
-                if isinstance(item, bytes):
-                    item = pb.DecodeEvent.FromString(item)
-                    job.admitted = job.admitted or item.HasField("admitted")
-                job.emit(item)
+                    for rid, item in items:
+                        job = replica.jobs.get(rid)
+                        if job is None:
+                            continue
+                        if item is None or isinstance(item, BaseException):
+                            del replica.jobs[rid]
+                        elif isinstance(item, bytes):
+                            item = pb.DecodeEvent.FromString(item)
+                            job.admitted = job.admitted or item.HasField("admitted")
+                        out.append((job, item))
+                to_loops(out)
             case LoadReport(load, transfers, (stored, removed)):
                 replica.load = load
                 replica.transfers = transfers

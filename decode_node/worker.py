@@ -37,6 +37,7 @@ from cluster.config import NodeConfig
 from cluster.nodes import ReplicaLoad
 from cluster.proto_gen import pdcluster_v1_pb2 as pb
 from cluster.wire import token_pb
+from decode_node.outbox import Item, Outbox, to_loops
 from decode_node.replica_process import RemoteReplica, ReplicaProcesses
 from engine.config import ModelConfig
 from engine.engine_config import EngineConfig
@@ -71,12 +72,9 @@ class DecodeJob:
     cancelled: bool = False
     replica: int = -1
     t_submit: float = field(default_factory=time.monotonic)
-    sink: Callable[[Any], None] | None = None  # in a replica process: to the node, instead of loop/events
 
     def emit(self, item: Any) -> None:
-        if self.sink is not None:
-            self.sink(item)
-            return
+        """One event, from any thread (the engine thread buffers its events: ``Replica.outbox``)."""
         assert self.loop is not None and self.events is not None
         self.loop.call_soon_threadsafe(self.events.put_nowait, item)
 
@@ -119,6 +117,7 @@ class Replica(EngineLoop):
         self.timeout_s = timeout_s
         self.pool = pool
         self.worker = worker
+        self.outbox = Outbox(worker.deliver)  # the requests' events, handed over once per loop iteration
         self.jobs: dict[str, DecodeJob] = {}  # transferring or running
         self.quarantine: list[tuple[float, str]] = []  # (free after, request id)
         self.load = ReplicaLoad(dp_rank=index, free_blocks=self.engine.scheduler.allocator.num_free)
@@ -151,8 +150,12 @@ class Replica(EngineLoop):
     def on_failure(self, error: BaseException) -> None:
         self.worker.fail(f"replica {self.index}: {type(error).__name__}: {error}")
         for job in self.jobs.values():
-            job.emit(RuntimeError("the decode engine failed"))
+            self.outbox.put(job, RuntimeError("the decode engine failed"))
         self.jobs.clear()
+        self.outbox.flush()
+
+    def flush(self) -> None:
+        self.outbox.flush()
 
     def _start(self, job: DecodeJob) -> None:
         source = job.source
@@ -162,7 +165,7 @@ class Replica(EngineLoop):
         try:
             job.seq = self.engine.begin_prefilled(job.prompt, job.params, request_id=job.request_id)
         except (ValueError, TypeError, MemoryError) as e:
-            job.emit(e)
+            self.outbox.put(job, e)
             return
         job.replica = self.index
         self.jobs[job.request_id] = job
@@ -189,13 +192,13 @@ class Replica(EngineLoop):
         try:
             job.seq = self.engine.add_request(job.prompt, job.params, request_id=job.request_id)
         except (ValueError, TypeError, MemoryError) as e:
-            job.emit(e)
+            self.outbox.put(job, e)
             return
         job.replica = self.index
         job.sent = 0
         job.admitted = True
         self.jobs[job.request_id] = job
-        job.emit(pb.DecodeEvent(admitted=pb.Admitted(dp_rank=self.index)))
+        self.outbox.put(job, pb.DecodeEvent(admitted=pb.Admitted(dp_rank=self.index)))
 
     def _admit(self, job: DecodeJob, table: list[int] | None, error: BaseException | None) -> None:
         rid = job.request_id
@@ -205,7 +208,7 @@ class Replica(EngineLoop):
                 self.quarantine.append((time.monotonic() + self.timeout_s, rid))  # late bytes may land
             else:
                 self.engine.abort(rid)
-            job.emit(error if error is not None else RuntimeError(f"request {rid} aborted"))
+            self.outbox.put(job, error if error is not None else RuntimeError(f"request {rid} aborted"))
             return
         assert table is not None and job.seq is not None
         rec = self.receiver.stats.last(rid)
@@ -216,10 +219,10 @@ class Replica(EngineLoop):
         except (ValueError, KeyError) as e:
             self.jobs.pop(rid, None)
             self.engine.abort(rid)
-            job.emit(e)
+            self.outbox.put(job, e)
             return
         job.admitted = True
-        job.emit(pb.DecodeEvent(admitted=pb.Admitted(
+        self.outbox.put(job, pb.DecodeEvent(admitted=pb.Admitted(
             dp_rank=self.index, transfer_bytes=rec.bytes if rec else 0, transfer_s=rec.seconds if rec else 0.0,
             cached_tokens=job.seq.prefix_hit_blocks * self.engine.config.block_size)))
         if done:
@@ -239,15 +242,16 @@ class Replica(EngineLoop):
                 if seq.is_finished:
                     self._finish(job, toks)
                 else:
-                    job.emit(pb.DecodeEvent(tokens=pb.Tokens(tokens=toks)))
+                    self.outbox.put(job, pb.DecodeEvent(tokens=pb.Tokens(tokens=toks)))
             elif seq.is_finished:
                 self._finish(job)
 
     def _finish(self, job: DecodeJob, toks: list[pb.Token] | None = None) -> None:
         assert job.seq is not None
         self.jobs.pop(job.request_id, None)
-        job.emit(pb.DecodeEvent(tokens=pb.Tokens(tokens=toks or [], finish_reason=job.seq.finish_reason or "stop")))
-        job.emit(None)
+        finish = job.seq.finish_reason or "stop"
+        self.outbox.put(job, pb.DecodeEvent(tokens=pb.Tokens(tokens=toks or [], finish_reason=finish)))
+        self.outbox.put(job, None)
 
     def _abort(self, rid: str, why: BaseException | None = None) -> None:
         job = self.jobs.get(rid)
@@ -258,7 +262,7 @@ class Replica(EngineLoop):
             return
         self.jobs.pop(rid, None)
         self.engine.abort(rid)
-        job.emit(why or RuntimeError(f"request {rid} aborted"))
+        self.outbox.put(job, why or RuntimeError(f"request {rid} aborted"))
 
     def _free_quarantined(self) -> None:
         now = time.monotonic()
@@ -352,6 +356,10 @@ class DecodeWorker:
     def fail(self, why: str) -> None:
         self.failure = why
         self.failed.set()
+
+    def deliver(self, items: list[Item]) -> None:
+        """A replica thread's events: onto the requests' event loops."""
+        to_loops(items)
 
     def load(self) -> list[ReplicaLoad]:
         return [r.load for r in self.replicas]

@@ -6,7 +6,8 @@ iteration of the loop:
 
 1. ``handle`` every message in the inbox;
 2. ``step``: housekeeping (lease expiry, quarantine) and one engine step where there is work;
-   returns how many tokens were scheduled;
+   returns how many tokens were scheduled; after the messages and after the step, ``flush`` hands
+   over what they buffered for the requests' streams (one wake-up for all of them);
 3. ``publish`` the load the heartbeat reads;
 4. run the ``answer`` callbacks queued meanwhile, so an answer is never seen before the load it
    changed;
@@ -75,19 +76,27 @@ class EngineLoop:
     def publish(self) -> None:
         raise NotImplementedError
 
+    def flush(self) -> None:
+        """Hand over the events ``handle`` and ``step`` buffered (by default nothing is buffered)."""
+
     def on_failure(self, error: BaseException) -> None:
         raise NotImplementedError
 
     def _run(self) -> None:
         try:
             while not self._stopping:
+                handled = False
                 while True:
                     try:
                         message = self._inbox.get_nowait()
                     except queue.Empty:
                         break
                     self.handle(message)
+                    handled = True
+                if handled:
+                    self.flush()
                 scheduled = self.step()
+                self.flush()
                 self.publish()
                 answers, self._answers = self._answers, []
                 for answer in answers:
