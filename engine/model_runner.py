@@ -49,7 +49,7 @@ def build_batch(scheduled: list[Scheduled], block_size: int, device: torch.devic
     for s in scheduled:
         seq, n = s.seq, s.num_new
         start = seq.num_computed
-        ids.extend(seq.token_ids[start : start + n])
+        ids.extend(seq.tokens(start, start + n))
         positions.extend(range(start, start + n))
         table = torch.tensor(seq.block_ids, dtype=torch.long)
         slots.append(slots_for(table, start, start + n, block_size))
@@ -91,7 +91,7 @@ class ModelRunner:
         """One forward step -> per scheduled request its logits (None if it needs none this step)."""
         if self.graphs is not None and self.model.decode_form == "absorbed" and scheduled and all(
                 s.num_new == 1 and logits_span(s) == (0, 1) for s in scheduled):
-            ids = [s.seq.token_ids[s.seq.num_computed] for s in scheduled]
+            ids = [s.seq.token_at(s.seq.num_computed) for s in scheduled]
             positions = [s.seq.num_computed for s in scheduled]
             tables = [s.seq.block_ids for s in scheduled]
             if self.graphs.fits(ids, positions, tables):

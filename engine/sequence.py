@@ -56,6 +56,11 @@ class Sequence:
     def token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
+    def token_at(self, i: int) -> int:
+        """``token_ids[i]`` without building the whole list."""
+        n = len(self.prompt_token_ids)
+        return self.prompt_token_ids[i] if i < n else self.output_token_ids[i - n]
+
     def tokens(self, start: int, end: int) -> list[int]:
         """``token_ids[start:end]`` without building the whole list."""
         n = len(self.prompt_token_ids)
