@@ -18,8 +18,9 @@ The runs interleave (repetition, then front end, then concurrency) and each figu
 repetitions. Reported per front end and concurrency: req/s, e2e / TTFT / ITL p50 and p99, the front
 end's CPU time per request and its share of one core, and RSS; at concurrency 1 also the latency it
 adds over calling the two null legs directly (the same client code, no front end). Everything runs on
-this machine's cores (the client, the null engines and the front end). The last line is one JSON
-object. Without vllm-router installed only our proxy is measured (the JSON says so).
+this machine's cores (the client, the null engines and the front end). Both front ends log at warning
+level (no line per request: uvicorn's access log alone was 10% of our proxy's CPU per request). The
+last line is one JSON object. Without vllm-router installed only our proxy is measured (the JSON says so).
 """
 
 from __future__ import annotations
@@ -389,7 +390,7 @@ def main() -> None:
             name = "pdcluster" if workers == 1 else f"pdcluster-w{workers}"
             proxy = spawn([sys.executable, "-m", "proxy", "--model", str(model), "--port", str(port),
                            "--registry-url", redis.url, "--cluster", "bench", "--workers", str(workers),
-                           *args.proxy_args.split()],
+                           "--log-level", "warning", *args.proxy_args.split()],  # as vllm-router's, below
                           stdout=subprocess.DEVNULL, stderr=open(tmp / f"{name}.log", "wb"))  # noqa: SIM115
             wait_http(f"http://127.0.0.1:{port}/health")
             fronts[name] = (f"http://127.0.0.1:{port}/v1/completions", psutil.Process(proxy.pid))

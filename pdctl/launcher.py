@@ -148,6 +148,8 @@ def proxy_command(topology: Topology, registry_url: str, port: int, python: str 
         argv += ["--no-local-prefill-fallback"]
     if proxy.workers != 1:
         argv += ["--workers", str(proxy.workers)]
+    if not proxy.access_log:
+        argv += ["--no-access-log"]
     for flag, value in (("--token-timeout-s", proxy.token_timeout_s), ("--prefill-timeout-s", proxy.prefill_timeout_s)):
         if value is not None:
             argv += [flag, str(value)]

@@ -170,9 +170,12 @@ class ProxySpec:
     workers: int = 1  # HTTP worker processes sharing the port (0: one per CPU core)
     token_timeout_s: float | None = None  # the proxy's own defaults when None (60 s, 300 s)
     prefill_timeout_s: float | None = None
+    access_log: bool = True  # uvicorn's line per HTTP request, at info level
 
     def __post_init__(self) -> None:
         _port(self, "port")
+        if not isinstance(self.access_log, bool):
+            raise ValueError(f"proxy.access_log must be true or false, got {self.access_log!r}")
         if not isinstance(self.workers, int) or self.workers < 0:
             raise ValueError(f"proxy.workers must be an int >= 0, got {self.workers!r}")
         for name in ("token_timeout_s", "prefill_timeout_s"):

@@ -139,7 +139,8 @@ def main(argv: list[str] | None = None) -> None:
         except (ValueError, OSError) as e:
             raise SystemExit(f"error: cannot load the model at {config.model}: {e}") from None
         log.info("serving %s on %s", app.state.proxy.model_name, where)
-        uvicorn.run(app, host=config.host, port=config.port, log_level=log_level, timeout_graceful_shutdown=5)
+        uvicorn.run(app, host=config.host, port=config.port, log_level=log_level, timeout_graceful_shutdown=5,
+                    access_log=config.access_log)
         return
     from uvicorn.config import STARTUP_FAILURE
     from uvicorn.supervisors import Multiprocess
@@ -152,7 +153,8 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory(prefix="pdcluster-proxy-metrics-") as metrics_dir:
         os.environ[MULTIPROC_DIR] = metrics_dir
         server = uvicorn.Config("proxy.__main__:worker_app", factory=True, host=config.host, port=config.port,
-                                workers=workers, log_level=log_level, timeout_graceful_shutdown=5)
+                                workers=workers, log_level=log_level, timeout_graceful_shutdown=5,
+                                access_log=config.access_log)
         log.info("serving with %d workers on %s", workers, where)
         supervisor = Multiprocess(server, sockets=[server.bind_socket()])
         supervisor.run()

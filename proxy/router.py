@@ -400,7 +400,7 @@ def _kind(kind: tuple[str, str]) -> str:
 
 
 def _with_reason(c: C, reason: str) -> C:
-    return type(c)(**{**asdict(c), "reason": reason})
+    return replace(c, reason=reason)
 
 
 def _no_route_message(role: str, candidates: Sequence[PrefillCandidate | DecodeCandidate]) -> str:

@@ -53,8 +53,10 @@ def registered_fakes(tiny_model: Path) -> Iterator[tuple[str, FakePrefill, FakeD
 
 
 @contextmanager
-def running_proxy(tiny_model: Path, redis_url: str, *extra: str) -> Iterator[tuple[str, subprocess.Popen]]:
-    """``python -m proxy`` on a free port, healthy; stopped with SIGTERM as a process manager would."""
+def running_proxy(tiny_model: Path, redis_url: str, *extra: str,
+                  log: Path | None = None) -> Iterator[tuple[str, subprocess.Popen]]:
+    """``python -m proxy`` on a free port, healthy; stopped with SIGTERM as a process manager would.
+    ``log``: where its output goes (default: the test's)."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     proc = subprocess.Popen(
@@ -62,6 +64,7 @@ def running_proxy(tiny_model: Path, redis_url: str, *extra: str) -> Iterator[tup
          "--port", str(port), "--registry-url", redis_url, "--cluster", "proxytest", "--admin-key", ADMIN_KEY,
          "--refresh-s", "0.2", "--log-level", "warning", *extra],
         cwd=Path(__file__).parents[2], env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        stdout=None if log is None else log.open("ab"), stderr=None if log is None else subprocess.STDOUT,
     )
     try:
         assert wait_until(lambda: _healthy(url), 60), "the proxy never became healthy"
@@ -101,6 +104,17 @@ def test_main_serves_from_the_registry(tiny_model: Path, registered_fakes: tuple
         assert admin.post("/admin/nodes/p0/undrain").status_code == 200
         assert wait_until(lambda: _healthy(url), 5)
         admin.close()
+
+
+def test_access_log_is_on_at_info_and_can_be_turned_off(
+        tiny_model: Path, registered_fakes: tuple[str, FakePrefill, FakeDecode], tmp_path: Path) -> None:
+    redis_url, _, _ = registered_fakes
+    for flags, expected in (((), True), (("--no-access-log",), False)):
+        log = tmp_path / f"proxy{len(flags)}.log"
+        with running_proxy(tiny_model, redis_url, "--log-level", "info", *flags, log=log) as (url, _):
+            r = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 5}, timeout=30)
+            assert r.status_code == 200
+        assert ('"POST /v1/completions HTTP/1.1" 200' in log.read_text()) is expected, log.read_text()[-2000:]
 
 
 def test_several_workers_share_the_port_the_metrics_and_the_drain_flags(
