@@ -12,7 +12,10 @@ nodes register) behind ``python -m proxy``; for vllm-router (``pip install vllm-
 request is a streamed ``/v1/completions`` of a ``--prompt-tokens`` token-id prompt for
 ``--max-tokens`` tokens from a closed-loop aiohttp client at each concurrency. Both null decode
 engines make one token per turn of their event loop (``--pacing turn``), so each token reaches the
-front end on its own as a real engine's do, however fast the front end reads; ``--pacing burst``
+front end on its own as a real engine's do, however fast the front end reads; ``--pacing step`` has
+them make one token for every stream per decode step of ``--step-ms`` (one clock per engine, as a
+real engine's batch steps: the front end then sees what it sees in service, one token per stream per
+step, and has to keep up with many streams at once); ``--pacing burst``
 has both write every token at once.
 The runs interleave (repetition, then front end, then concurrency) and each figure is the median over
 repetitions. Reported per front end and concurrency: req/s, e2e / TTFT / ITL p50 and p99, the front
@@ -55,7 +58,32 @@ MODEL = "tiny"
 
 
 # -- null engines ------------------------------------------------------------------------------------
-def serve_null_grpc(redis_url: str, cluster: str, max_model_len: int, pacing: str) -> None:
+class Pacer:
+    """When a null engine makes its next token: at once (burst), after one turn of the event loop
+    (turn), or at the next step of the engine's one clock (step: every ``step_s``, for all streams)."""
+
+    def __init__(self, pacing: str, step_s: float) -> None:
+        self.pacing = pacing
+        self.step_s = step_s
+        self._tick: asyncio.Future[None] | None = None
+
+    async def next(self) -> None:
+        if self.pacing == "turn":
+            await asyncio.sleep(0)
+        elif self.pacing == "step":
+            if self._tick is None:
+                loop = asyncio.get_running_loop()
+                self._tick = loop.create_future()
+                loop.call_later(self.step_s, self._fire)
+            await asyncio.shield(self._tick)  # every stream waits on the same step
+
+    def _fire(self) -> None:
+        tick, self._tick = self._tick, None
+        if tick is not None:
+            tick.set_result(None)
+
+
+def serve_null_grpc(redis_url: str, cluster: str, max_model_len: int, pacer: Pacer) -> None:
     """A null prefill and a null decode node in this process, registered like real nodes."""
     import grpc
 
@@ -89,8 +117,7 @@ def serve_null_grpc(redis_url: str, cluster: str, max_model_len: int, pacing: st
                 events.put_nowait(pb.DecodeEvent(admitted=pb.Admitted(dp_rank=0)))
                 n = request.sampling.max_tokens
                 for i in range(1, n):
-                    if pacing == "turn":
-                        await asyncio.sleep(0)
+                    await pacer.next()
                     events.put_nowait(pb.DecodeEvent(tokens=pb.Tokens(
                         tokens=[pb.Token(token_id=300 + i % 200, logprob=-0.1)],
                         finish_reason="length" if i == n - 1 else "")))
@@ -131,7 +158,7 @@ def serve_null_grpc(redis_url: str, cluster: str, max_model_len: int, pacing: st
     asyncio.run(main())
 
 
-def serve_null_http(role: str, port: int, pacing: str) -> None:
+def serve_null_http(role: str, port: int, pacer: Pacer) -> None:
     """A null vLLM OpenAI server: prefill answers one token with kv_transfer_params, decode streams."""
     from aiohttp import web
 
@@ -150,8 +177,8 @@ def serve_null_http(role: str, port: int, pacing: str) -> None:
         await resp.prepare(request)
         n = int(body.get("max_tokens", 16))
         for i in range(n):
-            if i and pacing == "turn":
-                await asyncio.sleep(0)
+            if i:
+                await pacer.next()
             chunk = {"id": "cmpl-null", "object": "text_completion", "model": MODEL,
                      "choices": [{"index": 0, "text": f" t{i}", "finish_reason": "length" if i == n - 1 else None}]}
             await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
@@ -349,17 +376,19 @@ def main() -> None:
     ap.add_argument("--workers", type=int, nargs="+", default=[1],
                     help="our proxy with each of these worker counts (one front end each)")
     ap.add_argument("--proxy-args", default="", help="extra flags for python -m proxy")
-    ap.add_argument("--pacing", choices=("turn", "burst"), default="turn",
+    ap.add_argument("--step-ms", type=float, default=5.0, help="--pacing step: the null engines' decode step")
+    ap.add_argument("--pacing", choices=("turn", "step", "burst"), default="turn",
                     help="both null decode engines make one token per turn of their event loop (turn: each "
                          "token reaches the front end on its own, as a real engine's do), or all at once (burst)")
     ap.add_argument("--null-grpc", nargs=3, metavar=("REDIS", "CLUSTER", "LEN"), help=argparse.SUPPRESS)
     ap.add_argument("--null-http", nargs=2, metavar=("ROLE", "PORT"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.null_grpc:
-        serve_null_grpc(args.null_grpc[0], args.null_grpc[1], int(args.null_grpc[2]), args.pacing)
+        serve_null_grpc(args.null_grpc[0], args.null_grpc[1], int(args.null_grpc[2]),
+                        Pacer(args.pacing, args.step_ms / 1000))
         return
     if args.null_http:
-        serve_null_http(args.null_http[0], int(args.null_http[1]), args.pacing)
+        serve_null_http(args.null_http[0], int(args.null_http[1]), Pacer(args.pacing, args.step_ms / 1000))
         return
 
     from pdctl.redis_server import start_redis
@@ -379,9 +408,10 @@ def main() -> None:
     fronts: dict[str, tuple[str, psutil.Process]] = {}
     result: dict[str, Any] = {"bench": "proxy", "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens,
                               "seconds": args.seconds, "repeats": args.repeats, "cores": os.cpu_count(),
-                              "pacing": args.pacing}
+                              "pacing": args.pacing, "step_ms": args.step_ms if args.pacing == "step" else None}
     try:
-        null = spawn([sys.executable, __file__, "--null-grpc", redis.url, "bench", "4096", "--pacing", args.pacing],
+        null = spawn([sys.executable, __file__, "--null-grpc", redis.url, "bench", "4096", "--pacing", args.pacing,
+                      "--step-ms", str(args.step_ms)],
                      stdout=subprocess.PIPE)
         assert null.stdout is not None
         ports = json.loads(null.stdout.readline())
@@ -397,7 +427,8 @@ def main() -> None:
         if args.router:
             hp, hd, rp = free_port("127.0.0.1"), free_port("127.0.0.1"), free_port("127.0.0.1")
             for role, http_port in (("prefill", hp), ("decode", hd)):
-                spawn([sys.executable, __file__, "--null-http", role, str(http_port), "--pacing", args.pacing])
+                spawn([sys.executable, __file__, "--null-http", role, str(http_port), "--pacing", args.pacing,
+                       "--step-ms", str(args.step_ms)])
             for http_port in (hp, hd):
                 wait_http(f"http://127.0.0.1:{http_port}/health")
             router = spawn([args.router, "--host", "127.0.0.1", "--port", str(rp), "--vllm-pd-disaggregation",
