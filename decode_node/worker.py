@@ -72,6 +72,10 @@ class DecodeJob:
     cancelled: bool = False
     replica: int = -1
     t_submit: float = field(default_factory=time.monotonic)
+    # admission's phases (time.monotonic): the engine thread took it, the pull ended, the prefill node confirmed
+    t_started: float = 0.0
+    t_pulled: float = 0.0
+    t_confirmed: float = 0.0
 
     def emit(self, item: Any) -> None:
         """One event, from any thread (the engine thread buffers its events: ``Replica.outbox``)."""
@@ -168,6 +172,7 @@ class Replica(EngineLoop):
             self.outbox.put(job, e)
             return
         job.replica = self.index
+        job.t_started = time.monotonic()
         self.jobs[job.request_id] = job
         hit = job.seq.prefix_hit_blocks  # cached here already (prefix caching): not pulled
         have, blocks = job.seq.block_ids[:hit], job.seq.block_ids[hit:]
@@ -177,7 +182,10 @@ class Replica(EngineLoop):
                 # The prefill node frees the blocks when its lease runs out, even mid-pull.
                 limit = self.receiver.limit(source.lease_s, job.t_submit)
                 table = have + self.receiver.fill(job.request_id, source.request, source.layouts, limit)(blocks)
-                if not self.worker.confirm(source.prefill_address, job.request_id):
+                job.t_pulled = time.monotonic()
+                confirmed = self.worker.confirm(source.prefill_address, job.request_id)
+                job.t_confirmed = time.monotonic()
+                if not confirmed:
                     raise KVLost(f"{source.prefill_node_id} no longer held the KV of {job.request_id} "
                                  "(lease expired or aborted during the pull)")
                 self.send(Pulled(job, table, None))
@@ -222,6 +230,11 @@ class Replica(EngineLoop):
             self.outbox.put(job, e)
             return
         job.admitted = True
+        if log.isEnabledFor(logging.DEBUG):
+            ms = [1000 * (b - a) for a, b in ((job.t_submit, job.t_started), (job.t_started, job.t_pulled),
+                                               (job.t_pulled, job.t_confirmed), (job.t_confirmed, time.monotonic()))]
+            log.debug("admitted %s after %.1f ms: to the engine thread %.1f, pull %.1f, confirm %.1f, to admission "
+                      "%.1f", rid, sum(ms), *ms)
         self.outbox.put(job, pb.DecodeEvent(admitted=pb.Admitted(
             dp_rank=self.index, transfer_bytes=rec.bytes if rec else 0, transfer_s=rec.seconds if rec else 0.0,
             cached_tokens=job.seq.prefix_hit_blocks * self.engine.config.block_size)))
