@@ -379,7 +379,8 @@ def main() -> None:
     ap.add_argument("--step-ms", type=float, default=5.0, help="--pacing step: the null engines' decode step")
     ap.add_argument("--pacing", choices=("turn", "step", "burst"), default="turn",
                     help="both null decode engines make one token per turn of their event loop (turn: each "
-                         "token reaches the front end on its own, as a real engine's do), or all at once (burst)")
+                         "token reaches the front end on its own, as a real engine's do), one per stream per "
+                         "--step-ms step of one clock (step: as a real engine's batch steps), or all at once (burst)")
     ap.add_argument("--null-grpc", nargs=3, metavar=("REDIS", "CLUSTER", "LEN"), help=argparse.SUPPRESS)
     ap.add_argument("--null-http", nargs=2, metavar=("ROLE", "PORT"), help=argparse.SUPPRESS)
     args = ap.parse_args()

@@ -111,11 +111,21 @@ class _Link:
                 self.conn.send(msg)
             except (pickle.PickleError, TypeError, AttributeError, ValueError) as e:  # an item that does not pickle
                 if isinstance(msg, JobEvents):  # an exception that does not: its text instead
-                    self.conn.send(JobEvents([(rid, item if item is None or isinstance(item, bytes)
+                    self.conn.send(JobEvents([(rid, item if _pickles(item)
                                                else RuntimeError(f"{type(item).__name__}: {item}"))
                                               for rid, item in msg.items]))
                 else:
                     raise RuntimeError(f"cannot send {type(msg).__name__} to the node: {e}") from e
+
+
+def _pickles(item: object) -> bool:
+    if item is None or isinstance(item, bytes):
+        return True
+    try:
+        pickle.dumps(item)
+        return True
+    except Exception:
+        return False
 
 
 class _ProcessWorker:
@@ -184,6 +194,17 @@ def serve_replica(ctx: RankContext) -> None:
 
 
 # -- the node's side -------------------------------------------------------------------------------
+def _parse(item: Any) -> Any:
+    """A ``JobEvents`` item as the stream takes it: a ``DecodeEvent`` (or the exception it could not
+    be parsed into), an exception, or None."""
+    if not isinstance(item, bytes):
+        return item
+    try:
+        return pb.DecodeEvent.FromString(item)
+    except Exception as e:
+        return RuntimeError(f"a decode event did not parse: {e}")
+
+
 class RemoteReplica:
     """A replica process as the node sees it: its jobs, its last reported load, and ``send``."""
 
@@ -276,16 +297,17 @@ class ReplicaProcesses:
         replica = self.replicas[d]
         match msg:
             case JobEvents(items):
+                # parsed before the jobs table changes: a message that does not parse fails only its stream
+                parsed = [(rid, _parse(item)) for rid, item in items]
                 out: list[Item] = []
                 with self.lock:
-                    for rid, item in items:
+                    for rid, item in parsed:
                         job = replica.jobs.get(rid)
                         if job is None:
                             continue
                         if item is None or isinstance(item, BaseException):
                             del replica.jobs[rid]
-                        elif isinstance(item, bytes):
-                            item = pb.DecodeEvent.FromString(item)
+                        else:
                             job.admitted = job.admitted or item.HasField("admitted")
                         out.append((job, item))
                 to_loops(out)

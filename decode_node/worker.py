@@ -152,6 +152,10 @@ class Replica(EngineLoop):
         return scheduled
 
     def on_failure(self, error: BaseException) -> None:
+        try:  # what the iteration emitted before it failed goes first: finished requests keep their ends
+            self.outbox.flush()
+        except Exception:
+            log.exception("replica %d: events emitted before the failure were lost", self.index)
         self.worker.fail(f"replica {self.index}: {type(error).__name__}: {error}")
         for job in self.jobs.values():
             self.outbox.put(job, RuntimeError("the decode engine failed"))

@@ -14,10 +14,12 @@ the node's in-flight requests may need (prompt + max_tokens), not vLLM's own cou
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import math
 import os
 import threading
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -80,7 +82,7 @@ def engine_args(config: NodeConfig, transfer_host: str, kv_events_endpoint: str 
         logits_processors=[STRUCTURED_OUTPUT_PROCESSOR],  # vllm_backend.structured
         kv_events_config=None if kv_events_endpoint is None else KVEventsConfig(
             enable_kv_cache_events=True, publisher="zmq", endpoint=kv_events_endpoint),
-        attention_backend=cpu_attention_backend(ec.dtype) if on_cpu else None,
+        attention_backend=cpu_attention_backend(_weights_dtype(ec.dtype, ec.model)) if on_cpu else None,
         disable_log_stats=True,
     )
 
@@ -89,7 +91,18 @@ def cpu_attention_backend(dtype: str) -> str | None:
     """vLLM's MLA backend on CPU for weights of ``dtype``. Where the processor has AMX, vLLM picks its AMX
     kernels, which take 16-bit weights only (float32 fails at load: "expect weight to be bfloat16,
     float16, ..."); other dtypes get its reference CPU backend. None: vLLM's own choice."""
-    return None if dtype in ("bfloat16", "float16", "half") else "CPU_MLA"
+    return None if dtype in ("bfloat16", "float16") else "CPU_MLA"
+
+
+def _weights_dtype(dtype: str, model: str) -> str:
+    """``dtype``, with ``auto`` read from the checkpoint's config (its ``torch_dtype``)."""
+    if dtype != "auto":
+        return dtype
+    try:
+        raw = json.loads((Path(model) / "config.json").read_text())
+    except (OSError, ValueError):
+        return "auto"  # no readable config: the safe backend
+    return str(raw.get("torch_dtype") or raw.get("dtype") or "auto")
 
 
 def place_devices(device: str, n: int, gpus: list[int] | None = None) -> None:

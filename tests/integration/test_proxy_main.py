@@ -59,12 +59,13 @@ def running_proxy(tiny_model: Path, redis_url: str, *extra: str,
     ``log``: where its output goes (default: the test's)."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
+    out = None if log is None else log.open("ab")
     proc = subprocess.Popen(
         [sys.executable, "-m", "proxy", "--model", str(tiny_model), "--served-model-name", MODEL,
          "--port", str(port), "--registry-url", redis_url, "--cluster", "proxytest", "--admin-key", ADMIN_KEY,
          "--refresh-s", "0.2", "--log-level", "warning", *extra],
         cwd=Path(__file__).parents[2], env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        stdout=None if log is None else log.open("ab"), stderr=None if log is None else subprocess.STDOUT,
+        stdout=out, stderr=None if out is None else subprocess.STDOUT,
     )
     try:
         assert wait_until(lambda: _healthy(url), 60), "the proxy never became healthy"
@@ -78,6 +79,8 @@ def running_proxy(tiny_model: Path, redis_url: str, *extra: str,
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
+            if out is not None:
+                out.close()
 
 
 def _healthy(url: str) -> bool:
