@@ -102,6 +102,16 @@ def up(
     dtype: str | None = typer.Option(None, help=f"engine dtype of every node (default: {_PREFILL('dtype')})"),
     device: str | None = typer.Option(None, help=f"device of every node (default: {_PREFILL('device')})"),
     max_model_len: int | None = typer.Option(None, min=1, help=f"context (default: {_PREFILL('max_model_len')})"),
+    load_format: str | None = typer.Option(None, help="auto, or dummy: random weights from config.json alone "
+                                                      "(pdctl make-model DIR --config-only; benchmarks)"),
+    gpu_memory_utilization: float | None = typer.Option(
+        None, help="each node's share of its GPUs' memory (default: 0.9; two nodes sharing a GPU: 0.4 each)"),
+    prefill_gpus: str | None = typer.Option(None, help="GPUs of the prefill nodes' ranks, e.g. 0,1; with several "
+                                                       "nodes each takes the next equal slice"),
+    decode_gpus: str | None = typer.Option(None, help="GPUs of the decode nodes' DP replicas, e.g. 1; with several "
+                                                      "nodes each takes the next equal slice"),
+    proxy_workers: int | None = typer.Option(None, min=0, help="proxy worker processes sharing its port (default: "
+                                                               "1; 0: one per CPU core)"),
     registry_url: str | None = typer.Option(None, help="an external Redis (default: start a local redis-server)"),
     redis_port: int | None = typer.Option(None, help="the local redis-server's port (default: a free one)"),
     cluster: str | None = typer.Option(None, help=f"Redis key prefix (default: {RegistrySpec.cluster})"),
@@ -124,7 +134,9 @@ def up(
         "--decode-nodes": decode_nodes, "--decode-dp": decode_dp, "--decode-tp": decode_tp, "--decode-dcp": decode_dcp,
         "--dtype": dtype, "--device": device, "--max-model-len": max_model_len, "--registry-url": registry_url,
         "--redis-port": redis_port, "--cluster": cluster, "--api-key": api_key, "--admin-key": admin_key,
-        "--engine": engine, "--vllm-python": vllm_python,
+        "--engine": engine, "--vllm-python": vllm_python, "--load-format": load_format,
+        "--gpu-memory-utilization": gpu_memory_utilization, "--prefill-gpus": prefill_gpus,
+        "--decode-gpus": decode_gpus, "--proxy-workers": proxy_workers,
     }
     given = [name for name, value in flags.items() if value is not None]
     try:
@@ -135,14 +147,22 @@ def up(
         elif model is None:
             _fail("give --model DIR (and optionally topology flags), or --topology FILE", code=2)
         else:
-            placement = _given(dtype=dtype, device=device, max_model_len=max_model_len)
-            prefill = PrefillSpec(**_given(dp=prefill_dp, pcp=prefill_pcp, pp=prefill_pp, kv_layout=kv_layout,
-                                           kv_interleave=kv_interleave, tp=prefill_tp, dcp=prefill_dcp), **placement)
-            decode = DecodeSpec(**_given(dp=decode_dp, tp=decode_tp, dcp=decode_dcp), **placement)
+            placement = _given(dtype=dtype, device=device, max_model_len=max_model_len, load_format=load_format,
+                               gpu_memory_utilization=gpu_memory_utilization)
+            n_prefill = 1 if prefill_nodes is None else prefill_nodes
+            n_decode = decode_nodes or 1
+            prefill_keys = _given(dp=prefill_dp, pcp=prefill_pcp, pp=prefill_pp, kv_layout=kv_layout,
+                                  kv_interleave=kv_interleave, tp=prefill_tp, dcp=prefill_dcp)
+            decode_keys = _given(dp=decode_dp, tp=decode_tp, dcp=decode_dcp)
+            prefill = tuple(PrefillSpec(**prefill_keys, **placement, **_given(gpus=g))
+                            for g in _gpu_slices(prefill_gpus, n_prefill, "--prefill-gpus"))
+            decode = tuple(DecodeSpec(**decode_keys, **placement, **_given(gpus=g))
+                           for g in _gpu_slices(decode_gpus, n_decode, "--decode-gpus"))
             topology = Topology(
-                model=str(model), prefill=(prefill,) * (prefill_nodes or 1), decode=(decode,) * (decode_nodes or 1),
+                model=str(model), prefill=prefill, decode=decode,
                 served_model_name=served_model_name,
-                proxy=ProxySpec(**_given(host=proxy_host, port=proxy_port, api_key=api_key, admin_key=admin_key)),
+                proxy=ProxySpec(**_given(host=proxy_host, port=proxy_port, api_key=api_key, admin_key=admin_key,
+                                         workers=proxy_workers)),
                 registry=RegistrySpec(**_given(url=registry_url, port=redis_port, cluster=cluster)),
                 **_given(engine=engine, vllm_python=vllm_python),
             )
@@ -165,6 +185,22 @@ def up(
                   soft_wrap=True)
     console.print("  stop it with: pdctl down" + ("" if default_dir else f" --run-dir {state.run_dir}"),
                   highlight=False, soft_wrap=True)
+
+
+def _gpu_slices(gpus: str | None, nodes: int, flag: str) -> list[str | None]:
+    """Each node's GPUs from one list for all ``nodes`` of a role: consecutive equal slices."""
+    if gpus is None:
+        return [None] * nodes
+    try:
+        ids = [int(g) for g in gpus.split(",")]
+    except ValueError:
+        raise ValueError(f"{flag} must be comma-separated GPU numbers, e.g. 0,1; got {gpus!r}") from None
+    if nodes == 0:
+        raise ValueError(f"{flag} was given, but there are no such nodes")
+    if len(ids) % nodes:
+        raise ValueError(f"{flag} lists {len(ids)} GPUs for {nodes} nodes: give each node the same number")
+    k = len(ids) // nodes
+    return [",".join(str(g) for g in ids[i * k:(i + 1) * k]) for i in range(nodes)]
 
 
 @app.command()

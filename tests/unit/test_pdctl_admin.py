@@ -233,3 +233,47 @@ def test_up_reports_bad_values_cleanly(pdctl, tmp_path: Path) -> None:
     assert result.exit_code == 2 and "kv_layout must be one of" in result.output
     result = pdctl("up", "--model", str(tmp_path), "--run-dir", str(tmp_path / "run"))
     assert result.exit_code == 1 and "has no config.json" in result.output
+
+
+def _flag_topology(pdctl, monkeypatch, *flags: str):
+    """The topology ``pdctl up`` builds from ``flags`` (the launcher is not run)."""
+    from pdctl import launcher
+
+    seen = []
+
+    def fake_up(topology, run_dir, **kw):
+        seen.append(topology)
+        raise launcher.LaunchError("stopped by the test")
+
+    monkeypatch.setattr(launcher, "up", fake_up)
+    result = pdctl("up", "--model", "/m", "--run-dir", "/nonexistent-run", *flags)
+    return (seen[0] if seen else None), result
+
+
+def test_up_places_gpus_dummy_weights_memory_share_and_proxy_workers(pdctl, monkeypatch) -> None:
+    topo, result = _flag_topology(
+        pdctl, monkeypatch, "--device", "cuda", "--prefill-nodes", "2", "--prefill-pcp", "2",
+        "--prefill-gpus", "0,1,2,3", "--decode-gpus", "3", "--load-format", "dummy",
+        "--gpu-memory-utilization", "0.4", "--proxy-workers", "2")
+    assert topo is not None, result.output
+    assert [p.value("gpus") for p in topo.prefill] == ["0,1", "2,3"]  # consecutive slices, one per node
+    assert [d.value("gpus") for d in topo.decode] == ["3"]
+    for node in (*topo.prefill, *topo.decode):
+        assert node.value("load_format") == "dummy" and node.value("gpu_memory_utilization") == 0.4
+    assert topo.proxy.workers == 2
+
+
+def test_up_with_no_prefill_nodes_is_a_colocated_cluster(pdctl, monkeypatch) -> None:
+    topo, result = _flag_topology(pdctl, monkeypatch, "--prefill-nodes", "0")
+    assert topo is not None, result.output
+    assert topo.prefill == () and len(topo.decode) == 1
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (("--prefill-nodes", "2", "--prefill-gpus", "0,1,2"), "lists 3 GPUs for 2 nodes"),
+    (("--decode-gpus", "a,b"), "comma-separated GPU numbers"),
+    (("--prefill-nodes", "0", "--prefill-gpus", "0"), "no such nodes"),
+])
+def test_up_refuses_gpu_lists_that_do_not_divide(pdctl, monkeypatch, flags, message) -> None:
+    topo, result = _flag_topology(pdctl, monkeypatch, *flags)
+    assert topo is None and result.exit_code == 2 and message in result.output
