@@ -128,6 +128,8 @@ def node_command(topology: Topology, role: str, index: int, registry_url: str,
         args += ["--served-model-name", topology.served_model_name]
     args += ["--node-id", node_id, "--host", topology.node_host, "--port", str(port),
              "--registry-url", registry_url, "--cluster", topology.cluster]
+    if topology.registry.ttl_s is not None:
+        args += ["--ttl-s", str(topology.registry.ttl_s)]
     settings = {k: v for k, v in spec.settings.items() if k not in ("port", "engine")}
     engine = topology.engine_of(spec)  # a node's own, else the topology's; left out when it is the node's default
     if engine != NodeConfig.engine_backend:

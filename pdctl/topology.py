@@ -9,7 +9,8 @@ A YAML topology (every key but ``model`` optional; relative paths are relative t
       url: null                    # an external redis://...; null = start a local redis-server
       port: null                   # the local redis-server's port; null = a free one
       cluster: pdcluster           # key prefix in Redis and the default run directory's name
-    proxy: {host: 127.0.0.1, port: 8000, api_key: null, admin_key: null}
+      ttl_s: null                  # a node silent this long is unhealthy; null = the nodes' 5 s
+    proxy: {host: 127.0.0.1, port: 8000, api_key: null, admin_key: null, workers: 1, access_log: true}
     prefill:
       - {dp: 1, pcp: 2, pp: 1, kv_layout: sharded}
     decode:
@@ -197,8 +198,13 @@ class RegistrySpec:
     url: str | None = None
     port: int | None = None  # the local server's port; None = a free one each time
     cluster: str = "pdcluster"
+    ttl_s: float | None = None  # a node silent this long is unhealthy (None: the nodes' default, 5 s)
 
     def __post_init__(self) -> None:
+        if self.ttl_s is not None and (isinstance(self.ttl_s, bool) or not isinstance(self.ttl_s, (int, float))
+                                       or self.ttl_s <= 1.0):
+            raise ValueError(f"registry.ttl_s must be a number of seconds > 1 (nodes beat every second), "
+                             f"got {self.ttl_s!r}")
         if self.url is not None and not self.url.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError(f"registry.url must be redis://, rediss:// or unix://, got {self.url!r}")
         if self.url is not None and self.port is not None:

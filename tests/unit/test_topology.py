@@ -81,6 +81,7 @@ def test_minimal_yaml_and_absolute_model(tmp_path) -> None:
     ("model: m\nregistry: {url: 'http://x'}\n", "registry.url must be redis://"),
     ("model: m\nregistry: {url: 'redis://x:1', port: 7000}\n", "either url or port"),
     ("model: m\nregistry: {cluster: 'a:b'}\n", "registry.cluster must be"),
+    ("model: m\nregistry: {ttl_s: 1}\n", "registry.ttl_s must be a number of seconds > 1"),
     ("- model: m\n", "mapping at the top level"),
     ("model: [unclosed\n", "not valid YAML"),
 ])
@@ -126,6 +127,10 @@ def test_decode_command_line() -> None:
         "--device", "cpu", "--max-model-len", "2048", "--num-kv-blocks", "64", "--dp", "2",
         "--transfer-timeout-s", "7.5",
     ]
+    assert "--ttl-s" not in spec.argv  # the nodes' own default
+    slow = Topology(model="/m", registry=RegistrySpec(ttl_s=30))
+    argv = decode_command(slow, 0, URL, python="py").argv
+    assert argv[argv.index("--ttl-s") + 1] == "30"
 
 
 def test_proxy_command_line(tmp_path) -> None:

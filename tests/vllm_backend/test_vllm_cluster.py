@@ -42,7 +42,10 @@ def proxy_url(mla_model: Path, tmp_path_factory: pytest.TempPathFactory,
                     prefill=(PrefillSpec(max_num_batched_tokens=256, tp=2, **NODE),
                              PrefillSpec(engine="native", pcp=2, kv_layout="sharded", **NODE)),
                     decode=(DecodeSpec(**NODE),),
-                    proxy=ProxySpec(port=0), registry=RegistrySpec(cluster="vllmtest"))
+                    proxy=ProxySpec(port=0),
+                    # Six engine processes on CI's 2 cores have stalled a vLLM node's heartbeat for ~30 s
+                    # (redis "Timeout reading from socket"), and the proxy then routed to nobody.
+                    registry=RegistrySpec(cluster="vllmtest", ttl_s=60.0))
     before = {p.pid for p in psutil.Process().children(recursive=True)}
     state = up(topo, run_dir, timeout_s=500)
     cluster_run_dirs.append(run_dir)
