@@ -11,18 +11,11 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Any
 
-
-class Stream(Protocol):
-    """Where a request's events go: its event loop's queue (``DecodeJob``)."""
-
-    request_id: str
-    loop: asyncio.AbstractEventLoop | None
-    events: asyncio.Queue | None
-
-
-Item = tuple[Any, Any]  # (a Stream, the event: a pb.DecodeEvent, an exception, or None at the end)
+# (the request's DecodeJob: its ``loop`` and ``events`` queue; the event: a pb.DecodeEvent, an
+# exception, or None at the end)
+Item = tuple[Any, Any]
 
 
 class Outbox:
