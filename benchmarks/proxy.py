@@ -3,6 +3,7 @@
   python benchmarks/proxy.py                      # concurrency 1, 32, 128; 3 repetitions of 3 s each
   python benchmarks/proxy.py --concurrency 1 32 --seconds 5 --repeats 5
   python benchmarks/proxy.py --workers 1 2        # our proxy with one and with two worker processes
+  python benchmarks/proxy.py --baseline /tmp/base  # and the proxy of another tree (git worktree add /tmp/base REV)
 
 Null engines answer at once, so what is measured is the front end: for our proxy, a null prefill and
 a null decode node (grpc.aio, the real ``pdcluster.v1`` contract, registered in a local Redis as
@@ -376,6 +377,9 @@ def main() -> None:
     ap.add_argument("--workers", type=int, nargs="+", default=[1],
                     help="our proxy with each of these worker counts (one front end each)")
     ap.add_argument("--proxy-args", default="", help="extra flags for python -m proxy")
+    ap.add_argument("--baseline", default="", metavar="DIR",
+                    help="also the proxy of this source tree, one worker, as front end 'baseline' (before/after "
+                         "in one run; the trees must speak the same node protocol: the null nodes are this one's)")
     ap.add_argument("--step-ms", type=float, default=5.0, help="--pacing step: the null engines' decode step")
     ap.add_argument("--pacing", choices=("turn", "step", "burst"), default="turn",
                     help="both null decode engines make one token per turn of their event loop (turn: each "
@@ -400,8 +404,8 @@ def main() -> None:
     procs: list[subprocess.Popen] = []
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
 
-    def spawn(argv: list[str], **kw: Any) -> subprocess.Popen:
-        p = subprocess.Popen(argv, env=env, start_new_session=True, **kw)
+    def spawn(argv: list[str], tree: Path = ROOT, **kw: Any) -> subprocess.Popen:
+        p = subprocess.Popen(argv, env={**env, "PYTHONPATH": str(tree)}, cwd=tree, start_new_session=True, **kw)
         procs.append(p)
         return p
 
@@ -416,13 +420,15 @@ def main() -> None:
                      stdout=subprocess.PIPE)
         assert null.stdout is not None
         ports = json.loads(null.stdout.readline())
-        for workers in args.workers:  # one proxy per worker count, all on the same null nodes
+        ours = [("pdcluster" if w == 1 else f"pdcluster-w{w}", w, ROOT) for w in args.workers]
+        if args.baseline:
+            ours.append(("baseline", 1, Path(args.baseline).resolve()))
+        for name, workers, tree in ours:  # one proxy per worker count (and tree), all on the same null nodes
             port = free_port("127.0.0.1")
-            name = "pdcluster" if workers == 1 else f"pdcluster-w{workers}"
             proxy = spawn([sys.executable, "-m", "proxy", "--model", str(model), "--port", str(port),
                            "--registry-url", redis.url, "--cluster", "bench", "--workers", str(workers),
                            "--log-level", "warning", *args.proxy_args.split()],  # as vllm-router's, below
-                          stdout=subprocess.DEVNULL, stderr=open(tmp / f"{name}.log", "wb"))  # noqa: SIM115
+                          tree=tree, stdout=subprocess.DEVNULL, stderr=open(tmp / f"{name}.log", "wb"))  # noqa: SIM115
             wait_http(f"http://127.0.0.1:{port}/health")
             fronts[name] = (f"http://127.0.0.1:{port}/v1/completions", psutil.Process(proxy.pid))
         if args.router:
@@ -456,7 +462,7 @@ def main() -> None:
                             print(f"rep {rep} {name:>11} conc {c:>3}: {per[name][c][-1]['req_s']:7.1f} req/s",
                                   flush=True)
             legs = await direct_grpc(ports, args, 100)
-            direct = {name: legs for name in fronts if name.startswith("pdcluster")}
+            direct = {name: legs for name in fronts if name != "vllm-router"}
             if "vllm-router" in fronts:
                 direct["vllm-router"] = await direct_http(f"http://127.0.0.1:{hp}/v1/completions",
                                                           f"http://127.0.0.1:{hd}/v1/completions", args, 100)
@@ -474,9 +480,13 @@ def main() -> None:
                 res["added_p99_ms"] = round(res["c1"]["e2e_p99_ms"] - res["direct_e2e_p99_ms"], 3)
             result[name] = res
         print_table(result, fronts, args.concurrency)
+        if "baseline" in fronts and "pdcluster" in fronts:  # this tree's proxy against the other's
+            result["ratio_req_s_vs_baseline"] = {f"c{c}": round(result["pdcluster"][f"c{c}"]["req_s"]
+                                                                / result["baseline"][f"c{c}"]["req_s"], 3)
+                                                 for c in args.concurrency}
         if "vllm-router" in fronts:  # each of ours against vllm-router, per concurrency
             for name in fronts:
-                if name != "vllm-router":
+                if name not in ("vllm-router", "baseline"):
                     key = "ratio_req_s" if name == "pdcluster" else f"ratio_req_s_{name.split('-')[-1]}"
                     result[key] = {f"c{c}": round(result[name][f"c{c}"]["req_s"]
                                                  / result["vllm-router"][f"c{c}"]["req_s"], 3)
