@@ -88,7 +88,8 @@ class NodeState:
     replicas: tuple[ReplicaLoad, ...] = field(default_factory=tuple)
     draining: bool = False
     heartbeat_at: float = 0.0  # unix time of the last heartbeat
-    healthy: bool = True  # heartbeat within the registry's TTL
+    healthy: bool = True  # heartbeat within its TTL
+    ttl_s: float = 0.0  # the TTL its heartbeats carry (--ttl-s of the node); 0: the reader's own
 
     def to_dict(self) -> dict[str, Any]:
         return {

@@ -196,7 +196,7 @@ class Registry:
             return None
         age_s = max(0.0, written_ttl_s - pttl_ms / 1000) if pttl_ms >= 0 else 0.0
         return NodeState(info=info, replicas=replicas, draining=draining, heartbeat_at=now - age_s,
-                         healthy=age_s <= self.config.ttl_s)
+                         healthy=age_s <= written_ttl_s, ttl_s=written_ttl_s)
 
     def _node_key(self, node_id: str) -> str:
         return f"{self._prefix}node:{node_id}"
@@ -324,7 +324,8 @@ class RegistryView:
         nodes = self._nodes
         now = time.time() if self._last_error is None else self._refreshed_at
         ttl_s = self._registry.config.ttl_s
-        return [replace(n, healthy=False) if n.healthy and now - n.heartbeat_at > ttl_s else n for n in nodes]
+        return [replace(n, healthy=False) if n.healthy and now - n.heartbeat_at > (n.ttl_s or ttl_s) else n
+                for n in nodes]
 
     def wait_for(self, predicate: Callable[[list[NodeState]], bool], timeout_s: float) -> bool:
         """Wait until ``predicate(snapshot())`` holds; False after ``timeout_s``."""

@@ -54,6 +54,26 @@ def test_first_heartbeat_registers_and_later_ones_refresh(registry: Registry) ->
     assert abs(state.heartbeat_at - time.time()) < 0.5
 
 
+def test_a_node_is_judged_by_the_ttl_its_heartbeats_carry(registry: Registry, config: RegistryConfig) -> None:
+    """A node started with a longer --ttl-s stays healthy through a silence longer than the reader's TTL."""
+    patient = Registry(RegistryConfig(url=config.url, cluster=config.cluster, ttl_s=30.0, heartbeat_s=1.0))
+    try:
+        patient.heartbeat(info("decode-0", "decode"), ())
+        registry.heartbeat(info("prefill-0"), LOADS)
+        time.sleep(config.ttl_s + 0.5)  # both silent past the reader's TTL (1 s)
+        (state,) = registry.nodes()  # prefill-0's own 1 s TTL ran out: it is gone
+        assert state.info.node_id == "decode-0" and state.healthy and state.ttl_s == 30.0
+        view = RegistryView(registry, refresh_s=60.0)  # one refresh; the snapshot then ages by each node's TTL
+        view.start()
+        try:
+            assert view.wait_for(lambda nodes: [n.info.node_id for n in nodes] == ["decode-0"], timeout_s=5)
+            assert view.snapshot()[0].healthy
+        finally:
+            view.stop()
+    finally:
+        patient.close()
+
+
 def test_nodes_sorted_by_role_then_id(registry: Registry) -> None:
     for node_id, role in [("prefill-1", "prefill"), ("decode-0", "decode"), ("prefill-0", "prefill")]:
         registry.heartbeat(info(node_id, role), ())
