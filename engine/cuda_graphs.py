@@ -1,10 +1,18 @@
-"""Decode steps as CUDA graphs: captured once per batch size at start-up, replayed every step.
+"""Steps of token rows as CUDA graphs: captured once per row count at start-up, replayed every step.
 
 A decode step launches thousands of small kernels (2,500 for a V2-Lite-shaped model, measured);
 launched from Python they leave the GPU idle most of the step. A graph replays all of them in one
-launch. Captured per size of a ladder (1, 2, 4, 8, then every 16 up to ``max_num_seqs``, as vLLM's
-``cudagraph_capture_sizes``); a batch is padded to the next captured size, and a step that is not
-decode-only, or is larger than the largest size, runs eagerly.
+launch. Captured per size of a ladder (1, 2, 4, 8, then every 16 up to the largest size, as vLLM's
+``cudagraph_capture_sizes``); a step is padded to the next captured size, and a larger one runs eagerly.
+
+A graph's step is a set of rows, each one token at its position attending its own cached context
+(``t <= position``) in the absorbed form. A decode step is one row per request. A short prefill is
+one row per new token (all rows' latents are written before any row attends, so row i sees the
+prompt's tokens up to its own: causal): a prompt of a few hundred tokens, or a user turn after a
+cached prefix, then costs one replay instead of ~1,300 launches (``ModelRunner`` decides which steps
+go this way). Logits are computed in the graph for sizes up to ``max_batch`` (a decode step's);
+above that the graph leaves the final hidden states and the logits of the rows that need them are
+computed after the replay.
 
 What makes a step capturable: its inputs live in static buffers (token ids, positions, cache slots,
 block tables, context lengths) that each step fills with a few host-to-device copies before the
@@ -41,10 +49,11 @@ def capture_sizes(max_batch: int) -> list[int]:
 
 
 class DecodeGraphs:
-    """Graphs of one model's decode step for a ladder of batch sizes, over static input buffers."""
+    """Graphs of one model's step of token rows (decode steps, short prefills) for a ladder of row
+    counts, over static input buffers."""
 
     def __init__(self, model: DeepseekForCausalLM, cache: KVCache, scratch_block: int, max_model_len: int,
-                 max_batch: int) -> None:
+                 max_batch: int, max_rows: int | None = None) -> None:
         self.model = model
         self.cache = cache
         self.block_size = cache.block_size
@@ -53,7 +62,7 @@ class DecodeGraphs:
         self.sizes: list[int] = []
         device = next(iter(cache.layers.values())).device
         self.device = device  # captured and replayed with this device current (a DP replica's GPU)
-        n = max_batch
+        n = max(max_batch, max_rows or 0)
         # Static inputs (rows beyond a step's batch are padding).
         self.input_ids = torch.zeros(n, dtype=torch.long, device=device)
         self.positions = torch.zeros(n, dtype=torch.long, device=device)
@@ -61,9 +70,15 @@ class DecodeGraphs:
         self.tables = torch.zeros(n, self.width, dtype=torch.long, device=device)  # [n, W]
         self.lens = torch.zeros(n, dtype=torch.long, device=device)
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self._logits: dict[int, torch.Tensor] = {}  # size -> [size, V] fp32, written by the replay
+        # The replays' outputs: one buffer each that every size's graph writes its rows of (a graph's own
+        # outputs would stay allocated per size: ~0.9 GB of logits over a 256-row ladder of V2-Lite's).
+        assert model.lm_head is not None  # graphs are captured for a whole model (one process, one device)
+        self._hidden = torch.empty(n, model.cfg.hidden_size, dtype=model.lm_head.weight.dtype, device=device)
+        self._logits = torch.empty(max_batch, model.cfg.vocab_size, dtype=torch.float32, device=device)
         self._max_batch = max_batch
+        self._max_rows = n
         self.replays = 0  # steps served by a graph (tests check graphs were really used)
+        self.prefill_replays = 0  # of which steps with prefill rows
 
     # -- start-up --------------------------------------------------------------------------------
     def _batch(self, size: int) -> ForwardBatch:
@@ -74,9 +89,11 @@ class DecodeGraphs:
             logits_rows=torch.arange(size, device=self.input_ids.device),
         )
 
-    def _forward(self, size: int) -> torch.Tensor:
+    def _forward(self, size: int) -> None:
         hidden = self.model(self._batch(size), self.cache.layers)
-        return self.model.compute_logits(hidden)  # [size, V]
+        self._hidden[:size].copy_(hidden)
+        if size <= self._max_batch:
+            self._logits[:size].copy_(self.model.lm_head(hidden))  # type: ignore[misc]  # [size, V] fp32
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -92,7 +109,7 @@ class DecodeGraphs:
         self.slots.fill_(self.scratch_slot)
         pool = None
         try:
-            for size in reversed(capture_sizes(self._max_batch)):
+            for size in reversed(capture_sizes(self._max_rows)):
                 # Warm-up at this size on a side stream: Triton compiles its kernels for the size's
                 # launch parameters outside the capture (loading a module is not allowed inside one).
                 stream = torch.cuda.Stream()
@@ -102,47 +119,82 @@ class DecodeGraphs:
                 torch.cuda.current_stream().wait_stream(stream)
                 g = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(g, pool=pool):
-                    self._logits[size] = self._forward(size)
+                    self._forward(size)
                 pool = g.pool()
                 self._graphs[size] = g
         except Exception as e:  # a kernel that syncs with the host, or no room: run eagerly
-            log.warning("decode CUDA graphs disabled (%s: %s); decode runs eagerly", type(e).__name__, e)
+            log.warning("CUDA graphs disabled (%s: %s); every step runs eagerly", type(e).__name__, e)
             self._graphs.clear()
-            self._logits.clear()
             torch.cuda.synchronize()
             return
         torch.cuda.synchronize()
         self.sizes = sorted(self._graphs)
         used = (free0 - torch.cuda.mem_get_info()[0]) / 2**20
-        log.info("captured decode CUDA graphs for %d batch sizes (1..%d) in %.1fs, %.0f MiB", len(self.sizes),
-                 self.sizes[-1], time.perf_counter() - t0, used)
+        log.info("captured CUDA graphs of token rows for %d sizes (1..%d rows) in %.1fs, %.0f MiB",
+                 len(self.sizes), self.sizes[-1], time.perf_counter() - t0, used)
 
     # -- each step -------------------------------------------------------------------------------
-    def fits(self, token_ids: list[int], positions: list[int], block_tables: list[list[int]]) -> bool:
-        return bool(self.sizes) and len(token_ids) <= self.sizes[-1] and all(
-            len(t) <= self.width for t in block_tables)
+    @property
+    def max_rows(self) -> int:
+        """The largest step a replay serves (0 when nothing was captured)."""
+        return self.sizes[-1] if self.sizes else 0
+
+    def fits(self, rows: int, block_tables: list[list[int]]) -> bool:
+        return 0 < rows <= self.max_rows and all(len(t) <= self.width for t in block_tables)
 
     def run(self, token_ids: list[int], positions: list[int], block_tables: list[list[int]]) -> torch.Tensor:
         """One decode step of ``len(token_ids)`` rows (row i: its new token at ``positions[i]``, its
         blocks ``block_tables[i]``) -> logits [B, V] fp32 (a copy: the next replay overwrites the graph's)."""
         b = len(token_ids)
+        self._replay(token_ids, positions, block_tables, [1] * b)
+        return self._logits[:b].clone()
+
+    def run_rows(self, token_ids: list[int], positions: list[int], block_tables: list[list[int]],
+                 repeats: list[int], logit_rows: list[int]) -> torch.Tensor:
+        """One step of token rows, request r's ``repeats[r]`` consecutive rows sharing its block table
+        ``block_tables[r]`` -> logits [len(logit_rows), V] fp32 of the rows listed."""
+        size = self._replay(token_ids, positions, block_tables, repeats)
+        self.prefill_replays += 1
+        rows = torch.tensor(logit_rows, dtype=torch.long).to(self.device, non_blocking=True)
+        if size <= self._max_batch:
+            return self._logits[rows]
+        return self.model.compute_logits(self._hidden[rows])
+
+    def _replay(self, token_ids: list[int], positions: list[int], block_tables: list[list[int]],
+                repeats: list[int]) -> int:
+        b = len(token_ids)
         size = next(s for s in self.sizes if s >= b)
-        bs = self.block_size
-        width = max(len(t) for t in block_tables)
-        slots = [t[p // bs] * bs + p % bs for t, p in zip(block_tables, positions)]
-        host = torch.tensor([token_ids, positions, slots, [p + 1 for p in positions]], dtype=torch.long)
-        self.input_ids[:b].copy_(host[0], non_blocking=True)
-        self.positions[:b].copy_(host[1], non_blocking=True)
-        self.slots[:b].copy_(host[2], non_blocking=True)
-        self.lens[:b].copy_(host[3], non_blocking=True)
-        table = np.zeros((b, width), dtype=np.int64)  # filled row by row: 3x faster than torch.tensor of lists
-        for i, t in enumerate(block_tables):
-            table[i, :len(t)] = t
-        self.tables[:b, :width].copy_(torch.from_numpy(table), non_blocking=True)
+        host, table = row_inputs(token_ids, positions, block_tables, repeats, self.block_size)
+        host_t = torch.from_numpy(host)
+        self.input_ids[:b].copy_(host_t[0], non_blocking=True)
+        self.positions[:b].copy_(host_t[1], non_blocking=True)
+        self.slots[:b].copy_(host_t[2], non_blocking=True)
+        self.lens[:b].copy_(host_t[3], non_blocking=True)
+        self.tables[:b, : table.shape[1]].copy_(torch.from_numpy(table), non_blocking=True)
         if size > b:  # padding rows: no context, their latents into the spare block
             self.lens[b:size].zero_()
             self.slots[b:size].fill_(self.scratch_slot)
         with torch.cuda.device(self.device):
             self._graphs[size].replay()
         self.replays += 1
-        return self._logits[size][:b].clone()
+        return size
+
+
+def row_inputs(token_ids: list[int], positions: list[int], block_tables: list[list[int]], repeats: list[int],
+               block_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """A step's rows on the host: [4, B] (token id, position, cache slot, context length incl. the row's
+    own token) and the block tables [B, W], request r's ``repeats[r]`` consecutive rows sharing
+    ``block_tables[r]``."""
+    b = len(token_ids)
+    table = np.zeros((b, max(len(t) for t in block_tables)), dtype=np.int64)  # 3x faster than torch.tensor
+    row = 0
+    for t, k in zip(block_tables, repeats):
+        table[row : row + k, : len(t)] = t
+        row += k
+    pos = np.asarray(positions, dtype=np.int64)
+    host = np.empty((4, b), dtype=np.int64)
+    host[0] = token_ids
+    host[1] = pos
+    host[2] = table[np.arange(b), pos // block_size] * block_size + pos % block_size
+    host[3] = pos + 1  # a row attends its context up to itself: the rows of one prompt are causal
+    return host, table

@@ -30,7 +30,10 @@ class EngineConfig:
         "help": "per-step token budget; longer prompts prefill in chunks"})
     max_num_seqs: int = field(default=256, metadata={"help": "most sequences in one batch"})
     enforce_eager: bool = field(default=False, metadata={
-        "help": "on GPU: run decode steps eagerly instead of replaying CUDA graphs captured at start-up"})
+        "help": "on GPU: run every step eagerly instead of replaying CUDA graphs captured at start-up"})
+    max_cudagraph_capture_size: int = field(default=512, metadata={
+        "help": "on GPU: the most token rows a CUDA graph captures (at least max_num_seqs): decode steps, "
+                "and prefills of up to this many new tokens (engine/cuda_graphs.py)"})
     block_size: int = field(default=16, metadata={"help": "tokens per KV cache block"})
     enable_prefix_caching: bool = field(default=True, metadata={
         "help": "keep the KV of full blocks after use and share it between prompts with the same prefix "
@@ -77,6 +80,8 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be > 0, got {self.max_model_len}")
         if self.max_num_batched_tokens <= 0:
             raise ValueError(f"max_num_batched_tokens must be > 0, got {self.max_num_batched_tokens}")
+        if self.max_cudagraph_capture_size <= 0:
+            raise ValueError(f"max_cudagraph_capture_size must be > 0, got {self.max_cudagraph_capture_size}")
         if self.max_num_seqs <= 0:
             raise ValueError(f"max_num_seqs must be > 0, got {self.max_num_seqs}")
         if self.block_size <= 0:

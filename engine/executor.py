@@ -106,7 +106,8 @@ class LocalExecutor:
                              spare_blocks=1 if graphs else 0)
         self.graphs: DecodeGraphs | None = None
         if graphs:
-            self.graphs = DecodeGraphs(self.model, self.cache, n, max_model_len, config.max_num_seqs)
+            self.graphs = DecodeGraphs(self.model, self.cache, n, max_model_len, config.max_num_seqs,
+                                       config.max_cudagraph_capture_size)
             self.graphs.capture()
         self.runner = ModelRunner(self.model, self.cache, self.device, self.graphs)
         self.allocator: BlockSpace = self.cache.allocator

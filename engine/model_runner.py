@@ -12,6 +12,12 @@ from engine.kv_cache import KVCache
 from engine.model import DeepseekForCausalLM
 from engine.scheduler import Scheduled
 
+# A step with prefill rows replays a graph when its rows fit the largest captured size and its
+# prefill rows attend at most this many (row, key) pairs in all; 0 sends every step with a prefill
+# eagerly. benchmarks/prefill_graphs.py on an H200 (V2-Lite's shape): a replay was 1.3-1.5x faster
+# than eager at 1.2-1.7M pairs (2,048 cached + 500 new, 8,192 + 200) and 0.8x at 3.3-4.2M.
+GRAPH_PREFILL_MAX_KEYS = 2_000_000
+
 
 @dataclass
 class StepLogits:
@@ -89,14 +95,10 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, scheduled: list[Scheduled]) -> list[StepLogits | None]:
         """One forward step -> per scheduled request its logits (None if it needs none this step)."""
-        if self.graphs is not None and self.model.decode_form == "absorbed" and scheduled and all(
-                s.num_new == 1 and logits_span(s) == (0, 1) for s in scheduled):
-            ids = [s.seq.token_at(s.seq.num_computed) for s in scheduled]
-            positions = [s.seq.num_computed for s in scheduled]
-            tables = [s.seq.block_ids for s in scheduled]
-            if self.graphs.fits(ids, positions, tables):
-                replayed = self.graphs.run(ids, positions, tables)  # [B, V]
-                return [StepLogits(0, replayed[i : i + 1]) for i in range(len(scheduled))]
+        if self.graphs is not None and self.model.decode_form == "absorbed" and scheduled:
+            replayed = self._replay(scheduled, self.graphs)
+            if replayed is not None:
+                return replayed
         batch = build_batch(scheduled, self.cache.block_size, self.device)
         hidden = self.model(batch, self.cache.layers)
         logits = self.model.compute_logits(hidden[batch.logits_rows]) if batch.logits_rows.numel() else None
@@ -111,4 +113,50 @@ class ModelRunner:
             assert logits is not None
             out.append(StepLogits(first, logits[pos : pos + k]))
             pos += k
+        return out
+
+    def _replay(self, scheduled: list[Scheduled], graphs: DecodeGraphs) -> list[StepLogits | None] | None:
+        """The step as one graph replay (decode rows, and prefill rows when they are cheap that way),
+        or None to run it eagerly."""
+        if all(s.num_new == 1 and logits_span(s) == (0, 1) for s in scheduled):  # decode only: the hot path
+            seqs = [s.seq for s in scheduled]
+            tables = [q.block_ids for q in seqs]
+            if not graphs.fits(len(seqs), tables):
+                return None
+            logits = graphs.run([q.token_at(q.num_computed) for q in seqs], [q.num_computed for q in seqs], tables)
+            return [StepLogits(0, logits[i : i + 1]) for i in range(len(scheduled))]
+        rows = sum(s.num_new for s in scheduled)
+        spans = [logits_span(s) for s in scheduled]
+        if rows > graphs.max_rows or any(sp is not None and sp != (s.num_new - 1, 1)
+                                         for s, sp in zip(scheduled, spans)):
+            return None  # too large, or prompt logprobs (logits of every prompt row): eager
+        # A prefill row attends its whole context on its own (absorbed form), where the eager path
+        # decompresses the context once per request: past this many (row, key) pairs eager is cheaper.
+        keys = sum(s.num_new * s.seq.num_computed + s.num_new * (s.num_new + 1) // 2
+                   for s in scheduled if s.num_new > 1)
+        if keys > GRAPH_PREFILL_MAX_KEYS:
+            return None
+        tables = [s.seq.block_ids for s in scheduled]
+        if not graphs.fits(rows, tables):
+            return None
+        ids: list[int] = []
+        positions: list[int] = []
+        logit_rows: list[int] = []
+        row = 0
+        for s, sp in zip(scheduled, spans):
+            start = s.seq.num_computed
+            ids.extend(s.seq.tokens(start, start + s.num_new))
+            positions.extend(range(start, start + s.num_new))
+            row += s.num_new
+            if sp is not None:
+                logit_rows.append(row - 1)
+        logits = graphs.run_rows(ids, positions, tables, [s.num_new for s in scheduled], logit_rows)
+        out: list[StepLogits | None] = []
+        k = 0
+        for s, sp in zip(scheduled, spans):
+            if sp is None:
+                out.append(None)
+            else:
+                out.append(StepLogits(s.num_new - 1, logits[k : k + 1]))
+                k += 1
         return out

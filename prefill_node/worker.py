@@ -109,9 +109,9 @@ class PrefillWorker(EngineLoop):
         self.config = config
         ec = config.engine
         # Every rank (or this process, at world size 1) registers its cache with Mooncake on the
-        # advertised host; the rendezvous of the ranks uses that host too. A prefill node never runs a
-        # decode step (one token per request), so it captures no decode CUDA graphs.
-        ec = dataclasses.replace(ec, dist_host=transfer_host, enforce_eager=True)
+        # advertised host; the rendezvous of the ranks uses that host too. At world size 1 on a GPU the
+        # engine captures CUDA graphs of token rows: short prompts prefill as one replay.
+        ec = dataclasses.replace(ec, dist_host=transfer_host)
         self.kv_protocol = choose_protocol(config.kv_protocol, ec.torch_device().type == "cuda", transfer_host)
         log.info("KV transport: Mooncake %s on %s", self.kv_protocol, transfer_host)
         self.llm = LLM.from_config(ec, MooncakeExporter(transfer_host, self.kv_protocol))
