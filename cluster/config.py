@@ -157,8 +157,8 @@ class ProxyConfig:
         "help": "HTTP worker processes sharing the port, each with its own view of the registry and its own "
                 "node connections (0: one per CPU core)"})
     access_log: bool = field(default=True, metadata={
-        "help": "a log line per HTTP request at info level (uvicorn's access log; measured at 10%% of the "
-                "proxy's CPU per request on null nodes, benchmarks/proxy.py)"})
+        "help": "a log line per HTTP request at info level (the HTTP server's access log; uvicorn's was "
+                "measured at 10%% of the proxy's CPU per request on null nodes, benchmarks/proxy.py)"})
 
     def __post_init__(self) -> None:
         if self.workers < 0:

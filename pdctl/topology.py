@@ -171,7 +171,7 @@ class ProxySpec:
     workers: int = 1  # HTTP worker processes sharing the port (0: one per CPU core)
     token_timeout_s: float | None = None  # the proxy's own defaults when None (60 s, 300 s)
     prefill_timeout_s: float | None = None
-    access_log: bool = True  # uvicorn's line per HTTP request, at info level
+    access_log: bool = True  # the HTTP server's line per request, at info level
 
     def __post_init__(self) -> None:
         _port(self, "port")

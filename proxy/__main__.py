@@ -1,14 +1,16 @@
 """Run the proxy: ``python -m proxy --model DIR --registry-url redis://... --cluster NAME``.
 
 Loads the tokenizer and the model's context limit from ``--model``, starts a cached view of the
-Redis registry, serves the app with uvicorn, and stops the view on exit. The flags are generated
-from ``ProxyConfig`` and ``RegistryConfig`` (``cluster.flags``): add a knob by adding a field.
+Redis registry, serves the app with granian (an HTTP server in Rust), and stops the view on exit.
+The flags are generated from ``ProxyConfig`` and ``RegistryConfig`` (``cluster.flags``): add a knob
+by adding a field.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+from pathlib import Path
 from typing import Any
 
 from cluster import envs, flags
@@ -102,12 +104,10 @@ def build_app(config: ProxyConfig) -> Any:
 
 
 def worker_app() -> Any:
-    """uvicorn's app factory in each of several workers: the parent's command line from ``$ARGV_ENV``."""
+    """The app factory of each server worker: the parent's command line from ``$ARGV_ENV``."""
     import json
     import os
     import sys
-
-    from uvicorn.config import STARTUP_FAILURE
 
     config, log_level = parse_args(json.loads(os.environ[ARGV_ENV]))
     logging.basicConfig(level=log_level.upper(), format=_LOG_FORMAT)
@@ -115,52 +115,57 @@ def worker_app() -> Any:
         return build_app(config)
     except (ValueError, OSError) as e:
         log.error("cannot load the model at %s: %s", config.model, e)
-        sys.exit(STARTUP_FAILURE)  # uvicorn's supervisor stops instead of restarting the worker
+        sys.exit(STARTUP_FAILURE)
 
 
 _LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+STARTUP_FAILURE = 3  # a worker's exit status when it cannot build its app
 
 
 def main(argv: list[str] | None = None) -> None:
     import json
+    import multiprocessing
     import os
     import sys
     import tempfile
 
     config, log_level = parse_args(argv)
     logging.basicConfig(level=log_level.upper(), format=_LOG_FORMAT)
-    import uvicorn  # heavy imports after the arguments are checked
-
-    workers = config.workers or os.cpu_count() or 1
-    where = f"http://{config.host}:{config.port} (registry cluster {config.registry.cluster!r})"
-    if workers == 1:
-        try:
-            app = build_app(config)
-        except (ValueError, OSError) as e:
-            raise SystemExit(f"error: cannot load the model at {config.model}: {e}") from None
-        log.info("serving %s on %s", app.state.proxy.model_name, where)
-        uvicorn.run(app, host=config.host, port=config.port, log_level=log_level, timeout_graceful_shutdown=5,
-                    access_log=config.access_log)
-        return
-    from uvicorn.config import STARTUP_FAILURE
-    from uvicorn.supervisors import Multiprocess
+    try:  # a wrong --model fails here, before any worker starts
+        json.loads((Path(config.model) / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"error: cannot load the model at {config.model}: {e}") from None
+    from granian import Granian  # heavy imports after the arguments are checked
+    from granian.constants import HTTPModes, Interfaces, Loops, RuntimeModes
+    from granian.log import LogLevels
 
     from proxy.metrics import MULTIPROC_DIR
 
-    # Each worker parses the same command line, and writes its metrics where /metrics (in any worker)
-    # sums them: the environment is set before the workers import prometheus_client.
+    workers = config.workers or os.cpu_count() or 1
+    where = f"http://{config.host}:{config.port} (registry cluster {config.registry.cluster!r})"
+    # Each worker process parses the same command line and builds its own app (worker_app); several
+    # write their metrics where /metrics (in any worker) sums them. Workers are spawned, not forked:
+    # they import prometheus_client (and grpc) afresh, after the environment below is set.
+    multiprocessing.set_start_method("spawn", force=True)
     os.environ[ARGV_ENV] = json.dumps(sys.argv[1:] if argv is None else argv)
     with tempfile.TemporaryDirectory(prefix="pdcluster-proxy-metrics-") as metrics_dir:
-        os.environ[MULTIPROC_DIR] = metrics_dir
-        server = uvicorn.Config("proxy.__main__:worker_app", factory=True, host=config.host, port=config.port,
-                                workers=workers, log_level=log_level, timeout_graceful_shutdown=5,
-                                access_log=config.access_log)
-        log.info("serving with %d workers on %s", workers, where)
-        supervisor = Multiprocess(server, sockets=[server.bind_socket()])
-        supervisor.run()
-    if any(p.exitcode == STARTUP_FAILURE for p in supervisor.processes):
-        raise SystemExit(f"error: a proxy worker could not start (its log says why): {config.model}")
-
+        if workers > 1:
+            os.environ[MULTIPROC_DIR] = metrics_dir
+        # A worker that dies is started again; one that dies again within seconds (one that cannot
+        # build its app) stops the proxy.
+        server = Granian("proxy.__main__:worker_app", factory=True, address=config.host, port=config.port,
+                         interface=Interfaces.ASGI, workers=workers, loop=Loops.uvloop,
+                         runtime_mode=RuntimeModes.st, http=HTTPModes.http1,
+                         log_level=LogLevels(log_level), log_access=config.access_log,
+                         respawn_failed_workers=True, workers_kill_timeout=5)
+        log.info("serving with %d worker%s on %s", workers, "s" * (workers > 1), where)
+        try:
+            server.serve()
+        except SystemExit as e:
+            if e.code:
+                raise SystemExit(f"error: a proxy worker could not start or kept failing (its log says why); "
+                                 f"model {config.model}") from None
+            raise
 
 if __name__ == "__main__":
     main()

@@ -6,8 +6,10 @@ them there, serves a request, and drains a node through Redis.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -73,7 +75,7 @@ def running_proxy(tiny_model: Path, redis_url: str, *extra: str,
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
-            # uvicorn shuts down gracefully, then re-raises SIGTERM so the exit status says why
+            # the server stops its workers gracefully and exits 0
             assert proc.wait(15) in (0, -signal.SIGTERM)
         finally:
             if proc.poll() is None:
@@ -107,6 +109,27 @@ def test_main_serves_from_the_registry(tiny_model: Path, registered_fakes: tuple
         assert admin.post("/admin/nodes/p0/undrain").status_code == 200
         assert wait_until(lambda: _healthy(url), 5)
         admin.close()
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_client_that_hangs_up_cancels_its_decode(tiny_model: Path, stream: bool,
+                                                 registered_fakes: tuple[str, FakePrefill, FakeDecode]) -> None:
+    """Through the server as deployed (not only the app under test servers): a client gone mid-decode
+    ends the decode stream and aborts the prefill's lease."""
+    redis_url, p0, d0 = registered_fakes
+    d0.delay_s, d0.tokens_per_event = 0.1, 1
+    body = json.dumps({"model": MODEL, "prompt": "x", "stream": stream}).encode()
+    with running_proxy(tiny_model, redis_url) as (url, _):
+        host, port = url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=5) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: proxy\r\nContent-Type: application/json\r\n"
+                         + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+            assert wait_until(lambda: len(d0.requests) == 1)
+            time.sleep(0.15)
+        rid = d0.requests[0].request_id
+        assert wait_until(lambda: rid in d0.cancelled), "the decode stream was not cancelled"
+        assert wait_until(lambda: rid in p0.aborts), "no Abort reached the prefill node"
+        assert rid not in d0.finished
 
 
 def test_access_log_is_on_at_info_and_can_be_turned_off(
@@ -152,9 +175,16 @@ def test_several_workers_share_the_port_the_metrics_and_the_drain_flags(
     assert not alive, alive
 
 
-def test_a_worker_that_cannot_load_the_model_stops_the_proxy_with_an_error(tmp_path: Path) -> None:
-    r = subprocess.run([sys.executable, "-m", "proxy", "--model", str(tmp_path / "none"), "--workers", "2",
-                        "--port", str(free_port()), "--log-level", "warning"],
-                       cwd=Path(__file__).parents[2], capture_output=True, text=True, timeout=120)
-    assert r.returncode != 0
-    assert "could not start" in r.stderr
+def test_a_model_that_cannot_be_loaded_stops_the_proxy_with_an_error(tmp_path: Path) -> None:
+    """No model directory: the proxy says so before it starts a worker. A directory whose tokenizer
+    cannot be loaded: each worker fails as it builds its app, and the proxy stops with an error
+    instead of restarting them for ever."""
+    half = tmp_path / "config-only"
+    half.mkdir()
+    (half / "config.json").write_text('{"max_position_embeddings": 128}')
+    for model, expected in ((tmp_path / "none", "cannot load the model"), (half, "could not start")):
+        r = subprocess.run([sys.executable, "-m", "proxy", "--model", str(model), "--workers", "2",
+                            "--port", str(free_port()), "--log-level", "warning"],
+                           cwd=Path(__file__).parents[2], capture_output=True, text=True, timeout=120)
+        assert r.returncode != 0
+        assert expected in r.stderr, r.stderr[-2000:]
