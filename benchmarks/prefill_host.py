@@ -11,7 +11,8 @@ One engine (``enable_prefix_caching`` on), one request at a time, each to its fi
   496-token prefix + 16 (a repeated short prompt: a hit must not cost more than the miss), with the
   context attention of ``engine.mla.CONTEXT_ATTENTION`` "joint" and "split" interleaved,
 
-and the host time of one ``F.linear`` at a new and at a seen row count. The last line is one JSON object.
+and the host time of one ``F.linear`` at a new and at a seen row count. Every prefill runs eagerly
+(short ones would otherwise replay a CUDA graph: ``benchmarks/prefill_graphs.py``). The last line is one JSON object.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from presets import V2_LITE  # noqa: E402
 
-from engine import mla  # noqa: E402
+from engine import mla, model_runner  # noqa: E402
 from engine.engine_config import EngineConfig  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
@@ -41,6 +42,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="cuda")
     args = ap.parse_args()
+    model_runner.GRAPH_PREFILL_MAX_KEYS = 0  # the eager path (benchmarks/prefill_graphs.py sets replays beside it)
     model = Path(tempfile.mkdtemp()) / "v2-lite"
     model.mkdir()
     (model / "config.json").write_text(json.dumps(V2_LITE))
