@@ -31,6 +31,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from prefill_host import first_token_ms  # noqa: E402
 from presets import V2_LITE  # noqa: E402
 
 from engine import model_runner  # noqa: E402
@@ -65,13 +66,7 @@ def main() -> None:
     def ttft(prompt: list[int], form: str) -> float:
         model_runner.GRAPH_PREFILL_MAX_KEYS = FORMS[form]
         before = graphs.prefill_replays
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        seq = eng.add_request(prompt, params)
-        while not seq.is_finished:
-            eng.step()
-        torch.cuda.synchronize()
-        took = (time.perf_counter() - t0) * 1e3
+        took = first_token_ms(eng, prompt, params)
         replayed = graphs.prefill_replays > before
         assert replayed == (form == "graph"), f"a {form} prefill of {len(prompt)} tokens replayed: {replayed}"
         return took

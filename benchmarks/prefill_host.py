@@ -38,6 +38,17 @@ from engine.llm_engine import LLMEngine  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
 
 
+def first_token_ms(eng: LLMEngine, prompt: list[int], params: SamplingParams) -> float:
+    """Milliseconds from adding ``prompt`` to its (``max_tokens=1``) request's end, on an idle GPU engine."""
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    seq = eng.add_request(prompt, params)
+    while not seq.is_finished:
+        eng.step()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) * 1e3
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="cuda")
@@ -53,13 +64,7 @@ def main() -> None:
     params = SamplingParams(max_tokens=1, temperature=0.0)
 
     def ttft(prompt: list[int]) -> float:
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        seq = eng.add_request(prompt, params)
-        while not seq.is_finished:
-            eng.step()
-        torch.cuda.synchronize()
-        return (time.perf_counter() - t0) * 1e3
+        return first_token_ms(eng, prompt, params)
 
     def fresh(n: int) -> list[int]:
         return [rng.randrange(2, V2_LITE["vocab_size"]) for _ in range(n)]
