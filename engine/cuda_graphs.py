@@ -35,9 +35,17 @@ import torch
 
 from engine.forward_batch import ForwardBatch
 from engine.kv_cache import KVCache
+from engine.mla_decode import group_rows
 from engine.model import DeepseekForCausalLM
 
 log = logging.getLogger(__name__)
+
+
+# Graphs of at least this many rows serve a request's prefill rows in groups (``engine.mla_decode``'s
+# ``grouped``: each tile of the request's context read once for a group of rows). Every replay of such
+# a graph launches the grouped kernel, whose programs find nothing to do in a decode step: smaller
+# graphs (decode steps of up to 127 requests) leave it out.
+GROUPED_MIN_ROWS = 128
 
 
 def capture_sizes(max_batch: int) -> list[int]:
@@ -69,6 +77,9 @@ class DecodeGraphs:
         self.slots = torch.full((n,), self.scratch_slot, dtype=torch.long, device=device)
         self.tables = torch.zeros(n, self.width, dtype=torch.long, device=device)  # [n, W]
         self.lens = torch.zeros(n, dtype=torch.long, device=device)
+        self.group = group_rows(model.cfg.num_attention_heads)  # 1: no grouping for this model
+        self.grouped = torch.zeros(n, dtype=torch.int32, device=device)  # rows served in groups
+        self._grouped_set = False  # whether rows below the last step's size may hold flags
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         # The replays' outputs: one buffer each that every size's graph writes its rows of (a graph's own
         # outputs would stay allocated per size: ~0.9 GB of logits over a 256-row ladder of V2-Lite's).
@@ -87,6 +98,7 @@ class DecodeGraphs:
             num_decode=size, decode_block_tables=self.tables[:size], decode_seq_lens=self.lens[:size],
             decode_max_len=self.width * self.block_size, prefills=[],
             logits_rows=torch.arange(size, device=self.input_ids.device),
+            decode_grouped=self.grouped[:size] if self.group > 1 and size >= GROUPED_MIN_ROWS else None,
         )
 
     def _forward(self, size: int) -> None:
@@ -106,6 +118,7 @@ class DecodeGraphs:
         t0 = time.perf_counter()
         free0 = torch.cuda.mem_get_info()[0]
         self.lens.zero_()
+        self.grouped.zero_()
         self.slots.fill_(self.scratch_slot)
         pool = None
         try:
@@ -164,15 +177,22 @@ class DecodeGraphs:
                 repeats: list[int]) -> int:
         b = len(token_ids)
         size = next(s for s in self.sizes if s >= b)
-        host, table = row_inputs(token_ids, positions, block_tables, repeats, self.block_size)
+        group = self.group if size >= GROUPED_MIN_ROWS else 1
+        host, table = row_inputs(token_ids, positions, block_tables, repeats, self.block_size, group)
         host_t = torch.from_numpy(host)
         self.input_ids[:b].copy_(host_t[0], non_blocking=True)
         self.positions[:b].copy_(host_t[1], non_blocking=True)
         self.slots[:b].copy_(host_t[2], non_blocking=True)
         self.lens[:b].copy_(host_t[3], non_blocking=True)
+        if group > 1:
+            flagged = bool(host[4].any())
+            if flagged or self._grouped_set:  # decode steps leave the zeros in place
+                self.grouped[:b].copy_(host_t[4], non_blocking=True)
+            self._grouped_set = flagged
         self.tables[:b, : table.shape[1]].copy_(torch.from_numpy(table), non_blocking=True)
         if size > b:  # padding rows: no context, their latents into the spare block
             self.lens[b:size].zero_()
+            self.grouped[b:size].zero_()
             self.slots[b:size].fill_(self.scratch_slot)
         with torch.cuda.device(self.device):
             self._graphs[size].replay()
@@ -181,18 +201,25 @@ class DecodeGraphs:
 
 
 def row_inputs(token_ids: list[int], positions: list[int], block_tables: list[list[int]], repeats: list[int],
-               block_size: int) -> tuple[np.ndarray, np.ndarray]:
-    """A step's rows on the host: [4, B] (token id, position, cache slot, context length incl. the row's
-    own token) and the block tables [B, W], request r's ``repeats[r]`` consecutive rows sharing
-    ``block_tables[r]``."""
+               block_size: int, group: int = 1) -> tuple[np.ndarray, np.ndarray]:
+    """A step's rows on the host: [5, B] (token id, position, cache slot, context length incl. the row's
+    own token, 1 on rows served in groups) and the block tables [B, W], request r's ``repeats[r]``
+    consecutive rows sharing ``block_tables[r]``. With ``group`` > 1, each run of ``group`` rows that
+    starts at a multiple of it and lies inside one request's rows is flagged."""
     b = len(token_ids)
     table = np.zeros((b, max(len(t) for t in block_tables)), dtype=np.int64)  # 3x faster than torch.tensor
+    host = np.empty((5, b), dtype=np.int64)
+    host[4] = 0
     row = 0
     for t, k in zip(block_tables, repeats):
         table[row : row + k, : len(t)] = t
+        if group > 1 and k >= group:
+            first = -(-row // group) * group
+            last = (row + k) // group * group  # groups [first, last) lie inside the request's rows
+            if last > first:
+                host[4, first:last] = 1
         row += k
     pos = np.asarray(positions, dtype=np.int64)
-    host = np.empty((4, b), dtype=np.int64)
     host[0] = token_ids
     host[1] = pos
     host[2] = table[np.arange(b), pos // block_size] * block_size + pos % block_size

@@ -35,6 +35,9 @@ class ForwardBatch:
     decode_max_len: int  # max of decode_seq_lens, known on the host (no device sync to read it)
     prefills: list[PrefillSegment]
     logits_rows: torch.Tensor  # [N] int64: rows whose logits the step needs
+    # [B] int32 or None: decode rows that share a block table in aligned groups (a graph's prefill rows;
+    # engine.mla_decode's ``grouped``)
+    decode_grouped: torch.Tensor | None = None
     # Set on a rank of a parallel replica: this rank's share of the step (engine.parallel.step_plan).
     pcp: PCPStep | None = None
 

@@ -114,10 +114,10 @@ class MoE(nn.Module):
         if x.shape[0] == 0:  # a PCP rank with no rows this step
             return x.clone()
         weights, ids = self.gate(x)  # [T, K]
+        shared = self.shared_experts(x) if self.shared_experts is not None else None
         if moe_kernels.supported(x, ids.numel()):  # decode sizes on CUDA: route + two fused GEMMs
             per_token = moe_kernels.fused_experts(x, ids, self.w13, self.w2)  # [T, K, D]
-            routed = torch.bmm(weights.unsqueeze(1).to(x.dtype), per_token).squeeze(1)
-            return routed + self.shared_experts(x) if self.shared_experts is not None else routed
+            return moe_kernels.combine(per_token, weights, shared=shared)
         k = ids.shape[1]
         flat = ids.flatten()
         order = torch.argsort(flat, stable=True)
@@ -126,13 +126,14 @@ class MoE(nn.Module):
         token_idx = order // k
         xs = x[token_idx]  # [T*K, D], grouped by expert
         out = self._experts_grouped(xs, counts) if _use_grouped_mm(xs) else self._experts_loop(xs, counts)
+        if moe_kernels.usable(out):  # the weighted sum read through the permutation, and the add, in one pass
+            row_of = torch.empty_like(order).index_copy_(0, order, torch.arange(order.numel(), device=order.device))
+            return moe_kernels.combine(out, weights, row_of=row_of, shared=shared)
         # Back to (token, choice) order (a permutation: no atomics), then each token's weighted sum
         # of its K expert outputs as one batched [1, K] x [K, D] product.
         per_choice = torch.empty_like(out).index_copy_(0, order, out).view(-1, k, out.shape[-1])
         routed = torch.bmm(weights.unsqueeze(1).to(out.dtype), per_choice).squeeze(1)
-        if self.shared_experts is not None:
-            routed = routed + self.shared_experts(x)
-        return routed
+        return routed + shared if shared is not None else routed
 
     def _experts_loop(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         out = torch.empty_like(xs)
@@ -150,8 +151,12 @@ class MoE(nn.Module):
         """All experts in two grouped GEMMs (no per-expert launches, no host sync)."""
         offs = torch.cumsum(counts, 0).to(torch.int32)
         h = torch._grouped_mm(xs, self.w13.transpose(1, 2), offs=offs)  # [N, 2I]
-        gate, up = h.chunk(2, dim=-1)
-        return torch._grouped_mm(F.silu(gate) * up, self.w2.transpose(1, 2), offs=offs)
+        if moe_kernels.usable(h):
+            act = moe_kernels.silu_mul(h)
+        else:
+            gate, up = h.chunk(2, dim=-1)
+            act = F.silu(gate) * up
+        return torch._grouped_mm(act, self.w2.transpose(1, 2), offs=offs)
 
 
 def _use_grouped_mm(x: torch.Tensor) -> bool:

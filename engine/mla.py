@@ -102,8 +102,7 @@ class MLAttention(nn.Module):
                 kv_a, self.kv_a_layernorm.weight, self.kv_a_layernorm.eps, cfg.kv_lora_rank, batch.positions,
                 rope.cos, rope.sin, rope.interleave, q, cfg.qk_nope_head_dim, flat_cache, batch.slot_mapping)
             kv_c, k_pe = latent.split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
-            q_nope, q_pe = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
-            return self._attend(x, q_nope, q_pe, kv_c, k_pe, batch, flat_cache, cache.shape[1])
+            return self._attend(x, q, kv_c, k_pe, batch, flat_cache, cache.shape[1])
         kv_c = self.kv_a_layernorm(kv_a[:, : cfg.kv_lora_rank])
         k_pe = rope.apply(kv_a[:, cfg.kv_lora_rank :], batch.positions)
         latent = torch.cat((kv_c, k_pe), dim=-1)
@@ -116,12 +115,14 @@ class MLAttention(nn.Module):
             out = pcp_attention(self, q_nope, q_pe, latent, pending, batch, flat_cache, cache.shape[1])
             return self.o_proj(out.flatten(1))
         flat_cache[batch.slot_mapping] = latent.to(cache.dtype)
-        return self._attend(x, q_nope, q_pe, kv_c, k_pe, batch, flat_cache, cache.shape[1])
+        return self._attend(x, torch.cat((q_nope, q_pe), dim=-1), kv_c, k_pe, batch, flat_cache, cache.shape[1])
 
-    def _attend(self, x: torch.Tensor, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_c: torch.Tensor,
-                k_pe: torch.Tensor, batch: ForwardBatch, flat_cache: torch.Tensor, block_size: int) -> torch.Tensor:
-        """Attention of this step's rows (their latents already in the cache) -> o_proj output [T, D]."""
+    def _attend(self, x: torch.Tensor, q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor,
+                batch: ForwardBatch, flat_cache: torch.Tensor, block_size: int) -> torch.Tensor:
+        """Attention of this step's rows (q [T, H, nope+rope] rotated; their latents already in the
+        cache) -> o_proj output [T, D]."""
         cfg = self.cfg
+        q_nope, q_pe = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
         out = x.new_empty(x.shape[0], self.num_heads, cfg.v_head_dim)
         nd = batch.num_decode
         if nd and self.decode_form == "absorbed":
@@ -131,21 +132,19 @@ class MLAttention(nn.Module):
                 seq_len = int(batch.decode_seq_lens[row])  # debug path: a sync per row is fine
                 table = batch.decode_block_tables[row]
                 out[row : row + 1] = self._prefill_one(
-                    q_nope[row : row + 1], q_pe[row : row + 1], kv_c[row : row + 1], k_pe[row : row + 1],
-                    seq_len - 1, table, flat_cache, block_size,
+                    q[row : row + 1], kv_c[row : row + 1], k_pe[row : row + 1], seq_len - 1, table, flat_cache,
+                    block_size,
                 )
         for seg in batch.prefills:
             rows = slice(seg.start, seg.start + seg.num_new)
             out[rows] = self._prefill_one(
-                q_nope[rows], q_pe[rows], kv_c[rows], k_pe[rows],
-                seg.context_len, seg.block_table, flat_cache, block_size,
+                q[rows], kv_c[rows], k_pe[rows], seg.context_len, seg.block_table, flat_cache, block_size,
             )
         return self.o_proj(out.flatten(1))
 
     def _prefill_one(
         self,
-        q_nope: torch.Tensor,
-        q_pe: torch.Tensor,
+        q: torch.Tensor,
         kv_c: torch.Tensor,
         k_pe: torch.Tensor,
         context_len: int,
@@ -153,8 +152,8 @@ class MLAttention(nn.Module):
         flat_cache: torch.Tensor,
         block_size: int,
     ) -> torch.Tensor:
-        """One request's new rows [S, ...] attending its cached context and itself -> [S, H, v]."""
-        q = torch.cat((q_nope, q_pe), dim=-1)
+        """One request's new rows [S, ...] (q: [S, H, nope+rope]) attending its cached context and
+        itself -> [S, H, v]."""
         if context_len == 0:
             return attention(q, *self.expand_kv(kv_c, k_pe), self.scale, causal=True)
         ctx = flat_cache[slots_for(block_table, 0, context_len, block_size)].to(kv_c.dtype)  # [C, L+R]
@@ -177,7 +176,7 @@ class MLAttention(nn.Module):
             w_uk, _ = self._absorbed_weights()
             q_lat = torch.einsum("bhn,hnl->bhl", q_nope, w_uk)  # [B, H, L]
             cache = flat_cache.view(-1, bs, flat_cache.shape[-1])  # [num_blocks, block_size, L+R]
-            out_lat, _ = mla_decode(q_lat, q_pe, cache, tables, lens, self.scale)
+            out_lat, _ = mla_decode(q_lat, q_pe, cache, tables, lens, self.scale, grouped=batch.decode_grouped)
             return self.expand_latent_out(out_lat, q_nope.dtype)
         pos = torch.arange(batch.decode_max_len, device=tables.device)
         mask = pos[None, :] < lens[:, None]

@@ -16,6 +16,12 @@ online, in fp32. A row's context is cut into ``num_splits`` equal chunks (multip
 own seq_len on the device; with one split stage 1 writes the result, otherwise it writes partial outputs
 and LSEs to a workspace and stage 2 (programs (b, h, chunk of latent columns)) merges the splits by LSE.
 
+Rows of one request (a short prefill's rows, replayed from the same graphs as decode steps) read the
+same context: with ``grouped`` flags a second launch serves each flagged group of G consecutive rows
+with programs of G rows x BH heads (64 queries), each tile loaded once for all of them and masked per
+row (causal: row i sees up to its own position); the first launch skips those rows and the merge
+combines both launches' splits. One prefill row alone would read its whole context for 16 queries.
+
 Capturable in a CUDA graph: ``num_splits`` and the grid depend only on shapes (batch size, heads, the
 block table's width) and the SM count, never on device values; ``seq_lens`` and ``block_tables`` are only
 read by the kernels (loops run to each row's length; splits beyond it do nothing); the workspace can be
@@ -47,6 +53,11 @@ MIN_SPLIT_TOKENS = 64  # a split of the longest possible context covers at least
 MAX_SPLITS = 128
 NUM_WARPS: int | None = None
 NUM_STAGES: int | None = None
+# The grouped launch (one request's rows, G of them a program: G x heads = 64 queries a tile).
+GROUP_ROWS: int | None = None  # rows a program (None: enough for 64 queries, group_rows)
+GROUP_BLOCK_N = 64  # the grouped launch's tuning: an H200 sweep, 200 rows over 2k and 8k cached tokens
+GROUP_NUM_WARPS = 8
+GROUP_NUM_STAGES = 2
 
 
 def _config(num_heads: int) -> tuple[int, int, int]:
@@ -59,78 +70,99 @@ if HAS_TRITON:
 
     @triton.jit
     def _mla_decode_split(
-        QL, QP, KV, BT, LENS, OUT, LSE, POUT, PLSE,
+        QL, QP, KV, BT, LENS, GROUPED, OUT, LSE, POUT, PLSE,
         scale_log2, H,
         s_ql_b, s_ql_h, s_qp_b, s_qp_h, s_kv_blk, s_kv_tok, s_bt_b, s_lens, s_o_b, s_o_h, s_lse_b, s_lse_h,
         L: tl.constexpr, R: tl.constexpr, BL: tl.constexpr, BR: tl.constexpr, PAGE: tl.constexpr,
-        BH: tl.constexpr, BN: tl.constexpr, SPLITS: tl.constexpr, HAS_LSE: tl.constexpr, PREC: tl.constexpr,
+        BH: tl.constexpr, BN: tl.constexpr, SPLITS: tl.constexpr, WS: tl.constexpr, HAS_LSE: tl.constexpr,
+        PREC: tl.constexpr, G: tl.constexpr, MODE: tl.constexpr,
     ):
-        # head groups vary fastest: the programs reading one (row, split) run together and share L2
+        # Program (head group, split, group of G rows): its G * BH queries are rows r0..r0+G-1 x BH heads.
+        # MODE 0: every row (G = 1); 1: the rows GROUPED does not flag (G = 1); 2: the groups it flags,
+        # whose G rows share one block table (one request's prefill rows): each tile serves all of them.
+        # Head groups vary fastest: the programs reading one (row, split) run together and share L2.
         split = tl.program_id(1)
-        b = tl.program_id(2)
-        heads = tl.program_id(0) * BH + tl.arange(0, BH)  # [BH]
+        r0 = tl.program_id(2) * G
+        qi = tl.arange(0, G * BH)
+        rows = r0 + qi // BH  # [G*BH]
+        heads = tl.program_id(0) * BH + qi % BH
         hmask = heads < H
+        active = r0 >= 0  # MODE 0: every program
+        if MODE == 1:
+            active = tl.load(GROUPED + r0) == 0
+        if MODE == 2:
+            active = tl.load(GROUPED + r0) != 0
         offs_l = tl.arange(0, BL)
         offs_r = tl.arange(0, BR)
         lmask = offs_l < L
-        seq_len = tl.load(LENS + b * s_lens).to(tl.int32)
+        lens = tl.load(LENS + rows * s_lens).to(tl.int32)  # [G*BH]: each query's context, itself included
+        seq_len = tl.where(active, tl.max(lens, 0), 0)
         chunk = tl.cdiv(tl.cdiv(seq_len, SPLITS), BN) * BN
         start = split * chunk
-        end = tl.minimum(start + chunk, seq_len)  # empty (no iterations) for splits past the row's end
+        end = tl.minimum(start + chunk, seq_len)  # empty (no iterations) for splits past the rows' end
 
-        ql_ptr = QL + b * s_ql_b + heads[:, None] * s_ql_h
-        qp_ptr = QP + b * s_qp_b + heads[:, None] * s_qp_h
+        ql_ptr = QL + rows[:, None].to(tl.int64) * s_ql_b + heads[:, None] * s_ql_h
+        qp_ptr = QP + rows[:, None].to(tl.int64) * s_qp_b + heads[:, None] * s_qp_h
         dt = KV.dtype.element_ty
-        q_lat = tl.load(ql_ptr + offs_l[None, :], mask=hmask[:, None] & lmask[None, :], other=0.0).to(dt)  # [BH, BL]
-        q_pe = tl.load(qp_ptr + offs_r[None, :], mask=hmask[:, None] & (offs_r < R)[None, :], other=0.0).to(dt)
+        qmask = hmask & active  # a skipped program reads nothing
+        q_lat = tl.load(ql_ptr + offs_l[None, :], mask=qmask[:, None] & lmask[None, :], other=0.0).to(dt)  # [GBH, BL]
+        q_pe = tl.load(qp_ptr + offs_r[None, :], mask=qmask[:, None] & (offs_r < R)[None, :], other=0.0).to(dt)
 
-        m_i = tl.full([BH], float("-inf"), tl.float32)  # running max, log2 units
-        l_i = tl.zeros([BH], tl.float32)  # running sum of exp2(s - m_i)
-        acc = tl.zeros([BH, BL], tl.float32)  # running sum of p * kv_c
+        m_i = tl.full([G * BH], float("-inf"), tl.float32)  # running max, log2 units
+        l_i = tl.zeros([G * BH], tl.float32)  # running sum of exp2(s - m_i)
+        acc = tl.zeros([G * BH, BL], tl.float32)  # running sum of p * kv_c
         for n0 in range(start, end, BN):
-            offs_n = n0 + tl.arange(0, BN)  # [BN] token positions in the row
+            offs_n = n0 + tl.arange(0, BN)  # [BN] token positions in the rows' context
             nmask = offs_n < end
-            blk = tl.load(BT + b * s_bt_b + offs_n // PAGE, mask=nmask, other=0).to(tl.int64)
-            rows = KV + blk * s_kv_blk + (offs_n % PAGE).to(tl.int64) * s_kv_tok  # [BN] token rows of the cache
-            kv_c = tl.load(rows[:, None] + offs_l[None, :], mask=nmask[:, None] & lmask[None, :], other=0.0)
-            k_pe = tl.load(rows[:, None] + L + offs_r[None, :], mask=nmask[:, None] & (offs_r < R)[None, :], other=0.0)
-            s = tl.dot(q_lat, tl.trans(kv_c), input_precision=PREC)  # [BH, BN] fp32
+            blk = tl.load(BT + r0 * s_bt_b + offs_n // PAGE, mask=nmask, other=0).to(tl.int64)
+            toks = KV + blk * s_kv_blk + (offs_n % PAGE).to(tl.int64) * s_kv_tok  # [BN] token rows of the cache
+            kv_c = tl.load(toks[:, None] + offs_l[None, :], mask=nmask[:, None] & lmask[None, :], other=0.0)
+            k_pe = tl.load(toks[:, None] + L + offs_r[None, :], mask=nmask[:, None] & (offs_r < R)[None, :], other=0.0)
+            s = tl.dot(q_lat, tl.trans(kv_c), input_precision=PREC)  # [GBH, BN] fp32
             s = tl.dot(q_pe, tl.trans(k_pe), acc=s, input_precision=PREC)
-            s = tl.where(nmask[None, :], s * scale_log2, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: every visited tile holds a token
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])  # [BH, BN]
+            s = tl.where(offs_n[None, :] < lens[:, None], s * scale_log2, float("-inf"))  # causal per row
+            m_new = tl.maximum(m_i, tl.max(s, 1))  # -inf only for a query none of whose keys came yet
+            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_ref)
+            p = tl.exp2(s - m_ref[:, None])  # [GBH, BN]
             l_i = l_i * alpha + tl.sum(p, 1)
-            acc = tl.dot(p.to(dt), kv_c, acc=acc * alpha[:, None], input_precision=PREC)  # [BH, BL]
+            acc = tl.dot(p.to(dt), kv_c, acc=acc * alpha[:, None], input_precision=PREC)  # [GBH, BL]
             m_i = m_new
 
         has = l_i > 0.0  # false for an empty split (or a seq_len-0 row)
         o = acc / tl.where(has, l_i, 1.0)[:, None]
         lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+        smask = hmask & active
         if SPLITS == 1:
-            o_ptr = OUT + b * s_o_b + heads[:, None] * s_o_h + offs_l[None, :]
-            tl.store(o_ptr, o.to(OUT.dtype.element_ty), mask=hmask[:, None] & lmask[None, :])
+            o_ptr = OUT + rows[:, None].to(tl.int64) * s_o_b + heads[:, None] * s_o_h + offs_l[None, :]
+            tl.store(o_ptr, o.to(OUT.dtype.element_ty), mask=smask[:, None] & lmask[None, :])
             if HAS_LSE:
-                tl.store(LSE + b * s_lse_b + heads * s_lse_h, lse, mask=hmask)
+                tl.store(LSE + rows * s_lse_b + heads * s_lse_h, lse, mask=smask)
         else:
-            # workspace: POUT [B, H, SPLITS, L], PLSE [B, H, SPLITS] (fp32, contiguous); empty splits write
-            # only their -inf, and the merge never reads their outputs.
-            row = (b * H + heads) * SPLITS + split  # [BH]
-            po_ptr = POUT + row.to(tl.int64)[:, None] * L + offs_l[None, :]
-            tl.store(po_ptr, o, mask=(hmask & has)[:, None] & lmask[None, :])
-            tl.store(PLSE + row, lse, mask=hmask)
+            # workspace: POUT [B, H, WS, L], PLSE [B, H, WS] (fp32, contiguous; this launch's splits are the
+            # first SPLITS of WS); empty splits write only their -inf, and the merge never reads their outputs.
+            ws_row = (rows.to(tl.int64) * H + heads) * WS + split  # [GBH]
+            po_ptr = POUT + ws_row[:, None] * L + offs_l[None, :]
+            tl.store(po_ptr, o, mask=(smask & has)[:, None] & lmask[None, :])
+            tl.store(PLSE + ws_row, lse, mask=smask)
 
     @triton.jit
     def _mla_decode_merge(
-        POUT, PLSE, OUT, LSE, H, s_o_b, s_o_h, s_lse_b, s_lse_h,
-        L: tl.constexpr, LC: tl.constexpr, SPLITS: tl.constexpr, BS: tl.constexpr, HAS_LSE: tl.constexpr,
+        POUT, PLSE, GROUPED, OUT, LSE, H, s_o_b, s_o_h, s_lse_b, s_lse_h,
+        L: tl.constexpr, LC: tl.constexpr, SPLITS: tl.constexpr, GSPLITS: tl.constexpr, WS: tl.constexpr,
+        BS: tl.constexpr, HAS_LSE: tl.constexpr, HAS_GROUPS: tl.constexpr,
     ):
-        # program (b, h, chunk of LC latent columns): all splits' partials loaded at once, [BS, LC]
+        # program (b, h, chunk of LC latent columns): all splits' partials loaded at once, [BS, LC]; a row
+        # the grouped launch served has GSPLITS of them, any other SPLITS
         b = tl.program_id(0)
         h = tl.program_id(1)
         c = tl.program_id(2)
-        rows = (b * H + h) * SPLITS + tl.arange(0, BS)  # [BS]
-        smask = tl.arange(0, BS) < SPLITS
+        nsplit = SPLITS
+        if HAS_GROUPS:
+            nsplit = tl.where(tl.load(GROUPED + b) != 0, GSPLITS, SPLITS)
+        # nsplit 1: that launch wrote the row's output itself; nothing to merge
+        rows = (b * H + h).to(tl.int64) * WS + tl.arange(0, BS)  # [BS]
+        smask = (tl.arange(0, BS) < nsplit) & (nsplit > 1)
         offs_l = c * LC + tl.arange(0, LC)
         lmask = offs_l < L
         lses = tl.load(PLSE + rows, mask=smask, other=float("-inf"))  # [BS]
@@ -139,15 +171,14 @@ if HAS_TRITON:
         w = tl.exp(lses - m)
         total = tl.sum(w, 0)
         live = smask & (lses > float("-inf"))  # an empty split's outputs are never written: never read them
-        part = tl.load(POUT + rows.to(tl.int64)[:, None] * L + offs_l[None, :], mask=live[:, None] & lmask[None, :],
-                       other=0.0)
+        part = tl.load(POUT + rows[:, None] * L + offs_l[None, :], mask=live[:, None] & lmask[None, :], other=0.0)
         has = total > 0.0
         o = tl.sum(w[:, None] * part, 0) / tl.where(has, total, 1.0)  # [LC]
-        tl.store(OUT + b * s_o_b + h * s_o_h + offs_l, o.to(OUT.dtype.element_ty), mask=lmask)
+        tl.store(OUT + b * s_o_b + h * s_o_h + offs_l, o.to(OUT.dtype.element_ty), mask=lmask & (nsplit > 1))
         if HAS_LSE:
             if c == 0:
                 lse = tl.where(has, m + tl.log(tl.where(has, total, 1.0)), float("-inf"))
-                tl.store(LSE + b * s_lse_b + h * s_lse_h, lse)
+                tl.store(LSE + b * s_lse_b + h * s_lse_h, lse, mask=nsplit > 1)
 
 
 @dataclass
@@ -189,6 +220,19 @@ def workspace_for(
     )
 
 
+def group_rows(num_heads: int) -> int:
+    """Rows of one request a grouped program serves together: enough for a 64-query tile (1 at 64+ heads)."""
+    return GROUP_ROWS or max(1, 64 // max(16, 1 << (num_heads - 1).bit_length()))
+
+
+def grouped_splits(batch: int, num_heads: int, max_context: int, device: torch.device) -> int:
+    """Splits of the grouped launch: about one wave of programs over the ``batch // G`` groups."""
+    g = group_rows(num_heads)
+    sms = _sm_count(device.index or 0) if device.type == "cuda" else 8
+    want = math.ceil(sms / max(batch // g * math.ceil(num_heads / _config(num_heads)[0]), 1))
+    return _pow2_floor(min(want, max(max_context // MIN_SPLIT_TOKENS, 1), MAX_SPLITS))
+
+
 def mla_decode(
     q_lat: torch.Tensor,  # [B, H, L] (q_nope absorbed through W_UK)
     q_pe: torch.Tensor,  # [B, H, R] (rotated)
@@ -201,9 +245,16 @@ def mla_decode(
     want_lse: bool = False,
     workspace: MLADecodeWorkspace | None = None,
     num_splits: int | None = None,
+    grouped: torch.Tensor | None = None,  # [B] int: rows served in groups (see below), or None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Absorbed MLA decode attention -> (out_lat [B, H, L] in ``out``'s dtype, default q_lat's; lse [B, H]
-    fp32 natural log or None). Capturable when ``out``, ``lse`` and ``workspace`` are given."""
+    fp32 natural log or None). Capturable when ``out``, ``lse`` and ``workspace`` are given.
+
+    ``grouped``: a nonzero flag on rows r..r+G-1 (r a multiple of ``group_rows(H)``, all G flagged or
+    none) says those rows share one block table, as one request's prefill rows do: a second launch serves
+    each such group with programs of G rows, so each tile of their context is read once for all of them
+    (the first launch skips them). The flags are device values: a graph captured with them serves any mix.
+    """
     if not HAS_TRITON:
         raise RuntimeError("mla_decode needs triton")
     b, h, lat = q_lat.shape
@@ -214,41 +265,56 @@ def mla_decode(
                          f"{tuple(kv_cache.shape)}, tables {tuple(block_tables.shape)}, lens {tuple(seq_lens.shape)}")
     if q_lat.stride(-1) != 1 or q_pe.stride(-1) != 1 or kv_cache.stride(-1) != 1 or block_tables.stride(-1) != 1:
         raise ValueError("the last dimension of q_lat, q_pe, kv_cache and block_tables must be contiguous")
+    g = group_rows(h)
+    if grouped is not None and (g == 1 or b < g):
+        grouped = None  # nothing to group: every head group already fills a tile, or too few rows
+    if grouped is not None and (grouped.shape != (b,) or grouped.stride(0) != 1):
+        raise ValueError(f"grouped must be a contiguous [B] tensor, got {tuple(grouped.shape)}")
     if num_splits is None:
         num_splits = choose_num_splits(b, h, block_tables.shape[1] * page, q_lat.device)
+    gsplits = 0
+    if grouped is not None:  # split too only where the decode launch does (a merge launch for both)
+        gsplits = grouped_splits(b, h, block_tables.shape[1] * page, q_lat.device) if num_splits > 1 else 1
+    ws = max(num_splits, gsplits)
     if out is None:
         out = torch.empty(b, h, lat, dtype=q_lat.dtype, device=q_lat.device)
     if lse is None and want_lse:
         lse = torch.empty(b, h, dtype=torch.float32, device=q_lat.device)
     lse_arg = lse if lse is not None else out  # never written when HAS_LSE is false
     lse_strides = (lse.stride(0), lse.stride(1)) if lse is not None else (0, 0)
-    if num_splits > 1:
+    merge = ws > 1
+    if merge:
         if workspace is None:
-            workspace = workspace_for(b, h, lat, num_splits, q_lat.device)
-        n = b * h * num_splits
+            workspace = workspace_for(b, h, lat, ws, q_lat.device)
+        n = b * h * ws
         if workspace.part_lse.numel() < n or workspace.part_out.numel() < n * lat:
-            raise ValueError(f"workspace too small for batch {b}, {h} heads, {num_splits} splits")
+            raise ValueError(f"workspace too small for batch {b}, {h} heads, {ws} splits")
         pout, plse = workspace.part_out, workspace.part_lse
     else:
         pout, plse = out, out  # unused with one split
     bl, br = max(triton.next_power_of_2(lat), 16), max(triton.next_power_of_2(rope), 16)  # tl.dot: K >= 16
     prec = "ieee" if kv_cache.dtype == torch.float32 else "tf32"  # fp32 caches: exact fp32 products
     bh, warps, stages = _config(h)
-    grid = (triton.cdiv(h, bh), num_splits, b)
-    _mla_decode_split[grid](
-        q_lat, q_pe, kv_cache, block_tables, seq_lens, out, lse_arg, pout, plse,
-        scale * math.log2(math.e), h,
-        q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1), kv_cache.stride(0), kv_cache.stride(1),
-        block_tables.stride(0), seq_lens.stride(0), out.stride(0), out.stride(1), *lse_strides,
-        L=lat, R=rope, BL=bl, BR=br, PAGE=page, BH=bh, BN=BLOCK_N, SPLITS=num_splits,
-        HAS_LSE=lse is not None, PREC=prec, num_warps=warps, num_stages=stages,
-    )
-    if num_splits > 1:
-        bs = triton.next_power_of_2(num_splits)
+    flags = grouped if grouped is not None else seq_lens  # never read without groups
+    args = (q_lat, q_pe, kv_cache, block_tables, seq_lens, flags, out, lse_arg, pout, plse,
+            scale * math.log2(math.e), h,
+            q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1), kv_cache.stride(0), kv_cache.stride(1),
+            block_tables.stride(0), seq_lens.stride(0), out.stride(0), out.stride(1), *lse_strides)
+    common = dict(L=lat, R=rope, BL=bl, BR=br, PAGE=page, BH=bh, WS=ws, HAS_LSE=lse is not None, PREC=prec)
+    _mla_decode_split[(triton.cdiv(h, bh), num_splits, b)](
+        *args, **common, BN=BLOCK_N, SPLITS=num_splits, G=1, MODE=0 if grouped is None else 1,
+        num_warps=warps, num_stages=stages)
+    if grouped is not None:
+        _mla_decode_split[(triton.cdiv(h, bh), gsplits, b // g)](
+            *args, **common, BN=GROUP_BLOCK_N, SPLITS=gsplits, G=g, MODE=2, num_warps=GROUP_NUM_WARPS,
+            num_stages=GROUP_NUM_STAGES)
+    if merge:
+        bs = triton.next_power_of_2(ws)
         lc = min(bl, max(32, 8192 // bs))  # a [splits, LC] fp32 tile of at most 8192 values
         _mla_decode_merge[(b, h, triton.cdiv(lat, lc))](
-            pout, plse, out, lse_arg, h, out.stride(0), out.stride(1), *lse_strides,
-            L=lat, LC=lc, SPLITS=num_splits, BS=bs, HAS_LSE=lse is not None, num_warps=4,
+            pout, plse, flags, out, lse_arg, h, out.stride(0), out.stride(1), *lse_strides,
+            L=lat, LC=lc, SPLITS=num_splits, GSPLITS=gsplits, WS=ws, BS=bs, HAS_LSE=lse is not None,
+            HAS_GROUPS=grouped is not None, num_warps=4,
         )
     return out, lse
 

@@ -1,4 +1,5 @@
-"""Routed experts at decode batch sizes as three Triton kernels (route, gate-up, down): a fused MoE.
+"""Routed experts at decode batch sizes as three Triton kernels (route, gate-up, down): a fused MoE;
+and at every size, the expert outputs' weighted sum per token (``combine``) and ``silu_mul``.
 
 At decode sizes each expert sees a few rows, so the routed experts' cost is reading their weights:
 what matters is reading each used expert's weights once, at full bandwidth, and launching few kernels.
@@ -12,6 +13,11 @@ For ``T`` tokens choosing ``K`` experts each (``N = T*K`` rows):
    writes ``silu(gate) * up`` (fp32 math, one rounding) for those rows. Experts without rows exit.
 3. ``_moe_down``: the same over ``w2``; each row's output is written to its (token, choice) slot, so
    the caller's weighted sum over choices is one batched product.
+
+4. ``_moe_combine``: program (token, column chunk) sums the token's K expert rows, each times its router
+   weight, in fp32, plus the shared experts' output, and rounds once: the weighted sum and the add in
+   one pass (torch needs a permutation copy, a batched [1, K] x [K, D] product and an add; at prefill
+   sizes those took a tenth of the step, docs/benchmarks.md).
 
 Everything is shaped by ``E``, the weight shapes and ``N`` only (never by device values), so the
 kernels are capturable in a CUDA graph. Triton is optional: without it ``HAS_TRITON`` is False.
@@ -119,6 +125,35 @@ if HAS_TRITON:
             tl.store(OUT + dest[:, None] * D + cols[None, :], acc.to(OUT.dtype.element_ty),
                      mask=rmask[:, None] & cmask[None, :])
 
+    @triton.jit
+    def _moe_combine(Y, ROW, WT, SHARED, OUT, D, K: tl.constexpr, BD: tl.constexpr, HAS_ROW: tl.constexpr,
+                     HAS_SHARED: tl.constexpr):
+        t = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BD + tl.arange(0, BD)
+        cmask = cols < D
+        acc = tl.zeros([BD], tl.float32)
+        for j in tl.static_range(K):
+            if HAS_ROW:
+                r = tl.load(ROW + t * K + j).to(tl.int64)
+            else:
+                r = t * K + j
+            w = tl.load(WT + t * K + j).to(tl.float32)
+            acc += w * tl.load(Y + r * D + cols, mask=cmask, other=0.0).to(tl.float32)
+        if HAS_SHARED:
+            acc += tl.load(SHARED + t * D + cols, mask=cmask, other=0.0).to(tl.float32)
+        tl.store(OUT + t * D + cols, acc.to(OUT.dtype.element_ty), mask=cmask)
+
+    @triton.jit
+    def _silu_mul(H, OUT, TOTAL, INTER, BLOCK: tl.constexpr):
+        # program: BLOCK consecutive elements of the [N, I] output, whatever rows they span
+        idx = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        m = idx < TOTAL
+        r = idx // INTER
+        src = idx + r * INTER  # row r's gate column c sits at r * 2I + c, its up column I further
+        gate = tl.load(H + src, mask=m, other=0.0).to(tl.float32)
+        up = tl.load(H + src + INTER, mask=m, other=0.0).to(tl.float32)
+        tl.store(OUT + idx, (gate / (1.0 + tl.exp(-gate)) * up).to(OUT.dtype.element_ty), mask=m)
+
 
 def supported(x: torch.Tensor, num_rows: int) -> bool:
     """Whether the fused kernels serve this call: CUDA, Triton, at most MAX_ROWS (token, choice) rows."""
@@ -154,6 +189,47 @@ def fused_experts(x: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor, w2: tor
     _moe_down[(e, triton.cdiv(d, BLOCK_N))](
         act, order, offs, w2, out, d, i,
         BM=bm, BN=BLOCK_N, BK=bk, PREC=prec, num_warps=NUM_WARPS, num_stages=stages)
+    return out
+
+
+def usable(x: torch.Tensor) -> bool:
+    """Whether ``combine`` and ``silu_mul`` serve this tensor (CUDA and Triton)."""
+    return HAS_TRITON and x.is_cuda
+
+
+def combine(y: torch.Tensor, weights: torch.Tensor, row_of: torch.Tensor | None = None,
+            shared: torch.Tensor | None = None) -> torch.Tensor:
+    """Each token's weighted sum of its K expert outputs, plus ``shared`` -> [T, D] in y's dtype.
+
+    ``weights`` [T, K] (any float dtype; used in fp32). ``y`` [N, D] holds the expert outputs: row
+    ``row_of[t * K + j]`` is token t's choice j (``row_of`` [T*K] int), or without ``row_of`` y is in
+    (token, choice) order ([T, K, D] or [T*K, D]). ``shared`` [T, D] (contiguous) is added before the
+    one rounding."""
+    t, k = weights.shape
+    d = y.shape[-1]
+    y = y.reshape(-1, d)
+    if y.stride(-1) != 1 or y.stride(0) != d or y.shape[0] < t * k or not (shared is None or shared.is_contiguous()):
+        raise ValueError(f"combine: y {tuple(y.shape)}, weights {tuple(weights.shape)}")
+    out = torch.empty(t, d, dtype=y.dtype, device=y.device)
+    if t == 0:
+        return out
+    bd = min(1024, triton.next_power_of_2(d))
+    wt = weights.contiguous()
+    _moe_combine[(t, triton.cdiv(d, bd))](
+        y, row_of if row_of is not None else wt, wt, shared if shared is not None else out, out, d,
+        K=k, BD=bd, HAS_ROW=row_of is not None, HAS_SHARED=shared is not None, num_warps=4)
+    return out
+
+
+def silu_mul(h: torch.Tensor) -> torch.Tensor:
+    """[N, 2I] (gate columns, then up) -> silu(gate) * up [N, I], in fp32 math, rounded once."""
+    n, two_i = h.shape
+    inter = two_i // 2
+    if not h.is_contiguous():
+        raise ValueError("silu_mul needs a contiguous [N, 2I] input")
+    out = torch.empty(n, inter, dtype=h.dtype, device=h.device)
+    if n:
+        _silu_mul[(triton.cdiv(n * inter, 2048),)](h, out, n * inter, inter, BLOCK=2048, num_warps=4)
     return out
 
 

@@ -5,7 +5,9 @@
   latent row and its cache write), interleaved and not;
 - ``engine.moe_kernels.fused_experts`` against a per-(token, choice) fp32 loop, with experts that get no
   rows, experts with more rows than a tile, and inside a CUDA graph; the MoE module's fused path against
-  its grouped-GEMM / loop path.
+  its grouped-GEMM / loop path;
+- ``engine.moe_kernels.combine`` (the weighted sum of each token's expert rows, through a permutation or
+  in order, plus the shared experts) and ``silu_mul`` against torch in fp32.
 
 Tolerances: the fused kernels round where the torch code rounds, so norms and rope agree to one bf16
 rounding step (2^-7 relative; sums of squares are added in another order); the experts' GEMMs keep fp32
@@ -135,6 +137,33 @@ def check_experts_graph(device: str = "cuda") -> None:
         assert rel_err(out, moe_kernels.fused_experts_reference(x, ids, w13, w2)) <= 2.0**-6, f"replay {seed}"
 
 
+def check_combine(device: str, dtype: torch.dtype, t: int = 37, k: int = 6, d: int = 200) -> None:
+    g = torch.Generator().manual_seed(3)
+    y = torch.randn(t * k, d, generator=g).to(device=device, dtype=dtype)
+    w = torch.rand(t, k, generator=g).to(device)  # fp32, as the router gives them
+    shared = torch.randn(t, d, generator=g).to(device=device, dtype=dtype)
+    perm = torch.randperm(t * k, generator=g).to(device)  # row perm[i] holds flat (token, choice) i
+    moved = torch.empty_like(y)
+    moved[perm] = y
+    want = (w.unsqueeze(-1) * y.float().view(t, k, d)).sum(1)
+    tol = 2.0**-7 if dtype != torch.float32 else 1e-5
+    out = moe_kernels.combine(y, w, shared=shared)
+    assert out.shape == (t, d) and out.dtype == dtype
+    assert rel_err(out, want + shared.float()) <= tol, "in (token, choice) order, plus shared"
+    assert rel_err(moe_kernels.combine(moved, w, row_of=perm), want) <= tol, "through the permutation"
+    assert rel_err(moe_kernels.combine(y.view(t, k, d), w), want) <= tol, "[T, K, D] input"
+    assert moe_kernels.combine(y[:0], w[:0]).shape == (0, d)
+
+
+def check_silu_mul(device: str, dtype: torch.dtype, n: int = 29, inter: int = 1408) -> None:
+    g = torch.Generator().manual_seed(4)
+    h = (2 * torch.randn(n, 2 * inter, generator=g)).to(device=device, dtype=dtype)
+    want = torch.nn.functional.silu(h[:, :inter].float()) * h[:, inter:].float()
+    out = moe_kernels.silu_mul(h)
+    assert out.shape == (n, inter) and out.dtype == dtype
+    assert rel_err(out, want) <= (2.0**-7 if dtype != torch.float32 else 1e-5)
+
+
 EXPERT_CASES = [(1, 6, 64, 2048, 1408), (64, 6, 64, 2048, 1408), (3, 2, 8, 96, 40), (200, 8, 256, 256, 128)]
 
 
@@ -152,6 +181,14 @@ def test_mla_latent(interleave: bool, dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("case", EXPERT_CASES)
 def test_fused_experts(case: tuple) -> None:
     print(case, check_experts("cuda", torch.bfloat16, *case))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_combine_and_silu_mul(dtype: torch.dtype) -> None:
+    check_combine("cuda", dtype)
+    check_combine("cuda", dtype, t=4096, k=6, d=2048)
+    check_silu_mul("cuda", dtype)
+    check_silu_mul("cuda", dtype, n=3001, inter=96)
 
 
 def test_fused_experts_crowded_and_fp32() -> None:
@@ -198,5 +235,7 @@ if __name__ == "__main__":  # TRITON_INTERPRET=1: the same checks on CPU, small 
             check_mla_latent("cpu", dt, il, lat=64, rope_dim=16, heads=3, nope=32, t=4)
         for c in [(1, 6, 64, 64, 48), (5, 2, 8, 96, 40)]:
             print(dt, c, check_experts("cpu", dt, *c))
+        check_combine("cpu", dt, t=5, k=3, d=40)
+        check_silu_mul("cpu", dt, n=7, inter=50)
         check_experts("cpu", dt, 40, 3, 8, 64, 32, crowd=True)
     print("ok")

@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from engine.mla_decode import (  # noqa: E402
     HAS_TRITON,
     choose_num_splits,
+    group_rows,
     mla_decode,
     mla_decode_reference,
     workspace_for,
@@ -141,6 +142,41 @@ def check_graph(device: str = "cuda", dtype: torch.dtype = torch.bfloat16, heads
         assert lse_err <= lse_tol, f"graph replay {seed}: max |lse - ref| = {lse_err:.3g} > {lse_tol:.3g}"
 
 
+def check_grouped(device: str, dtype: torch.dtype, heads: int = 16, page: int = 16, decode: int = 5,
+                  segments: tuple[tuple[int, int], ...] = ((300, 37), (0, 9), (1000, 70)), pad: int = 6,
+                  lat: int = L, rope: int = R, num_splits: int | None = None) -> None:
+    """Decode rows, then prefill segments (context, new rows) whose rows share a block table and attend
+    up to their own positions, then padding rows: with the aligned groups flagged, against the reference."""
+    g = group_rows(heads)
+    lens = ragged_lens(decode, 700, page, seed=3)
+    starts = []
+    for ctx, n in segments:
+        starts.append(len(lens))
+        lens += [ctx + n] * n  # each row gets blocks for the whole segment; the first row's table is shared
+    lens += [0] * pad
+    case = make_case(lens, heads, page, dtype, device, seed=11, lat=lat, rope=rope)
+    flags = torch.zeros(len(lens), dtype=torch.int32)
+    for (ctx, n), s0 in zip(segments, starts):
+        case["block_tables"][s0 : s0 + n] = case["block_tables"][s0]
+        case["seq_lens"][s0 : s0 + n] = torch.arange(ctx + 1, ctx + n + 1)
+        first = -(-s0 // g) * g
+        for r in range(first, s0 + n - g + 1, g):
+            flags[r : r + g] = 1
+    assert flags.any(), "the case must have groups"
+    flags = flags.to(device)
+    ref, ref_lse = mla_decode_reference(**case, scale=SCALE, want_lse=True)
+    out, lse = mla_decode(**case, scale=SCALE, want_lse=True, grouped=flags, num_splits=num_splits)
+    assert lse is not None
+    vmax = float(case["kv_cache"][..., :lat].float().abs().max())
+    tol, lse_tol = TOL[dtype]
+    err = float((out.float() - ref).abs().max()) / vmax
+    assert err <= tol, f"grouped H={heads}: max |out - ref| / max|kv_c| = {err:.3g} > {tol:.3g}"
+    live = case["seq_lens"] > 0
+    assert torch.isneginf(lse[~live]).all() and (out[~live] == 0).all(), "padding rows"
+    lse_err = float((lse[live] - ref_lse[live]).abs().max())
+    assert lse_err <= lse_tol, f"grouped H={heads}: max |lse - ref| = {lse_err:.3g} > {lse_tol:.3g}"
+
+
 # -- pytest (CUDA) ------------------------------------------------------------------------------------------
 
 GPU_CONFIGS = [  # (heads, page, batch, max_len, num_splits)
@@ -172,6 +208,13 @@ def test_cuda_graph_replay_with_new_lens_and_tables() -> None:
     check_graph("cuda", torch.bfloat16, heads=128, page=64, batch=4, width=512)
 
 
+@pytest.mark.parametrize("heads,page,splits", [(16, 16, None), (16, 64, 1), (32, 16, 3), (128, 64, None)])
+def test_grouped_rows_match_reference(heads: int, page: int, splits: int | None) -> None:
+    """One request's rows served in groups (a short prefill in a graph), beside decode rows and padding."""
+    check_grouped("cuda", torch.bfloat16, heads=heads, page=page, num_splits=splits)
+    check_grouped("cuda", torch.bfloat16, heads=heads, page=page, segments=((5000, 200),), decode=0, pad=0)
+
+
 def test_splits_are_static() -> None:
     dev = torch.device("cuda")
     assert choose_num_splits(1, 16, 32768, dev) >= 32  # one row of long context is spread over the SMs
@@ -186,4 +229,8 @@ if __name__ == "__main__":  # TRITON_INTERPRET=1: the same checks on CPU, small 
             print(line)
     for line in run_checks("cpu", torch.float32, [(16, 16, 2, 40, 2), (16, 16, 3, 700, 64)]):  # the real L, R
         print(line)
+    for dt in (torch.float32, torch.float16):
+        check_grouped("cpu", dt, lat=64, rope=16, segments=((30, 13), (0, 9)), decode=3, pad=2)
+        check_grouped("cpu", dt, lat=64, rope=16, segments=((40, 11),), decode=0, pad=0, num_splits=2)
+    print("grouped ok")
     print("ok")

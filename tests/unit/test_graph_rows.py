@@ -103,3 +103,15 @@ def test_steps_that_stay_eager(tiny_model, monkeypatch: pytest.MonkeyPatch) -> N
     monkeypatch.setattr(model_runner, "GRAPH_PREFILL_MAX_KEYS", 0)
     _, stand_in = _generate(tiny_model, 64, True)
     assert stand_in is not None and stand_in.prefill_replays == 0
+
+
+def test_row_inputs_flag_aligned_groups_inside_one_request() -> None:
+    """Rows served in groups of 4: only runs that start at a multiple of 4 and lie inside one request."""
+    repeats = [1, 1, 1, 10, 2, 9]  # three decode rows; rows 3-12, 13-14 and 15-23 are three prefills
+    n = sum(repeats)
+    tables = [[r + 1] * 3 for r in range(len(repeats))]
+    positions = [0, 0, 0] + list(range(10)) + [5, 6] + list(range(9))
+    host, table = row_inputs(list(range(n)), positions, tables, repeats, block_size=16, group=4)
+    assert host.shape == (5, n) and table.shape == (n, 3)
+    assert [i for i in range(n) if host[4, i]] == [4, 5, 6, 7, 8, 9, 10, 11, 16, 17, 18, 19, 20, 21, 22, 23]
+    assert not row_inputs(list(range(n)), positions, tables, repeats, block_size=16)[0][4].any(), "group 1: none"
