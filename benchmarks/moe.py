@@ -4,6 +4,7 @@ from CUDA graphs; with ``--sweep`` the Triton tile configurations side by side.
 
   python benchmarks/moe.py                  # V2-Lite's experts (64 x 2048 x 1408, top-6), bf16
   python benchmarks/moe.py --sweep
+  python benchmarks/moe.py --tokens 200 512 --route-split-rows 512   # routing over chunks of rows (vs 0)
 
 Reports µs per layer call and the weight-read bandwidth (bytes of the experts used / time). Ends with one
 JSON line.
@@ -68,7 +69,10 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--inter", type=int, default=1408)
     ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--route-split-rows", type=int, default=moe_kernels.ROUTE_SPLIT_ROWS,
+                    help="moe_kernels.ROUTE_SPLIT_ROWS: route over chunks of rows from this many rows (0: never)")
     args = ap.parse_args()
+    moe_kernels.ROUTE_SPLIT_ROWS = args.route_split_rows
     e, d, i = args.experts, args.hidden, args.inter
     g = torch.Generator(device="cuda").manual_seed(0)
     # several layers' weights, cycled, so a call does not find its weights in L2 from the previous one
@@ -80,7 +84,8 @@ def main() -> None:
                 moe_kernels.NUM_STAGES)]
     if args.sweep:
         configs = list(itertools.product([None, 16], [32, 64, 128], [64, 128, 256], [4], [3, 4]))
-    res: dict = {"bench": "moe", "experts": e, "topk": args.topk, "hidden": d, "inter": i}
+    res: dict = {"bench": "moe", "experts": e, "topk": args.topk, "hidden": d, "inter": i,
+                 "route_split_rows": args.route_split_rows}
     for t in args.tokens:
         x = torch.randn(t, d, device="cuda", dtype=torch.bfloat16, generator=g)
         ids = torch.stack([torch.randperm(e, device="cuda", generator=g)[: args.topk] for _ in range(t)])

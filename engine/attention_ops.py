@@ -30,6 +30,13 @@ def _pad_v(v: torch.Tensor, dq: int) -> torch.Tensor:
 # (docs/benchmarks.md, "Prefix caching and the attention kernel").
 LSE_KERNEL = "auto"
 CUDNN_MIN_ROWS = 12288
+# With CUDNN_BUCKET > 0, a prompt's causal attention over itself alone (no cached context, no LSE)
+# runs on cuDNN from CUDNN_BUCKET_MIN_ROWS rows, its rows padded to a multiple of CUDNN_BUCKET: a plan
+# per bucket instead of per length, so serving builds a few and then reuses them. Padding keys come
+# after every real query, so the causal mask hides them; padding queries' rows are dropped. Off (0)
+# until measured against FlashAttention on lengths serving sees (benchmarks/prefill_lengths.py).
+CUDNN_BUCKET = 0
+CUDNN_BUCKET_MIN_ROWS = 2048
 
 
 def _bhsd(x: torch.Tensor) -> torch.Tensor:
@@ -58,8 +65,30 @@ def _fused(
     return out, stats.reshape(stats.shape[1], -1).transpose(0, 1).float()
 
 
+def _padded_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
+    out = x.new_empty((rows, *x.shape[1:]))
+    out[: x.shape[0]] = x
+    out[x.shape[0] :].zero_()  # finite scores for the padding rows
+    return out
+
+
+def _cudnn_bucketed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal self-attention of n rows on cuDNN, padded to the next multiple of CUDNN_BUCKET rows."""
+    n = q.shape[0]
+    rows = -(-n // CUDNN_BUCKET) * CUDNN_BUCKET
+    if rows != n:
+        q, k, v = (_padded_rows(x, rows) for x in (q, k, v))
+    res = torch.ops.aten._scaled_dot_product_cudnn_attention(
+        _bhsd(q), _bhsd(k), _bhsd(v.contiguous()), None, False, 0.0, True, False, scale=scale
+    )
+    return res[0][0].transpose(0, 1)[:n]
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool) -> torch.Tensor:
     """Plain attention without the lse (a prefill, with or without cached context before its rows)."""
+    if (CUDNN_BUCKET and causal and _use_flash(q) and q.shape[0] == k.shape[0] >= CUDNN_BUCKET_MIN_ROWS
+            and LSE_KERNEL != "flash"):
+        return _cudnn_bucketed(q, k, v, scale)
     if q.shape[0] != k.shape[0] and causal:
         if _use_flash(q):  # the new rows are the last of the keys: FlashAttention's bottom-right mask
             return _fused(q, k, v, scale, causal, lse=False, flash=True)[0]

@@ -5,8 +5,9 @@ At decode sizes each expert sees a few rows, so the routed experts' cost is read
 what matters is reading each used expert's weights once, at full bandwidth, and launching few kernels.
 For ``T`` tokens choosing ``K`` experts each (``N = T*K`` rows):
 
-1. ``_moe_route`` (one program): counts rows per expert, and gives every (token, choice) its row in
-   expert order, without a sort: ``offs`` [E+1] (expert e's rows are ``offs[e]:offs[e+1]``),
+1. ``_moe_route`` (one program; or ``_moe_count``, ``_moe_offsets`` and ``_moe_place`` over chunks of rows,
+   ``ROUTE_SPLIT_ROWS``): counts rows per expert, and gives every (token, choice) its row in expert order,
+   without a sort: ``offs`` [E+1] (expert e's rows are ``offs[e]:offs[e+1]``),
    ``src`` [N] (row -> token) and ``order`` [N] (row -> flat (token, choice) index).
 2. ``_moe_gate_up``: program (expert, column tile) loads the expert's gate and up weight tiles once per
    tile of up to ``BLOCK_M`` rows, reading its rows' inputs straight from ``x`` through ``src``, and
@@ -44,6 +45,11 @@ BLOCK_K = 128
 NUM_WARPS = 4
 NUM_STAGES = 4
 MAX_ROWS = 4096  # above this many (token, choice) rows the caller's grouped GEMM is the better tool
+# From this many (token, choice) rows routing runs as three kernels over chunks of rows (count per chunk,
+# offsets, place) instead of one program walking all rows twice; 0: always one program. Off until
+# measured (benchmarks/moe.py --route-split-rows): a 200-token replay spent 0.64 ms of ~15 in routing.
+ROUTE_SPLIT_ROWS = 0
+ROUTE_CHUNK = 128
 
 if HAS_TRITON:
 
@@ -71,6 +77,43 @@ if HAS_TRITON:
             tl.store(SRC + row, i // K, mask=m)
             tl.store(ORDER + row, i, mask=m)
             seen += tl.sum(hot, 0)
+
+    @triton.jit
+    def _moe_count(IDS, COUNTS, N, EP: tl.constexpr, CHUNK: tl.constexpr):
+        # program p: rows per expert among rows [p * CHUNK, (p + 1) * CHUNK) -> COUNTS[p, :]
+        p = tl.program_id(0)
+        experts = tl.arange(0, EP)
+        i = p * CHUNK + tl.arange(0, CHUNK)
+        e = tl.load(IDS + i, mask=i < N, other=EP).to(tl.int32)
+        tl.store(COUNTS + p * EP + experts, tl.sum((e[:, None] == experts[None, :]).to(tl.int32), 0))
+
+    @triton.jit
+    def _moe_offsets(COUNTS, BASE, OFFS, P, E: tl.constexpr, EP: tl.constexpr, PP: tl.constexpr):
+        # one program: expert e's rows start at OFFS[e]; chunk p's rows of expert e at BASE[p, e]
+        experts = tl.arange(0, EP)
+        chunks = tl.arange(0, PP)
+        cmask = (chunks < P)[:, None]
+        counts = tl.load(COUNTS + chunks[:, None] * EP + experts[None, :], mask=cmask, other=0)  # [PP, EP]
+        totals = tl.sum(counts, 0)
+        ends = tl.cumsum(totals, 0)
+        base = (ends - totals)[None, :] + tl.cumsum(counts, 0) - counts  # earlier chunks' rows of e first
+        tl.store(BASE + chunks[:, None] * EP + experts[None, :], base, mask=cmask)
+        tl.store(OFFS + 1 + experts, ends, mask=experts < E)
+        tl.store(OFFS + experts, 0, mask=experts == 0)
+
+    @triton.jit
+    def _moe_place(IDS, BASE, SRC, ORDER, N, K: tl.constexpr, EP: tl.constexpr, CHUNK: tl.constexpr):
+        # program p: each of its rows' place among its expert's rows, in row order (as _moe_route)
+        p = tl.program_id(0)
+        experts = tl.arange(0, EP)
+        i = p * CHUNK + tl.arange(0, CHUNK)
+        m = i < N
+        e = tl.load(IDS + i, mask=m, other=EP).to(tl.int32)
+        hot = (e[:, None] == experts[None, :]).to(tl.int32)  # [CHUNK, EP]
+        base = tl.load(BASE + p * EP + experts)
+        row = tl.sum(hot * (base[None, :] + tl.cumsum(hot, 0) - hot), 1)
+        tl.store(SRC + row, i // K, mask=m)
+        tl.store(ORDER + row, i, mask=m)
 
     @triton.jit
     def _moe_gate_up(X, SRC, OFFS, W, OUT, s_x, D, INTER,
@@ -170,12 +213,7 @@ def fused_experts(x: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor, w2: tor
     if x.stride(-1) != 1 or not w13.is_contiguous() or not w2.is_contiguous() or w2.shape != (e, d, i):
         raise ValueError(f"fused_experts: x {tuple(x.shape)}, w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)}")
     dev = x.device
-    offs = torch.empty(e + 1, dtype=torch.int32, device=dev)
-    src = torch.empty(n, dtype=torch.int32, device=dev)
-    order = torch.empty(n, dtype=torch.int32, device=dev)
-    ep = triton.next_power_of_2(e)
-    _moe_route[(1,)](ids.reshape(-1), offs, src, order, n, E=e, EP=ep, K=k,
-                     CHUNK=max(16, min(256, 8192 // ep)), num_warps=4)
+    offs, src, order = route(ids, e)
     prec = "ieee" if x.dtype == torch.float32 else "tf32"  # fp32: exact products
     # A tile of rows per expert's average share: each extra tile of an expert re-reads its weights.
     bm = BLOCK_M or min(64, max(16, triton.next_power_of_2(-(-n // e))))
@@ -190,6 +228,32 @@ def fused_experts(x: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor, w2: tor
         act, order, offs, w2, out, d, i,
         BM=bm, BN=BLOCK_N, BK=bk, PREC=prec, num_warps=NUM_WARPS, num_stages=stages)
     return out
+
+
+def route(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Expert ids [T, K] -> (offs [E+1], src [T*K], order [T*K]) int32: expert e's rows are
+    ``offs[e]:offs[e+1]``, in (token, choice) order; row r is token ``src[r]``'s choice ``order[r] % K``."""
+    t, k = ids.shape
+    n = t * k
+    dev = ids.device
+    offs = torch.empty(num_experts + 1, dtype=torch.int32, device=dev)
+    src = torch.empty(n, dtype=torch.int32, device=dev)
+    order = torch.empty(n, dtype=torch.int32, device=dev)
+    ep = triton.next_power_of_2(num_experts)
+    flat = ids.reshape(-1)
+    if ROUTE_SPLIT_ROWS and n >= ROUTE_SPLIT_ROWS:
+        chunk = max(16, min(ROUTE_CHUNK, 8192 // ep))  # a [chunk, EP] one-hot tile per program
+        chunks = triton.cdiv(n, chunk)
+        counts = torch.empty(chunks, ep, dtype=torch.int32, device=dev)
+        base = torch.empty(chunks, ep, dtype=torch.int32, device=dev)
+        _moe_count[(chunks,)](flat, counts, n, EP=ep, CHUNK=chunk, num_warps=4)
+        _moe_offsets[(1,)](counts, base, offs, chunks, E=num_experts, EP=ep, PP=triton.next_power_of_2(chunks),
+                           num_warps=4)
+        _moe_place[(chunks,)](flat, base, src, order, n, K=k, EP=ep, CHUNK=chunk, num_warps=4)
+    else:
+        _moe_route[(1,)](flat, offs, src, order, n, E=num_experts, EP=ep, K=k,
+                         CHUNK=max(16, min(256, 8192 // ep)), num_warps=4)
+    return offs, src, order
 
 
 def usable(x: torch.Tensor) -> bool:

@@ -86,6 +86,29 @@ def test_pcp_local_attention_flash_path_matches_fp64() -> None:
     assert _rel(out, ref) < 1e-2
 
 
+def test_prompt_attention_padded_to_a_cudnn_bucket_matches_fp64(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``attention_ops.CUDNN_BUCKET``: a causal prompt padded to a bucket's rows on cuDNN gives its rows'
+    attention (the padding keys come after every real query), at lengths off and on a bucket's edge."""
+    from engine import attention_ops
+    from engine.attention_ops import attention
+
+    monkeypatch.setattr(attention_ops, "CUDNN_BUCKET", 512)
+    monkeypatch.setattr(attention_ops, "CUDNN_BUCKET_MIN_ROWS", 1024)
+    called = []
+    real = attention_ops._cudnn_bucketed
+    monkeypatch.setattr(attention_ops, "_cudnn_bucketed", lambda *a: called.append(a[0].shape[0]) or real(*a))
+    h = 16
+    g = torch.Generator().manual_seed(2)
+    for n in (1025, 1536, 2000):
+        q, k = (torch.randn(n, h, 192, generator=g, dtype=torch.float64) for _ in range(2))
+        v = torch.randn(n, h, 128, generator=g, dtype=torch.float64)
+        ref = attention(q, k, v, 0.07, causal=True)
+        out = attention(*(t.to("cuda", torch.bfloat16) for t in (q, k, v)), 0.07, causal=True)
+        assert out.shape == (n, h, 128)
+        assert _rel(out.double().cpu(), ref) < 1e-2, n
+    assert called == [1025, 1536, 2000]
+
+
 def test_new_rows_over_a_context_in_one_flash_call_match_fp64() -> None:
     """``attention`` with fewer queries than keys, causal: FlashAttention aligns the mask bottom-right (the
     queries are the last rows), as the fp64 reference does; the joint context path relies on it."""

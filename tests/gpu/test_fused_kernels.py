@@ -137,6 +137,26 @@ def check_experts_graph(device: str = "cuda") -> None:
         assert rel_err(out, moe_kernels.fused_experts_reference(x, ids, w13, w2)) <= 2.0**-6, f"replay {seed}"
 
 
+def check_route_split(device: str, cases: tuple[tuple[int, int, int], ...] = ((1, 6, 64), (300, 6, 64), (700, 8, 256),
+                                                                           (37, 2, 8))) -> None:
+    """Routing over chunks of rows (three kernels) places every row where the one-program routing does."""
+    g = torch.Generator().manual_seed(6)
+    saved = moe_kernels.ROUTE_SPLIT_ROWS
+    try:
+        for t, k, e in cases:
+            ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)]).to(device)
+            moe_kernels.ROUTE_SPLIT_ROWS = 0
+            want = moe_kernels.route(ids, e)
+            moe_kernels.ROUTE_SPLIT_ROWS = 1
+            got = moe_kernels.route(ids, e)
+            for name, a, b in zip(("offs", "src", "order"), want, got):
+                assert torch.equal(a, b), f"T={t} K={k} E={e}: {name} differs"
+            counts = torch.bincount(ids.flatten(), minlength=e).cpu()
+            assert torch.equal(want[0].cpu().diff(), counts.to(torch.int32)), "offs: rows per expert"
+    finally:
+        moe_kernels.ROUTE_SPLIT_ROWS = saved
+
+
 def check_combine(device: str, dtype: torch.dtype, t: int = 37, k: int = 6, d: int = 200) -> None:
     g = torch.Generator().manual_seed(3)
     y = torch.randn(t * k, d, generator=g).to(device=device, dtype=dtype)
@@ -191,6 +211,12 @@ def test_combine_and_silu_mul(dtype: torch.dtype) -> None:
     check_silu_mul("cuda", dtype, n=3001, inter=96)
 
 
+def test_routing_over_chunks_equals_one_program(monkeypatch: pytest.MonkeyPatch) -> None:
+    check_route_split("cuda")
+    monkeypatch.setattr(moe_kernels, "ROUTE_SPLIT_ROWS", 256)  # the fused experts through it, 1,800 rows
+    check_experts("cuda", torch.bfloat16, 300, 6, 64, 2048, 1408)
+
+
 def test_fused_experts_crowded_and_fp32() -> None:
     check_experts("cuda", torch.bfloat16, 100, 4, 16, 256, 128, crowd=True)  # 100 rows per used expert
     check_experts("cuda", torch.float32, 17, 6, 64, 256, 96)
@@ -236,6 +262,7 @@ if __name__ == "__main__":  # TRITON_INTERPRET=1: the same checks on CPU, small 
         for c in [(1, 6, 64, 64, 48), (5, 2, 8, 96, 40)]:
             print(dt, c, check_experts("cpu", dt, *c))
         check_combine("cpu", dt, t=5, k=3, d=40)
+        check_route_split("cpu", ((1, 6, 64), (50, 6, 64), (40, 2, 8)))
         check_silu_mul("cpu", dt, n=7, inter=50)
         check_experts("cpu", dt, 40, 3, 8, 64, 32, crowd=True)
     print("ok")
