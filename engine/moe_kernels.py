@@ -46,9 +46,9 @@ NUM_WARPS = 4
 NUM_STAGES = 4
 MAX_ROWS = 4096  # above this many (token, choice) rows the caller's grouped GEMM is the better tool
 # From this many (token, choice) rows routing runs as three kernels over chunks of rows (count per chunk,
-# offsets, place) instead of one program walking all rows twice; 0: always one program. Off until
-# measured (benchmarks/moe.py --route-split-rows): a 200-token replay spent 0.64 ms of ~15 in routing.
-ROUTE_SPLIT_ROWS = 0
+# offsets, place) instead of one program walking all rows twice; 0: always one program. One MoE layer on
+# an H200 (benchmarks/moe.py --route-split-rows 0 / 512): 200 tokens 307 -> 287 us, 512 tokens 393 -> 335.
+ROUTE_SPLIT_ROWS = 512
 ROUTE_CHUNK = 128
 
 if HAS_TRITON:
@@ -88,18 +88,22 @@ if HAS_TRITON:
         tl.store(COUNTS + p * EP + experts, tl.sum((e[:, None] == experts[None, :]).to(tl.int32), 0))
 
     @triton.jit
-    def _moe_offsets(COUNTS, BASE, OFFS, P, E: tl.constexpr, EP: tl.constexpr, PP: tl.constexpr):
-        # one program: expert e's rows start at OFFS[e]; chunk p's rows of expert e at BASE[p, e]
-        experts = tl.arange(0, EP)
+    def _moe_offsets(COUNTS, BASE, OFFS, P, E, EP: tl.constexpr, PP: tl.constexpr, EB: tl.constexpr):
+        # one program: expert e's rows start at OFFS[e]; chunk p's rows of expert e at BASE[p, e]. Experts
+        # in blocks of EB (a [PP, EB] tile at a time), each block's offsets after the blocks before it.
         chunks = tl.arange(0, PP)
         cmask = (chunks < P)[:, None]
-        counts = tl.load(COUNTS + chunks[:, None] * EP + experts[None, :], mask=cmask, other=0)  # [PP, EP]
-        totals = tl.sum(counts, 0)
-        ends = tl.cumsum(totals, 0)
-        base = (ends - totals)[None, :] + tl.cumsum(counts, 0) - counts  # earlier chunks' rows of e first
-        tl.store(BASE + chunks[:, None] * EP + experts[None, :], base, mask=cmask)
-        tl.store(OFFS + 1 + experts, ends, mask=experts < E)
-        tl.store(OFFS + experts, 0, mask=experts == 0)
+        done = tl.sum(tl.zeros([EB], tl.int32), 0)  # rows of the experts before this block
+        for blk in tl.static_range(EP // EB):
+            experts = blk * EB + tl.arange(0, EB)
+            counts = tl.load(COUNTS + chunks[:, None] * EP + experts[None, :], mask=cmask, other=0)  # [PP, EB]
+            totals = tl.sum(counts, 0)
+            ends = done + tl.cumsum(totals, 0)
+            base = (ends - totals)[None, :] + tl.cumsum(counts, 0) - counts  # earlier chunks' rows of e first
+            tl.store(BASE + chunks[:, None] * EP + experts[None, :], base, mask=cmask)
+            tl.store(OFFS + 1 + experts, ends, mask=experts < E)
+            done += tl.sum(totals, 0)
+        tl.store(OFFS, done * 0)
 
     @triton.jit
     def _moe_place(IDS, BASE, SRC, ORDER, N, K: tl.constexpr, EP: tl.constexpr, CHUNK: tl.constexpr):
@@ -247,8 +251,9 @@ def route(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tens
         counts = torch.empty(chunks, ep, dtype=torch.int32, device=dev)
         base = torch.empty(chunks, ep, dtype=torch.int32, device=dev)
         _moe_count[(chunks,)](flat, counts, n, EP=ep, CHUNK=chunk, num_warps=4)
-        _moe_offsets[(1,)](counts, base, offs, chunks, E=num_experts, EP=ep, PP=triton.next_power_of_2(chunks),
-                           num_warps=4)
+        pp = triton.next_power_of_2(chunks)
+        _moe_offsets[(1,)](counts, base, offs, chunks, num_experts, EP=ep, PP=pp, EB=max(1, min(ep, 4096 // pp)),
+                           num_warps=4)  # [PP, EB] tiles of at most 4,096 counts: their scans fit shared memory
         _moe_place[(chunks,)](flat, base, src, order, n, K=k, EP=ep, CHUNK=chunk, num_warps=4)
     else:
         _moe_route[(1,)](flat, offs, src, order, n, E=num_experts, EP=ep, K=k,
