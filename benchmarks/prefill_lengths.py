@@ -2,6 +2,7 @@
 
   python3 benchmarks/prefill_lengths.py              # V2-Lite's shape on dummy weights, bf16, one GPU
   python3 benchmarks/prefill_lengths.py --requests 40 --min-tokens 1024 --max-tokens 12288 --bucket 512
+  python3 benchmarks/prefill_lengths.py --warm       # every bucket planned first, as a node does at start-up
 
 cuDNN's fused attention is 2-3x faster than FlashAttention on a shape it has planned for, but builds a
 plan for every new shape first (37-50 ms on an H200), and prompt lengths rarely repeat
@@ -12,7 +13,8 @@ length finds cuBLAS's choices for its row count made):
 - ``auto``: the engine's default (FlashAttention below ``attention_ops.CUDNN_MIN_ROWS`` rows, cuDNN above);
 - ``bucketed``: cuDNN with the prompt padded to a multiple of ``--bucket`` rows from
   ``--bucket-min-rows`` (``attention_ops.CUDNN_BUCKET``): a plan per bucket, built the first time a
-  bucket is met and counted in that request's time, as serving would pay it.
+  bucket is met and counted in that request's time, as serving would pay it (with ``--warm``, planned
+  before the first request instead, as a node with ``CUDNN_BUCKET`` set does at start-up).
 
 It prints each form's mean, median and p90 time to the first token, and bucketed / auto; the last line
 is one JSON object.
@@ -51,6 +53,9 @@ def main() -> None:
     ap.add_argument("--bucket", type=int, default=512)
     ap.add_argument("--bucket-min-rows", type=int, default=2048)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--warm", action="store_true",
+                    help="plan every bucket first (attention_ops.warm_cudnn_buckets: what a node does at start-up "
+                         "when CUDNN_BUCKET is set), so the bucketed form runs in its steady state")
     args = ap.parse_args()
     if args.bucket <= 0 or not 0 < args.min_tokens <= args.max_tokens:
         sys.exit("need --bucket > 0 and 0 < --min-tokens <= --max-tokens")
@@ -70,6 +75,15 @@ def main() -> None:
     first_token_ms(eng, [rng.randrange(2, vocab) for _ in range(args.min_tokens)], params)  # warm-up (flash)
     times: dict[str, list[float]] = {f: [] for f in forms}
     attention_ops.CUDNN_BUCKET_MIN_ROWS = args.bucket_min_rows
+    warm_s = None
+    if args.warm:
+        attention_ops.CUDNN_BUCKET = args.bucket
+        t0 = time.perf_counter()
+        mc = eng.model_config
+        n = attention_ops.warm_cudnn_buckets(mc.num_attention_heads, mc.qk_head_dim, mc.v_head_dim, args.max_tokens,
+                                             torch.bfloat16, torch.device(args.device))
+        warm_s = time.perf_counter() - t0
+        print(f"planned {n} buckets in {warm_s:.1f}s", flush=True)
     for i in range(args.requests):
         n = rng.randint(args.min_tokens, args.max_tokens)
         for form, bucket in (forms.items() if i % 2 == 0 else reversed(forms.items())):
@@ -81,7 +95,7 @@ def main() -> None:
     attention_ops.CUDNN_BUCKET = 0
     res: dict = {"bench": "prefill_lengths", "device": torch.cuda.get_device_name(), "requests": args.requests,
                  "min_tokens": args.min_tokens, "max_tokens": args.max_tokens, "bucket": args.bucket,
-                 "bucket_min_rows": args.bucket_min_rows}
+                 "bucket_min_rows": args.bucket_min_rows, "warm_s": round(warm_s, 2) if warm_s is not None else None}
     print(f"{'form':>9} {'mean ms':>9} {'p50 ms':>8} {'p90 ms':>8}")
     for form, ts in times.items():
         p90 = sorted(ts)[int(0.9 * (len(ts) - 1))]

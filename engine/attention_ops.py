@@ -84,6 +84,26 @@ def _cudnn_bucketed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
     return res[0][0].transpose(0, 1)[:n]
 
 
+def warm_cudnn_buckets(num_heads: int, qk_dim: int, v_dim: int, max_rows: int, dtype: torch.dtype,
+                       device: torch.device) -> int:
+    """With ``CUDNN_BUCKET`` set, run each bucket's shape once up to ``max_rows`` (a prefill step's most
+    rows), so cuDNN's plans are built at start-up instead of by the first requests of each bucket.
+    Returns the buckets planned (0 when bucketing is off or not on CUDA)."""
+    if not CUDNN_BUCKET or device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16):
+        return 0
+    first = -(-CUDNN_BUCKET_MIN_ROWS // CUDNN_BUCKET) * CUDNN_BUCKET
+    last = -(-max_rows // CUDNN_BUCKET) * CUDNN_BUCKET
+    if last < first:
+        return 0
+    q = torch.zeros(last, num_heads, qk_dim, dtype=dtype, device=device)
+    v = torch.zeros(last, num_heads, v_dim, dtype=dtype, device=device)
+    buckets = range(first, last + 1, CUDNN_BUCKET)
+    for rows in buckets:  # contiguous row prefixes: the layouts _cudnn_bucketed passes
+        _cudnn_bucketed(q[:rows], q[:rows], v[:rows], 1.0)
+    torch.cuda.synchronize(device)
+    return len(buckets)
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool) -> torch.Tensor:
     """Plain attention without the lse (a prefill, with or without cached context before its rows)."""
     if (CUDNN_BUCKET and causal and _use_flash(q) and q.shape[0] == k.shape[0] >= CUDNN_BUCKET_MIN_ROWS

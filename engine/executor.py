@@ -13,6 +13,7 @@ from typing import Protocol
 
 import torch
 
+from engine.attention_ops import warm_cudnn_buckets
 from engine.config import ModelConfig
 from engine.cuda_graphs import DecodeGraphs
 from engine.engine_config import EngineConfig
@@ -101,6 +102,11 @@ class LocalExecutor:
         self.model = load_model(config, mc, self.dtype, self.device)
         n = kv_blocks_for_memory(config, mc, max_model_len, self.dtype, self.device, self.num_layers)
         check_kv_capacity(n, config.block_size, max_model_len)
+        t0 = time.perf_counter()
+        planned = warm_cudnn_buckets(mc.num_attention_heads, mc.qk_head_dim, mc.v_head_dim,
+                                     min(config.max_num_batched_tokens, max_model_len), self.dtype, self.device)
+        if planned:
+            log.info("planned cuDNN attention for %d prompt-length buckets in %.1fs", planned, time.perf_counter() - t0)
         graphs = self.device.type == "cuda" and not config.enforce_eager and HAS_TRITON
         self.cache = KVCache(mc, range(self.num_layers), n, config.block_size, self.dtype, self.device,
                              spare_blocks=1 if graphs else 0)

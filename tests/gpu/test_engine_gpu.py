@@ -107,6 +107,7 @@ def test_prompt_attention_padded_to_a_cudnn_bucket_matches_fp64(monkeypatch: pyt
         assert out.shape == (n, h, 128)
         assert _rel(out.double().cpu(), ref) < 1e-2, n
     assert called == [1025, 1536, 2000]
+    assert attention_ops.warm_cudnn_buckets(h, 192, 128, 2000, torch.bfloat16, torch.device("cuda")) == 3
 
 
 def test_new_rows_over_a_context_in_one_flash_call_match_fp64() -> None:
