@@ -79,7 +79,7 @@ class DecodeGraphs:
         self.lens = torch.zeros(n, dtype=torch.long, device=device)
         self.group = group_rows(model.cfg.num_attention_heads)  # 1: no grouping for this model
         self.grouped = torch.zeros(n, dtype=torch.int32, device=device)  # rows served in groups
-        self._grouped_set = False  # whether rows below the last step's size may hold flags
+        self._grouped_hw = 0  # every row of ``grouped`` from here on is 0
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         # The replays' outputs: one buffer each that every size's graph writes its rows of (a graph's own
         # outputs would stay allocated per size: ~0.9 GB of logits over a 256-row ladder of V2-Lite's).
@@ -119,6 +119,7 @@ class DecodeGraphs:
         free0 = torch.cuda.mem_get_info()[0]
         self.lens.zero_()
         self.grouped.zero_()
+        self._grouped_hw = 0
         self.slots.fill_(self.scratch_slot)
         pool = None
         try:
@@ -185,19 +186,28 @@ class DecodeGraphs:
         self.slots[:b].copy_(host_t[2], non_blocking=True)
         self.lens[:b].copy_(host_t[3], non_blocking=True)
         if group > 1:
-            flagged = bool(host[4].any())
-            if flagged or self._grouped_set:  # decode steps leave the zeros in place
-                self.grouped[:b].copy_(host_t[4], non_blocking=True)
-            self._grouped_set = flagged
+            self._grouped_hw = update_group_flags(self.grouped, host[4], self._grouped_hw)
         self.tables[:b, : table.shape[1]].copy_(torch.from_numpy(table), non_blocking=True)
         if size > b:  # padding rows: no context, their latents into the spare block
-            self.lens[b:size].zero_()
-            self.grouped[b:size].zero_()
+            self.lens[b:size].zero_()  # (their group flags are 0: update_group_flags keeps rows >= b clear)
             self.slots[b:size].fill_(self.scratch_slot)
         with torch.cuda.device(self.device):
             self._graphs[size].replay()
         self.replays += 1
         return size
+
+
+def update_group_flags(buf: torch.Tensor, flags: np.ndarray, high_water: int) -> int:
+    """Write a step's group flags into rows ``[:len(flags)]`` of ``buf``, and clear the rows beyond them
+    that an earlier (larger) step flagged; returns the new high-water mark: every row of ``buf`` from
+    it on is 0. Steps with no flags over a clear buffer copy nothing (decode steps)."""
+    b = len(flags)
+    flagged = np.flatnonzero(flags)
+    if flagged.size or high_water:
+        buf[:b].copy_(torch.from_numpy(flags), non_blocking=True)
+        if high_water > b:
+            buf[b:high_water].zero_()
+    return int(flagged[-1]) + 1 if flagged.size else 0
 
 
 def row_inputs(token_ids: list[int], positions: list[int], block_tables: list[list[int]], repeats: list[int],

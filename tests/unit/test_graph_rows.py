@@ -10,11 +10,12 @@ decodes, and the steps that must stay eager (prompt logprobs, too many rows or k
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 from engine import LLM, SamplingParams, model_runner
-from engine.cuda_graphs import row_inputs
+from engine.cuda_graphs import row_inputs, update_group_flags
 from engine.forward_batch import ForwardBatch
 from engine.kv_cache import KVCache
 from engine.model import DeepseekForCausalLM
@@ -115,3 +116,19 @@ def test_row_inputs_flag_aligned_groups_inside_one_request() -> None:
     assert host.shape == (5, n) and table.shape == (n, 3)
     assert [i for i in range(n) if host[4, i]] == [4, 5, 6, 7, 8, 9, 10, 11, 16, 17, 18, 19, 20, 21, 22, 23]
     assert not row_inputs(list(range(n)), positions, tables, repeats, block_size=16)[0][4].any(), "group 1: none"
+
+
+def test_group_flags_never_outlive_their_step() -> None:
+    """A graph's flag buffer across replays of different sizes: a larger step's flags beyond a smaller
+    step's rows are cleared by it, so a later step (of any size) sees only its own flags."""
+    buf = torch.zeros(512, dtype=torch.int32)
+    hw = 0
+    steps = [(200, range(8, 200)), (120, range(0)), (250, range(0)), (300, range(100, 300)), (40, range(0, 40)),
+             (300, range(0))]
+    for b, flagged in steps:
+        flags = np.zeros(b, dtype=np.int64)
+        flags[list(flagged)] = 1
+        hw = update_group_flags(buf, flags, hw)
+        assert torch.equal(buf[:b], torch.from_numpy(flags).to(torch.int32)), b
+        assert not buf[b:].any(), f"stale flags past a {b}-row step"
+        assert not buf[hw:].any()
