@@ -61,6 +61,42 @@ def test_graph_decode_as_close_to_fp32_as_eager(tiny_model) -> None:
     assert followed["graph"] >= 0.5 * followed["eager"] > 0, followed
 
 
+def test_decode_rows_after_a_grouped_prefill_replay(tiny_model) -> None:
+    """A 300-row prefill replay flags groups of rows (one request's rows attend together); a smaller
+    step, then a larger one of single rows (130 decodes beside 130 one-token prompts) must find no flag
+    left from the first: a stale flag would serve four requests' rows with one request's blocks. Their
+    logprobs are as close to the fp32 CPU reference as an eager engine's."""
+    g = torch.Generator().manual_seed(9)
+    long_prompt = torch.randint(3, 900, (300,), generator=g).tolist()
+    short = [torch.randint(3, 900, (1,), generator=g).tolist() for _ in range(260)]
+    params = SamplingParams(max_tokens=3, temperature=0.0, logprobs=1, ignore_eos=True)
+    kw = {**KW, "max_num_seqs": 264, "max_num_batched_tokens": 512, "max_cudagraph_capture_size": 320}
+
+    def run(**over) -> list[list[float]]:
+        with LLM(str(tiny_model), **{**kw, **over}) as llm:
+            eng = llm.engine
+            first = eng.add_request(long_prompt, SamplingParams(max_tokens=1, temperature=0.0))
+            while not first.is_finished:
+                eng.step()
+            seqs = [eng.add_request(p, params) for p in short[:130]]
+            eng.step()  # their 130 one-row prefills: a step smaller than the first
+            seqs += [eng.add_request(p, params) for p in short[130:]]
+            while eng.has_unfinished():  # 130 decodes beside 130 new rows, then 260 decodes
+                eng.step()
+            graphs = eng.executor.graphs
+            if over.get("device") != "cpu" and not over.get("enforce_eager"):
+                assert graphs is not None and graphs.prefill_replays >= 1 and graphs.replays >= 4
+            assert eng.num_used_blocks == 0
+            return [list(q.logprobs) for q in seqs]
+
+    ref = run(device="cpu", dtype="float32")
+    errors = {}
+    for name, over in (("eager", {"enforce_eager": True}), ("graph", {})):
+        got = run(**over)
+        errors[name] = max(abs(a - b) for r, o in zip(ref, got) for a, b in zip(r[:1], o[:1]))
+    assert errors["graph"] <= 2 * errors["eager"] + 0.05, errors
+
+
 def test_graph_prefill_as_close_to_fp32_as_eager(tiny_model) -> None:
     """Prompts of up to 300 new tokens prefill as one replay of rows, with and without a cached
     prefix (a shared 200-token system prompt, its blocks written by a replay): the first token's
