@@ -12,8 +12,8 @@ For ``T`` tokens choosing ``K`` experts each (``N = T*K`` rows):
 2. ``_moe_gate_up``: program (expert, column tile) loads the expert's gate and up weight tiles once per
    tile of up to ``BLOCK_M`` rows, reading its rows' inputs straight from ``x`` through ``src``, and
    writes ``silu(gate) * up`` (fp32 math, one rounding) for those rows. Experts without rows exit.
-3. ``_moe_down``: the same over ``w2``; each row's output is written to its (token, choice) slot, so
-   the caller's weighted sum over choices is one batched product.
+3. ``_moe_down``: the same over ``w2``; each row's output is written to its (token, choice) slot, where
+   ``combine`` reads it for the weighted sum over choices.
 
 4. ``_moe_combine``: program (token, column chunk) sums the token's K expert rows, each times its router
    weight, in fp32, plus the shared experts' output, and rounds once: the weighted sum and the add in
@@ -103,7 +103,7 @@ if HAS_TRITON:
             tl.store(BASE + chunks[:, None] * EP + experts[None, :], base, mask=cmask)
             tl.store(OFFS + 1 + experts, ends, mask=experts < E)
             done += tl.sum(totals, 0)
-        tl.store(OFFS, done * 0)
+        tl.store(OFFS, done * 0)  # offs[0] = 0 (an int32 zero of the right type)
 
     @triton.jit
     def _moe_place(IDS, BASE, SRC, ORDER, N, K: tl.constexpr, EP: tl.constexpr, CHUNK: tl.constexpr):
