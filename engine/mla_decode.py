@@ -203,10 +203,15 @@ def choose_num_splits(batch: int, num_heads: int, max_context: int, device: torc
     program, 1 with more: their tiles fill shared memory), each split of the longest possible context
     (``max_context``, e.g. block-table width x block size) at least MIN_SPLIT_TOKENS long. A power of two,
     so few kernel variants are compiled."""
-    sms = _sm_count(device.index or 0) if device.type == "cuda" else 8
     bh = _config(num_heads)[0]
-    groups = max(batch, 1) * math.ceil(num_heads / bh)
-    want = math.ceil((2 if bh <= 16 else 1) * sms / groups)
+    return _wave_splits(max(batch, 1) * math.ceil(num_heads / bh), 2 if bh <= 16 else 1, max_context, device)
+
+
+def _wave_splits(programs: int, per_sm: int, max_context: int, device: torch.device) -> int:
+    """Splits so that ``programs`` per split make about one wave (``per_sm`` programs an SM), each split of
+    ``max_context`` at least MIN_SPLIT_TOKENS long; a power of two."""
+    sms = _sm_count(device.index or 0) if device.type == "cuda" else 8
+    want = math.ceil(per_sm * sms / max(programs, 1))
     return _pow2_floor(min(want, max(max_context // MIN_SPLIT_TOKENS, 1), MAX_SPLITS))
 
 
@@ -227,10 +232,8 @@ def group_rows(num_heads: int) -> int:
 
 def grouped_splits(batch: int, num_heads: int, max_context: int, device: torch.device) -> int:
     """Splits of the grouped launch: about one wave of programs over the ``batch // G`` groups."""
-    g = group_rows(num_heads)
-    sms = _sm_count(device.index or 0) if device.type == "cuda" else 8
-    want = math.ceil(sms / max(batch // g * math.ceil(num_heads / _config(num_heads)[0]), 1))
-    return _pow2_floor(min(want, max(max_context // MIN_SPLIT_TOKENS, 1), MAX_SPLITS))
+    programs = batch // group_rows(num_heads) * math.ceil(num_heads / _config(num_heads)[0])
+    return _wave_splits(programs, 1, max_context, device)
 
 
 def mla_decode(
