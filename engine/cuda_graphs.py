@@ -56,6 +56,13 @@ def capture_sizes(max_batch: int) -> list[int]:
     return sizes
 
 
+def graph_sizes(max_rows: int, max_batch: int) -> list[int]:
+    """The sizes a model's graphs are captured for: the ladder up to the largest step (``max_rows``) and
+    the decode batch limit itself, so a decode step never pads past ``max_batch``, the largest size
+    whose graph computes logits."""
+    return sorted(set(capture_sizes(max(max_rows, max_batch))) | {max_batch})
+
+
 class DecodeGraphs:
     """Graphs of one model's step of token rows (decode steps, short prefills) for a ladder of row
     counts, over static input buffers."""
@@ -123,7 +130,7 @@ class DecodeGraphs:
         self.slots.fill_(self.scratch_slot)
         pool = None
         try:
-            for size in reversed(capture_sizes(self._max_rows)):
+            for size in reversed(graph_sizes(self._max_rows, self._max_batch)):
                 # Warm-up at this size on a side stream: Triton compiles its kernels for the size's
                 # launch parameters outside the capture (loading a module is not allowed inside one).
                 stream = torch.cuda.Stream()
@@ -160,7 +167,9 @@ class DecodeGraphs:
         """One decode step of ``len(token_ids)`` rows (row i: its new token at ``positions[i]``, its
         blocks ``block_tables[i]``) -> logits [B, V] fp32 (a copy: the next replay overwrites the graph's)."""
         b = len(token_ids)
-        self._replay(token_ids, positions, block_tables, [1] * b)
+        size = self._replay(token_ids, positions, block_tables, [1] * b)
+        if size > self._max_batch:  # not while the scheduler caps a step's requests at max_batch
+            return self.model.compute_logits(self._hidden[:b])
         return self._logits[:b].clone()
 
     def run_rows(self, token_ids: list[int], positions: list[int], block_tables: list[list[int]],

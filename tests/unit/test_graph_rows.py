@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams, model_runner
-from engine.cuda_graphs import row_inputs, update_group_flags
+from engine.cuda_graphs import graph_sizes, row_inputs, update_group_flags
 from engine.forward_batch import ForwardBatch
 from engine.kv_cache import KVCache
 from engine.model import DeepseekForCausalLM
@@ -132,3 +132,15 @@ def test_group_flags_never_outlive_their_step() -> None:
         assert torch.equal(buf[:b], torch.from_numpy(flags).to(torch.int32)), b
         assert not buf[b:].any(), f"stale flags past a {b}-row step"
         assert not buf[hw:].any()
+
+
+@pytest.mark.parametrize(("max_rows", "max_batch"), [(320, 264), (512, 100), (256, 256), (16, 64), (8, 8)])
+def test_no_decode_step_pads_past_the_decode_batch_limit(max_rows: int, max_batch: int) -> None:
+    """Only graphs of up to ``max_batch`` rows compute logits, so every decode batch (1..max_batch) must
+    find its padded size at or below it; larger steps (prefill rows) still find a size up to max_rows."""
+    sizes = graph_sizes(max_rows, max_batch)
+    assert sizes == sorted(set(sizes)) and sizes[-1] == max(max_rows, max_batch)
+    for b in range(1, max_batch + 1):
+        assert b <= next(s for s in sizes if s >= b) <= max_batch
+    for rows in range(max_batch + 1, max_rows + 1):
+        assert next(s for s in sizes if s >= rows) - rows < 16
