@@ -269,8 +269,8 @@ def mla_decode(
     if q_lat.stride(-1) != 1 or q_pe.stride(-1) != 1 or kv_cache.stride(-1) != 1 or block_tables.stride(-1) != 1:
         raise ValueError("the last dimension of q_lat, q_pe, kv_cache and block_tables must be contiguous")
     g = group_rows(h)
-    if grouped is not None and (g == 1 or b < g):
-        grouped = None  # nothing to group: every head group already fills a tile, or too few rows
+    if grouped is not None and (g == 1 or b < g or kv_cache.element_size() > 2):
+        grouped = None  # nothing to group (a head group fills a tile, or too few rows), or fp32 tiles too large
     if grouped is not None and (grouped.shape != (b,) or grouped.stride(0) != 1):
         raise ValueError(f"grouped must be a contiguous [B] tensor, got {tuple(grouped.shape)}")
     if num_splits is None:
