@@ -33,8 +33,10 @@ CUDNN_MIN_ROWS = 12288
 # With CUDNN_BUCKET > 0, a prompt's causal attention over itself alone (no cached context, no LSE)
 # runs on cuDNN from CUDNN_BUCKET_MIN_ROWS rows, its rows padded to a multiple of CUDNN_BUCKET: a plan
 # per bucket instead of per length, so serving builds a few and then reuses them. Padding keys come
-# after every real query, so the causal mask hides them; padding queries' rows are dropped. Off (0)
-# until measured against FlashAttention on lengths serving sees (benchmarks/prefill_lengths.py).
+# after every real query, so the causal mask hides them; padding queries' rows are dropped. Nodes plan
+# every bucket at start-up (warm_cudnn_buckets: 21 buckets in 1.4 s on an H200). Off: on prompts of
+# 1k-12k tokens one engine alone took 0.84x the default's mean prefill time (benchmarks/prefill_lengths.py
+# --warm), but the whole cluster's TTFT did not improve (1.02-1.16x the default's; docs/benchmarks.md).
 CUDNN_BUCKET = 0
 CUDNN_BUCKET_MIN_ROWS = 2048
 

@@ -102,11 +102,7 @@ class LocalExecutor:
         self.model = load_model(config, mc, self.dtype, self.device)
         n = kv_blocks_for_memory(config, mc, max_model_len, self.dtype, self.device, self.num_layers)
         check_kv_capacity(n, config.block_size, max_model_len)
-        t0 = time.perf_counter()
-        planned = warm_cudnn_buckets(mc.num_attention_heads, mc.qk_head_dim, mc.v_head_dim,
-                                     min(config.max_num_batched_tokens, max_model_len), self.dtype, self.device)
-        if planned:
-            log.info("planned cuDNN attention for %d prompt-length buckets in %.1fs", planned, time.perf_counter() - t0)
+        plan_prompt_attention(config, mc, max_model_len, self.dtype, self.device)
         graphs = self.device.type == "cuda" and not config.enforce_eager and HAS_TRITON
         self.cache = KVCache(mc, range(self.num_layers), n, config.block_size, self.dtype, self.device,
                              spare_blocks=1 if graphs else 0)
@@ -138,3 +134,14 @@ class LocalExecutor:
 
     def shutdown(self) -> None:
         pass
+
+
+def plan_prompt_attention(config: EngineConfig, mc: ModelConfig, max_model_len: int, dtype: torch.dtype,
+                          device: torch.device) -> None:
+    """Build cuDNN's plans for the prompt attention's length buckets before serving (a no-op unless
+    ``attention_ops.CUDNN_BUCKET`` is set), so no request pays one."""
+    t0 = time.perf_counter()
+    planned = warm_cudnn_buckets(mc.num_attention_heads, mc.qk_head_dim, mc.v_head_dim,
+                                 min(config.max_num_batched_tokens, max_model_len), dtype, device)
+    if planned:
+        log.info("planned cuDNN attention for %d prompt-length buckets in %.1fs", planned, time.perf_counter() - t0)

@@ -18,7 +18,7 @@ from engine import envs
 from engine.cache_export import CacheExporter
 from engine.config import ModelConfig
 from engine.engine_config import EngineConfig
-from engine.executor import kv_blocks_for_memory, load_model
+from engine.executor import kv_blocks_for_memory, load_model, plan_prompt_attention
 from engine.kv_cache import KVCache
 from engine.parallel.collectives import gather_padded
 from engine.parallel.grid import ParallelConfig, stage_layers
@@ -92,6 +92,7 @@ class RankWorker:
 
     def init_cache(self, num_blocks: int) -> object:
         """Allocate the cache; with an exporter, register it and return its answer for the driver."""
+        plan_prompt_attention(self.config, self.mc, self.max_model_len, self.dtype, self.device)
         self.cache = KVCache(self.mc, self.layers, num_blocks, self.config.block_size, self.dtype, self.device)
         return self.exporter.export(self.cache.layers) if self.exporter is not None else None
 
