@@ -22,11 +22,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from presets import H200_BF16_PEAK_TFLOPS, H200_HBM_TB_S, V2_LITE, decode_step_bytes, prefill_flops  # noqa: E402
 
 from engine.engine_config import EngineConfig  # noqa: E402
+from engine.executor import LocalExecutor  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
 
-# decode mode -> (replay CUDA graphs, engine.mla.DECODE_KERNEL)
-MODES = {"graph": (True, "triton"), "eager": (False, "triton"), "eager-torch": (False, "torch")}
+# decode mode -> (replay CUDA graphs, engine.mla.DECODE_KERNEL, overlapped steps: async_scheduling)
+MODES = {"graph": (True, "triton", True), "graph-sync": (True, "triton", False), "eager": (False, "triton", True),
+         "eager-torch": (False, "torch", True)}
 
 
 def _sync(dev: torch.device) -> None:
@@ -85,6 +87,8 @@ def time_decode(eng: LLMEngine, batch: int, prompt_len: int, steps: int, profile
         profiled.update(kernel_profile(prof, steps, dt))
     for s in seqs:
         eng.abort(s.request_id)
+    while eng.has_unfinished():  # a step still in flight (async_scheduling) keeps their blocks until it ran
+        eng.step()
     assert eng.num_used_blocks == 0
     return batch * steps / dt
 
@@ -129,8 +133,9 @@ def main() -> None:
     ap.add_argument("--prefill-tokens", type=int, nargs="+", default=None)
     ap.add_argument("--decode-batches", type=int, nargs="+", default=[1, 64])
     ap.add_argument("--decode-modes", nargs="+", choices=list(MODES), default=None,
-                    help="decode paths measured side by side: graph (CUDA graphs, fused attention), eager "
-                         "(fused attention), eager-torch (gather + einsum attention); default: all three on CUDA")
+                    help="decode paths measured side by side: graph (CUDA graphs, fused attention, overlapped steps), "
+                         "graph-sync (the same, one step at a time), eager (fused attention), eager-torch (gather "
+                         "+ einsum attention); default: graph, eager, eager-torch on CUDA")
     ap.add_argument("--decode-prompt", type=int, default=512)
     ap.add_argument("--decode-steps", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
@@ -180,13 +185,14 @@ def main() -> None:
 
     runner = getattr(ex, "runner", None)
     graphs = runner.graphs if runner is not None else None
-    modes = args.decode_modes or (list(MODES) if dev.type == "cuda" else ["eager-torch"])
+    modes = args.decode_modes or (["graph", "eager", "eager-torch"] if dev.type == "cuda" else ["eager-torch"])
     for b in args.decode_batches:
         by_mode = {}
         roof_ms = decode_step_bytes(cfg, b, args.decode_prompt + args.decode_steps // 2) / (H200_HBM_TB_S * 1e12) * 1e3
         res[f"decode_b{b}_roofline_ms"] = round(roof_ms, 3)
         for m in modes:
-            use_graphs, mla.DECODE_KERNEL = MODES[m]
+            use_graphs, mla.DECODE_KERNEL, overlap = MODES[m]
+            eng.overlap = overlap and isinstance(ex, LocalExecutor)
             if runner is not None:
                 runner.graphs = graphs if use_graphs else None
             by_mode[m] = tps = time_decode(eng, b, args.decode_prompt, args.decode_steps)

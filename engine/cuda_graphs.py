@@ -37,6 +37,7 @@ from engine.forward_batch import ForwardBatch
 from engine.kv_cache import KVCache
 from engine.mla_decode import group_rows
 from engine.model import DeepseekForCausalLM
+from engine.overlap import Feed
 
 log = logging.getLogger(__name__)
 
@@ -163,11 +164,13 @@ class DecodeGraphs:
     def fits(self, rows: int, block_tables: list[list[int]]) -> bool:
         return 0 < rows <= self.max_rows and all(len(t) <= self.width for t in block_tables)
 
-    def run(self, token_ids: list[int], positions: list[int], block_tables: list[list[int]]) -> torch.Tensor:
+    def run(self, token_ids: list[int], positions: list[int], block_tables: list[list[int]],
+            feed: Feed | None = None) -> torch.Tensor:
         """One decode step of ``len(token_ids)`` rows (row i: its new token at ``positions[i]``, its
-        blocks ``block_tables[i]``) -> logits [B, V] fp32 (a copy: the next replay overwrites the graph's)."""
+        blocks ``block_tables[i]``; ``feed``: tokens still on the device, written over ``token_ids``'
+        placeholders) -> logits [B, V] fp32 (a copy: the next replay overwrites the graph's)."""
         b = len(token_ids)
-        size = self._replay(token_ids, positions, block_tables, [1] * b)
+        size = self._replay(token_ids, positions, block_tables, [1] * b, feed)
         if size > self._max_batch:  # not while the scheduler caps a step's requests at max_batch
             return self.model.compute_logits(self._hidden[:b])
         return self._logits[:b].clone()
@@ -184,13 +187,15 @@ class DecodeGraphs:
         return self.model.compute_logits(self._hidden[rows])
 
     def _replay(self, token_ids: list[int], positions: list[int], block_tables: list[list[int]],
-                repeats: list[int]) -> int:
+                repeats: list[int], feed: Feed | None = None) -> int:
         b = len(token_ids)
         size = next(s for s in self.sizes if s >= b)
         group = self.group if size >= GROUPED_MIN_ROWS else 1
         host, table = row_inputs(token_ids, positions, block_tables, repeats, self.block_size, group)
         host_t = torch.from_numpy(host)
         self.input_ids[:b].copy_(host_t[0], non_blocking=True)
+        if feed is not None:
+            feed.apply(self.input_ids)
         self.positions[:b].copy_(host_t[1], non_blocking=True)
         self.slots[:b].copy_(host_t[2], non_blocking=True)
         self.lens[:b].copy_(host_t[3], non_blocking=True)

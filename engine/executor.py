@@ -21,6 +21,7 @@ from engine.kv_cache import BlockSpace, KVCache, bytes_per_block
 from engine.mla_decode import HAS_TRITON
 from engine.model import DeepseekForCausalLM
 from engine.model_runner import ModelRunner, StepLogits
+from engine.overlap import Feed
 from engine.parallel.grid import ParallelConfig
 from engine.parallel.kv_layout import RankBlocks, kv_ownership
 from engine.scheduler import Scheduled
@@ -116,9 +117,9 @@ class LocalExecutor:
         self.block_size = config.block_size
         self._pending: list[StepLogits | None] | None = None
 
-    def launch(self, scheduled: list[Scheduled]) -> None:
+    def launch(self, scheduled: list[Scheduled], feed: Feed | None = None) -> None:
         # In process the step runs now, while the requests' block tables are as scheduled.
-        self._pending = self.runner.run(scheduled)
+        self._pending = self.runner.run(scheduled, feed)
 
     def collect(self) -> list[StepLogits | None]:
         assert self._pending is not None, "collect() without launch()"

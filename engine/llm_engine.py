@@ -2,7 +2,12 @@
 
 Lifecycle of a request: ``add_request`` (validated, WAITING) -> scheduled in steps (RUNNING, its
 blocks allocated as its tokens are computed) -> finished by a stop condition or ``abort`` (its
-blocks freed at once). ``num_used_blocks`` is 0 whenever no request is in flight.
+blocks freed at once, or once the step in flight that may write them has run). ``num_used_blocks`` is
+0 whenever no request is in flight.
+
+With ``async_scheduling`` (in-process models) a decode step may be launched while the previous one's
+tokens are still on the device (engine.overlap): ``finish_step`` then returns what the older step
+finished, and a step can stay in flight between calls.
 """
 
 from __future__ import annotations
@@ -10,6 +15,7 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -17,9 +23,10 @@ from engine.config import ModelConfig
 from engine.engine_config import EngineConfig
 from engine.executor import Executor, LocalExecutor
 from engine.model_runner import StepLogits
+from engine.overlap import Feed, advance, grow, next_decode_rows
 from engine.parallel.kv_layout import RankBlocks
 from engine.prefix_cache import PrefixCache
-from engine.sampler import sample, top_logprobs
+from engine.sampler import PendingSamples, launch_sample, top_logprobs
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduled, Scheduler
 from engine.sequence import SeqStatus, Sequence
@@ -27,6 +34,18 @@ from engine.structured_output import Grammar, GuidanceTokenizers
 from engine.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Launched:
+    """A step handed to the executor and not yet finished."""
+
+    id: int
+    scheduled: list[Scheduled]
+    logits: list[StepLogits | None] | None = None  # collected at launch (in-process executor)
+    sampled: list[Sequence] | None = None  # the rows sampled, in order
+    samples: PendingSamples | None = None  # their samples, on their way to the host
+    advanced: bool = False  # its rows count as computed already: a step was launched on its samples
 
 
 def resolve_max_model_len(config: EngineConfig, mc: ModelConfig) -> int:
@@ -60,7 +79,14 @@ class LLMEngine:
         self._requests: dict[str, Sequence] = {}
         self.held: dict[str, Sequence] = {}  # finished requests whose KV blocks are kept (hold_kv)
         self._ids = itertools.count()
-        self._launched: list[Scheduled] | None = None
+        self._steps = itertools.count(1)
+        self._launched: _Launched | None = None  # the oldest step in flight
+        self._next: _Launched | None = None  # a step launched on its samples (overlap)
+        self._done: list[Sequence] = []  # finished by a step completed inside launch_step
+        # Sampling right after the launch (and overlapped decode steps) need the logits in this process.
+        self._local = isinstance(self.executor, LocalExecutor)
+        self.overlap = self._local and config.async_scheduling  # may change between steps (benchmarks)
+        self.overlapped_steps = 0  # steps launched on the previous step's samples, still on the device
 
     @property
     def model(self) -> torch.nn.Module:
@@ -224,7 +250,8 @@ class LLMEngine:
         return list(prompt)
 
     def abort(self, request_id: str) -> bool:
-        """Stop a request (or release a held one); its blocks are free on return."""
+        """Stop a request (or release a held one); its blocks are free on return, or once the step in
+        flight that may still write them has run (``async_scheduling``)."""
         if self.release(request_id):
             return True
         seq = self._requests.pop(request_id, None)
@@ -238,7 +265,7 @@ class LLMEngine:
         seq = self.held.pop(request_id, None)
         if seq is None:
             return False
-        self.scheduler.allocator.free(seq.block_ids)
+        self.scheduler.free(seq.block_ids)
         seq.block_ids = []
         return True
 
@@ -273,7 +300,7 @@ class LLMEngine:
         return {layer: t[: seq.num_computed] for layer, t in sorted(out.items())}
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._launched is not None
 
     @property
     def num_used_blocks(self) -> int:
@@ -300,7 +327,8 @@ class LLMEngine:
 
     # -- the loop ------------------------------------------------------------------------------
     def step(self) -> list[Sequence]:
-        """Run one forward step. Returns the requests that finished in it."""
+        """Run one forward step. Returns the requests that finished (with ``async_scheduling``: in the
+        step before it, whose tokens reach the host while this one runs)."""
         self.launch_step()
         return self.finish_step()
 
@@ -309,14 +337,56 @@ class LLMEngine:
 
         Returns how many requests it scheduled: 0 when all that is left waits for blocks held
         elsewhere (see ``_blocks_held_elsewhere``)."""
-        assert self._launched is None, "launch_step() twice without finish_step()"
+        assert self._next is None, "launch_step() twice without finish_step()"
+        if self._launched is not None:  # overlap: a decode step is in flight
+            prev = self._launched
+            follow = next_decode_rows(self.scheduler, prev.scheduled) if self.overlap else None
+            if follow is not None and prev.samples is not None:
+                assert prev.sampled is not None
+                advance(prev.scheduled)
+                prev.advanced = True
+                step = grow(self.scheduler, follow)
+                where = {id(q): i for i, q in enumerate(prev.sampled)}
+                fed = len(follow.follow)  # the first rows; the joining requests' tokens are on the host
+                feed = Feed(prev.samples.tokens, list(range(fed)), [where[id(s.seq)] for s in step[:fed]])
+                self._next = self._launch(step, feed)
+                self.overlapped_steps += 1
+                return len(step)
+            self._launched = None  # (first: a failure below must not leave it looking in flight)
+            self._done += self._complete(prev, None)
         scheduled = self.scheduler.schedule()
         if not scheduled and self.scheduler.has_unfinished() and not self._blocks_held_elsewhere():
             raise RuntimeError("scheduler made no progress (KV cache too small for any waiting request)")
         if scheduled:
-            self.executor.launch(scheduled)
-        self._launched = scheduled
+            self._launched = self._launch(scheduled)
         return len(scheduled)
+
+    def _launch(self, scheduled: list[Scheduled], feed: Feed | None = None) -> _Launched:
+        step = _Launched(next(self._steps), scheduled)
+        if feed is not None:
+            assert isinstance(self.executor, LocalExecutor)
+            self.executor.launch(scheduled, feed)
+        else:
+            self.executor.launch(scheduled)
+        if self._local:  # in process the logits are here now: sampling is queued behind the step
+            step.logits = self.executor.collect()
+            step.sampled, rows = self._rows_to_sample(scheduled, step.logits)
+            if rows:
+                step.samples = launch_sample(torch.stack(rows), step.sampled, self.generator)
+        if self.overlap:
+            self.scheduler.free_after = step.id  # blocks freed from now on wait for this step
+        return step
+
+    @staticmethod
+    def _rows_to_sample(scheduled: list[Scheduled],
+                        logits: list[StepLogits | None]) -> tuple[list[Sequence], list[torch.Tensor]]:
+        seqs, rows = [], []
+        for s, sl in zip(scheduled, logits):
+            if s.samples and not s.seq.is_finished:
+                assert sl is not None
+                seqs.append(s.seq)
+                rows.append(sl.logits[-1])
+        return seqs, rows
 
     def _blocks_held_elsewhere(self) -> bool:
         """Blocks the scheduler cannot preempt: held finished requests (``hold_kv``) and requests
@@ -328,31 +398,52 @@ class LLMEngine:
         return any(id(s) not in queued and s.block_ids for s in self._requests.values())
 
     def finish_step(self) -> list[Sequence]:
-        """Wait for the launched step, sample, and return the requests that finished in it."""
-        scheduled, self._launched = self._launched, None
-        if not scheduled:
-            return []
-        step_logits = self.executor.collect()
+        """Wait for a launched step, sample, and return the requests that finished in it.
+
+        With ``async_scheduling``, when a step was launched on the oldest one's samples, the oldest is
+        finished and the newer one stays in flight; a decode step that a next one can follow is left
+        in flight for ``launch_step`` to do that."""
+        finished, self._done = self._done, []
+        step = self._launched
+        if step is None:
+            return finished
+        if self._next is None and self.overlap and step.samples is not None \
+                and next_decode_rows(self.scheduler, step.scheduled) is not None:
+            return finished  # the next launch_step runs on its samples, then this finishes
+        newer, self._launched, self._next = self._next, self._next, None
+        return finished + self._complete(step, newer)
+
+    def _complete(self, step: _Launched, newer: _Launched | None) -> list[Sequence]:
+        """Wait for ``step``'s samples and apply them: tokens appended, stops checked, blocks cached
+        (blocks freed meanwhile wait for ``newer``, the step still in flight, if any)."""
+        self.scheduler.free_after = newer.id if newer is not None else None
+        logits = step.logits if step.logits is not None else self.executor.collect()
+        if step.samples is None:  # (before the rows count as computed: that decides which rows sample)
+            step.sampled, rows = self._rows_to_sample(step.scheduled, logits)
+            if rows:
+                step.samples = launch_sample(torch.stack(rows), step.sampled, self.generator)
         finished: list[Sequence] = []
-        to_sample: list[tuple[Sequence, torch.Tensor]] = []
-        for s, sl in zip(scheduled, step_logits):
+        for s, sl in zip(step.scheduled, logits):
             if s.seq.is_finished:
-                continue  # aborted while the step ran: its blocks are already free
-            self._record_prompt_logits(s, sl)
-            if s.samples:
-                assert sl is not None
-                to_sample.append((s.seq, sl.logits[-1]))
-            s.seq.num_computed += s.num_new
+                continue  # aborted while the step ran: its blocks are already free (or will be)
+            if not step.advanced:
+                self._record_prompt_logits(s, sl)
+                s.seq.num_computed += s.num_new
             self.scheduler.cache_computed(s.seq)
-        if to_sample:
-            seqs = [q for q, _ in to_sample]
-            for seq, smp in zip(seqs, sample(torch.stack([lg for _, lg in to_sample]), seqs, self.generator)):
-                if self._append(seq, smp.token, smp.logprob, smp.top):
-                    finished.append(seq)
+        seqs = step.sampled or []
+        samples = step.samples.result() if step.samples is not None else []
+        for seq, smp in zip(seqs, samples):
+            if step.advanced and seq.pending:
+                seq.pending -= 1
+            if seq.is_finished:
+                continue  # a row run on a pending token of a request that its previous step ended
+            if self._append(seq, smp.token, smp.logprob, smp.top):
+                finished.append(seq)
         for seq in finished:
             self._requests.pop(seq.request_id, None)
             if seq.hold_kv and seq.block_ids:
                 self.held[seq.request_id] = seq
+        self.scheduler.release_deferred(step.id)
         return finished
 
     def _record_prompt_logits(self, s: Scheduled, sl: StepLogits | None) -> None:

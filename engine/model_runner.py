@@ -10,6 +10,7 @@ from engine.cuda_graphs import DecodeGraphs
 from engine.forward_batch import ForwardBatch, PrefillSegment, slots_for
 from engine.kv_cache import KVCache
 from engine.model import DeepseekForCausalLM
+from engine.overlap import Feed
 from engine.scheduler import Scheduled
 
 # A step with prefill rows replays a graph when its rows fit the largest captured size and its
@@ -55,7 +56,8 @@ def build_batch(scheduled: list[Scheduled], block_size: int, device: torch.devic
     for s in scheduled:
         seq, n = s.seq, s.num_new
         start = seq.num_computed
-        ids.extend(seq.tokens(start, start + n))
+        toks = seq.tokens(start, start + n)
+        ids.extend(toks + [0] * (n - len(toks)))  # a token still on the device (pending): the feed writes it
         positions.extend(range(start, start + n))
         table = torch.tensor(seq.block_ids, dtype=torch.long)
         slots.append(slots_for(table, start, start + n, block_size))
@@ -93,13 +95,16 @@ class ModelRunner:
         self.graphs = graphs  # decode-only steps replay these when they fit
 
     @torch.inference_mode()
-    def run(self, scheduled: list[Scheduled]) -> list[StepLogits | None]:
-        """One forward step -> per scheduled request its logits (None if it needs none this step)."""
+    def run(self, scheduled: list[Scheduled], feed: Feed | None = None) -> list[StepLogits | None]:
+        """One forward step -> per scheduled request its logits (None if it needs none this step).
+        ``feed``: input tokens of decode rows still on the device (engine.overlap)."""
         if self.graphs is not None and self.model.decode_form == "absorbed" and scheduled:
-            replayed = self._replay(scheduled, self.graphs)
+            replayed = self._replay(scheduled, self.graphs, feed)
             if replayed is not None:
                 return replayed
         batch = build_batch(scheduled, self.cache.block_size, self.device)
+        if feed is not None:
+            feed.apply(batch.input_ids)
         hidden = self.model(batch, self.cache.layers)
         logits = self.model.compute_logits(hidden[batch.logits_rows]) if batch.logits_rows.numel() else None
         out: list[StepLogits | None] = []
@@ -115,7 +120,8 @@ class ModelRunner:
             pos += k
         return out
 
-    def _replay(self, scheduled: list[Scheduled], graphs: DecodeGraphs) -> list[StepLogits | None] | None:
+    def _replay(self, scheduled: list[Scheduled], graphs: DecodeGraphs,
+                feed: Feed | None = None) -> list[StepLogits | None] | None:
         """The step as one graph replay (decode rows, and prefill rows when they are cheap that way),
         or None to run it eagerly."""
         if all(s.num_new == 1 and logits_span(s) == (0, 1) for s in scheduled):  # decode only: the hot path
@@ -123,8 +129,11 @@ class ModelRunner:
             tables = [q.block_ids for q in seqs]
             if not graphs.fits(len(seqs), tables):
                 return None
-            logits = graphs.run([q.token_at(q.num_computed) for q in seqs], [q.num_computed for q in seqs], tables)
+            known = [q.token_at(q.num_computed) if q.num_computed < q.num_tokens - q.pending else 0 for q in seqs]
+            logits = graphs.run(known, [q.num_computed for q in seqs], tables, feed)
             return [StepLogits(0, logits[i : i + 1]) for i in range(len(scheduled))]
+        if feed is not None:
+            return None  # fed rows replay only as a decode step
         rows = sum(s.num_new for s in scheduled)
         spans = [logits_span(s) for s in scheduled]
         if rows > graphs.max_rows or any(sp is not None and sp != (s.num_new - 1, 1)

@@ -87,12 +87,51 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], default_generator: torch.
 
     Everything runs on the logits' device; the host waits once, for one copy of the chosen ids, their
     logprobs and the top logprobs asked for."""
-    n = logits.shape[0]
+    return launch_sample(logits, seqs, default_generator).result()
+
+
+class PendingSamples:
+    """A step's samples on their way to the host: ``tokens`` [N] (long, on the device) may feed the next
+    step before ``result()`` waits for them (engine.overlap)."""
+
+    def __init__(self, tokens: torch.Tensor, packed: torch.Tensor, seqs: list[Sequence], max_n: int) -> None:
+        self.tokens = tokens
+        self._seqs = seqs
+        self._max_n = max_n
+        self._event: torch.cuda.Event | None = None
+        if packed.is_cuda:  # copied behind the step's kernels; the host waits only in result()
+            with torch.cuda.device(packed.device):  # (an engine's thread need not have its device current)
+                self._host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+                self._host.copy_(packed, non_blocking=True)
+                self._event = torch.cuda.Event()
+                self._event.record(torch.cuda.current_stream(packed.device))
+        else:
+            self._host = packed
+
+    def result(self) -> list[Sample]:
+        if self._event is not None:
+            self._event.synchronize()  # the step's one wait for the device
+        host = self._host.tolist()
+        n, max_n = len(self._seqs), self._max_n
+        out = []
+        for i, seq in enumerate(self._seqs):
+            top = None
+            if seq.params.logprobs is not None:
+                k = seq.params.logprobs
+                ids = host[2 * n + i * max_n : 2 * n + i * max_n + k]
+                vals = host[2 * n + n * max_n + i * max_n : 2 * n + n * max_n + i * max_n + k]
+                top = {int(t): v for t, v in zip(ids, vals)}
+            out.append(Sample(token=int(host[i]), logprob=host[n + i], top=top))
+        return out
+
+
+def launch_sample(logits: torch.Tensor, seqs: list[Sequence], default_generator: torch.Generator) -> PendingSamples:
+    """``sample`` without waiting: the choice is queued on the logits' device."""
     dev = logits.device
     logp = torch.log_softmax(logits, dim=-1)  # logprobs of the raw logits (vLLM's default)
     chosen_logits = apply_bias_and_penalties(logits, seqs)
     # min_tokens bans the stop tokens, unless the request's grammar could end here (it decides then)
-    banned = [(i, t) for i, seq in enumerate(seqs) if len(seq.output_token_ids) < seq.params.min_tokens
+    banned = [(i, t) for i, seq in enumerate(seqs) if len(seq.output_token_ids) + seq.pending < seq.params.min_tokens
               and (seq.grammar is None or not seq.grammar.accepting) for t in _stop_ids(seq)]
     if banned:
         chosen_logits = chosen_logits.clone() if chosen_logits is logits else chosen_logits
@@ -110,14 +149,4 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], default_generator: torch.
     if max_n:
         top_vals, top_ids = logp.topk(max_n, dim=-1)
         parts += [top_ids.to(torch.float64).flatten(), top_vals.to(torch.float64).flatten()]
-    host = torch.cat(parts).tolist()  # the step's one wait for the device
-    out = []
-    for i, seq in enumerate(seqs):
-        top = None
-        if seq.params.logprobs is not None:
-            k = seq.params.logprobs
-            ids = host[2 * n + i * max_n : 2 * n + i * max_n + k]
-            vals = host[2 * n + n * max_n + i * max_n : 2 * n + n * max_n + i * max_n + k]
-            top = {int(t): v for t, v in zip(ids, vals)}
-        out.append(Sample(token=int(host[i]), logprob=host[n + i], top=top))
-    return out
+    return PendingSamples(tokens, torch.cat(parts), list(seqs), max_n)

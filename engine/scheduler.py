@@ -44,9 +44,34 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        # Blocks freed while a launched step may still write them wait for that step (engine.overlap):
+        # ``free_after`` is the newest step in flight (None: none), ``_deferred`` its frees.
+        self.free_after: int | None = None
+        self._deferred: list[tuple[int, list[int]]] = []
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
+
+    def free(self, blocks: list[int]) -> None:
+        """Give blocks back: now, or when the step in flight that may write them has run."""
+        if self.free_after is None:
+            self.allocator.free(blocks)
+        elif blocks:
+            self._deferred.append((self.free_after, list(blocks)))
+
+    def release_deferred(self, done: int) -> None:
+        """Step ``done`` has run: the blocks freed while it (or an earlier step) was the newest in flight."""
+        keep = []
+        for step, blocks in self._deferred:
+            if step <= done:
+                self.allocator.free(blocks)
+            else:
+                keep.append((step, blocks))
+        self._deferred = keep
+
+    @property
+    def num_deferred(self) -> int:
+        return sum(len(b) for _, b in self._deferred)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -64,7 +89,7 @@ class Scheduler:
         return True
 
     def _preempt(self, seq: Sequence) -> None:
-        self.allocator.free(seq.block_ids)
+        self.free(seq.block_ids)
         seq.block_ids = []
         seq.num_computed = 0
         seq.num_registered = 0
@@ -104,7 +129,7 @@ class Scheduler:
             n = min(seq.num_remaining, budget)
             if not self._grow(seq, n):
                 if hit:  # give the shared blocks back: the request starts over when there is room
-                    self.allocator.free(seq.block_ids)
+                    self.free(seq.block_ids)
                     seq.block_ids, seq.num_computed, seq.num_registered, seq.prefix_hit_blocks = [], 0, 0, 0
                 break
             self.waiting.popleft()
@@ -165,7 +190,7 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         if seq.block_ids and not keep_blocks:
-            self.allocator.free(seq.block_ids)
+            self.free(seq.block_ids)
             seq.block_ids = []
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason

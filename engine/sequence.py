@@ -51,6 +51,7 @@ class Sequence:
     prompt_token_set: Any = None  # repetition penalty: the prompt's distinct ids, a tensor made once
     grammar: Grammar | None = None  # structured output: the matcher of what may come next
     cacheable: bool = True  # prefix caching may share its blocks (not when prompt logits are wanted)
+    pending: int = 0  # tokens sampled on the device, not yet appended (engine.overlap: the next step runs on them)
 
     @property
     def token_ids(self) -> list[int]:
@@ -70,7 +71,8 @@ class Sequence:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        """Tokens so far, those still on the device (``pending``) included."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.pending
 
     @property
     def num_remaining(self) -> int:

@@ -19,6 +19,7 @@ from engine.cuda_graphs import graph_sizes, row_inputs, update_group_flags
 from engine.forward_batch import ForwardBatch
 from engine.kv_cache import KVCache
 from engine.model import DeepseekForCausalLM
+from engine.overlap import Feed
 
 
 class EagerRows:
@@ -29,18 +30,24 @@ class EagerRows:
         self.block_size = cache.block_size
         self.replays = 0
         self.prefill_replays = 0
+        self.fed = 0  # steps run on tokens still on the device (engine.overlap)
 
     def fits(self, rows: int, block_tables: list[list[int]]) -> bool:
         return 0 < rows <= self.max_rows
 
-    def run(self, token_ids: list[int], positions: list[int], block_tables: list[list[int]]) -> torch.Tensor:
+    def run(self, token_ids: list[int], positions: list[int], block_tables: list[list[int]],
+            feed: Feed | None = None) -> torch.Tensor:
         self.prefill_replays -= 1  # counted back in run_rows: this is a decode step
-        return self.run_rows(token_ids, positions, block_tables, [1] * len(token_ids), list(range(len(token_ids))))
+        return self.run_rows(token_ids, positions, block_tables, [1] * len(token_ids), list(range(len(token_ids))),
+                             feed)
 
     def run_rows(self, token_ids: list[int], positions: list[int], block_tables: list[list[int]],
-                 repeats: list[int], logit_rows: list[int]) -> torch.Tensor:
+                 repeats: list[int], logit_rows: list[int], feed: Feed | None = None) -> torch.Tensor:
         host, table = row_inputs(token_ids, positions, block_tables, repeats, self.block_size)
         t = torch.from_numpy(host)
+        if feed is not None:
+            self.fed += 1
+            feed.apply(t[0])
         rows = torch.tensor(logit_rows, dtype=torch.long)
         batch = ForwardBatch(input_ids=t[0], positions=t[1], slot_mapping=t[2], num_decode=len(token_ids),
                              decode_block_tables=torch.from_numpy(table), decode_seq_lens=t[3],
