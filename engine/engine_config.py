@@ -34,9 +34,10 @@ class EngineConfig:
     max_cudagraph_capture_size: int = field(default=512, metadata={
         "help": "on GPU: the most token rows a CUDA graph captures (at least max_num_seqs): decode steps, "
                 "and prefills of up to this many new tokens (engine/cuda_graphs.py)"})
-    async_scheduling: bool = field(default=True, metadata={
+    async_scheduling: bool | None = field(default=None, metadata={
         "help": "in-process models: launch the next decode step before the host has the current one's tokens "
-                "(engine/overlap.py), so the host's work between steps overlaps the GPU's"})
+                "(engine/overlap.py), so the host's work between steps overlaps the GPU's (default: on GPUs; on "
+                "a CPU a step runs as it is launched, so it would only hold each token back one step)"})
     block_size: int = field(default=16, metadata={"help": "tokens per KV cache block"})
     enable_prefix_caching: bool = field(default=True, metadata={
         "help": "keep the KV of full blocks after use and share it between prompts with the same prefix "

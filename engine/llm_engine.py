@@ -5,7 +5,7 @@ blocks allocated as its tokens are computed) -> finished by a stop condition or 
 blocks freed at once, or once the step in flight that may write them has run). ``num_used_blocks`` is
 0 whenever no request is in flight.
 
-With ``async_scheduling`` (in-process models) a decode step may be launched while the previous one's
+With ``async_scheduling`` (in-process models; on GPUs by default) a decode step may be launched while the previous one's
 tokens are still on the device (engine.overlap): ``finish_step`` then returns what the older step
 finished, and a step can stay in flight between calls.
 """
@@ -85,7 +85,10 @@ class LLMEngine:
         self._done: list[Sequence] = []  # finished by a step completed inside launch_step
         # Sampling right after the launch (and overlapped decode steps) need the logits in this process.
         self._local = isinstance(self.executor, LocalExecutor)
-        self.overlap = self._local and config.async_scheduling  # may change between steps (benchmarks)
+        overlap = config.async_scheduling
+        if overlap is None:  # on a GPU the launch returns at once; on a CPU the step runs inside it
+            overlap = getattr(self.executor, "device", torch.device("cpu")).type == "cuda"
+        self.overlap = self._local and overlap  # may change between steps (benchmarks)
         self.overlapped_steps = 0  # steps launched on the previous step's samples, still on the device
 
     @property

@@ -68,10 +68,11 @@ def _prompts() -> list[list[int]]:
     return prompts + [system + torch.randint(3, 900, (n,), generator=g).tolist() for n in (1, 5, 20, 70)]
 
 
-def _generate(tiny_model, rows: int | None, one_at_a_time: bool, **params) -> tuple[list, EagerRows | None]:
+def _generate(tiny_model, rows: int | None, one_at_a_time: bool, overlap: bool = False,
+              **params) -> tuple[list, EagerRows | None]:
     prompts = _prompts()
     sp = SamplingParams(max_tokens=5, temperature=0.0, logprobs=1, ignore_eos=True, **params)
-    with LLM(str(tiny_model), **KW) as llm:
+    with LLM(str(tiny_model), async_scheduling=overlap, **KW) as llm:
         stand_in = None
         if rows is not None:
             ex = llm.engine.executor
@@ -96,6 +97,9 @@ def test_rows_equal_eager_steps(tiny_model, one_at_a_time: bool) -> None:
     want, _ = _generate(tiny_model, None, one_at_a_time)
     got, stand_in = _generate(tiny_model, 64, one_at_a_time)
     assert stand_in is not None and stand_in.prefill_replays >= 4
+    _assert_equal(want, got)
+    got, stand_in = _generate(tiny_model, 64, one_at_a_time, overlap=True)  # decode replays fed on the device
+    assert stand_in is not None and stand_in.fed > 0
     _assert_equal(want, got)
 
 

@@ -62,7 +62,7 @@ def test_overlapped_decode_equals_one_step_at_a_time(tiny_model) -> None:
 def test_blocks_freed_while_a_step_is_in_flight_wait_for_it(tiny_model) -> None:
     """An abort while a decode step is in flight keeps the request's blocks until that step has run;
     then every block is free again."""
-    with LLM(str(tiny_model), **KW) as llm:
+    with LLM(str(tiny_model), async_scheduling=True, **KW) as llm:
         eng: LLMEngine = llm.engine
         sp = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
         seqs = [eng.add_request(p, sp) for p in _prompts(3)]
