@@ -139,7 +139,7 @@ def test_node_flags_are_the_dataclasses_fields(role) -> None:
     fields = [f for cls in (EngineConfig, NodeConfig, RegistryConfig) for f in dataclasses.fields(cls)]
     expected = {prefix + flags.key(f.name, NODE_RENAMES).replace("_", "-")
                 for f in fields if f.name not in NODE_NOT_FLAGS and f.name not in NODE_ROLE_ONLY[other]
-                for prefix in (("--", "--no-") if f.type in (bool, "bool") else ("--",))}  # a bool: --x/--no-x
+                for prefix in (("--", "--no-") if f.type in (bool, "bool", "bool | None") else ("--",))}  # --x/--no-x
     assert have == expected | {"--help", "--served-model-name"}
 
 
