@@ -352,7 +352,13 @@ class LLMEngine:
                 where = {id(q): i for i, q in enumerate(prev.sampled)}
                 fed = len(follow.follow)  # the first rows; the joining requests' tokens are on the host
                 feed = Feed(prev.samples.tokens, list(range(fed)), [where[id(s.seq)] for s in step[:fed]])
-                self._next = self._launch(step, feed)
+                try:
+                    self._next = self._launch(step, feed)
+                except BaseException:
+                    # Its requests are past a step whose samples are lost: the caller aborts them (LLM,
+                    # nodes); the older step must not be advanced again.
+                    self._launched = None
+                    raise
                 self.overlapped_steps += 1
                 return len(step)
             self._launched = None  # (first: a failure below must not leave it looking in flight)

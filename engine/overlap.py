@@ -43,12 +43,17 @@ class Feed:
         input_ids.index_copy_(0, idx[0], self.tokens.index_select(0, idx[1]))
 
 
+def goes_on(seq: Sequence) -> bool:
+    """Whether the request goes on after the step in flight (whose token is its last when that reaches
+    ``max_tokens``)."""
+    return len(seq.output_token_ids) + seq.pending + 1 < seq.max_tokens
+
+
 def can_follow(seq: Sequence) -> bool:
-    """Whether the request's next token may be sampled before its newest one reaches the host, and it
-    goes on after the step in flight (whose token is its last when that reaches ``max_tokens``)."""
+    """Whether the request's next token may be sampled before its newest one reaches the host."""
     p = seq.params
     return (seq.grammar is None and not seq.hold_kv and p.presence_penalty == 0 and p.frequency_penalty == 0
-            and p.repetition_penalty == 1 and len(seq.output_token_ids) + seq.pending + 1 < seq.max_tokens)
+            and p.repetition_penalty == 1)
 
 
 def decode_ready(seq: Sequence) -> bool:
@@ -68,9 +73,10 @@ class NextRows:
 
 def next_decode_rows(scheduler: Scheduler, step: list[Scheduled]) -> NextRows | None:
     """The requests of decode step ``step`` (in flight, its tokens not yet on the host) that the next
-    decode step can run now, and the waiting requests that can join it, or None when it cannot be
-    launched that way: the step is not all decode rows of every running request, a waiting request
-    needs a prefill (or there is no room for them all), nobody may follow, or the blocks are not free."""
+    decode step can run now, and the waiting requests that can join it (as many as there is room for),
+    or None when it cannot be launched that way: the step is not all decode rows of every running
+    request, a request that goes on needs its newest token on the host, a waiting request needs a
+    prefill, nobody goes on, or the blocks are not free."""
     seqs = [s.seq for s in step if not s.seq.is_finished]
     # decode rows only: each samples, past its prompt (a prompt's last row may want prompt logprobs)
     if not step or any(s.num_new != 1 or not s.samples or q.num_computed < len(q.prompt_token_ids)
@@ -78,13 +84,15 @@ def next_decode_rows(scheduler: Scheduler, step: list[Scheduled]) -> NextRows | 
         return None
     if len(seqs) != len(scheduler.running) or {id(q) for q in seqs} != {id(q) for q in scheduler.running}:
         return None
-    join = list(scheduler.waiting)
-    if not all(decode_ready(q) for q in join) or len(seqs) + len(join) > min(scheduler.max_num_seqs,
-                                                                            scheduler.max_num_batched_tokens):
+    follow = [q for q in seqs if goes_on(q)]
+    # All or none: a request left out would get its tokens only every other step (the step after a fed
+    # one runs one step at a time, to take it back in).
+    if not follow or not all(can_follow(q) for q in follow):
         return None
-    follow = [q for q in seqs if can_follow(q)]
-    if not follow:
+    if not all(decode_ready(q) for q in scheduler.waiting):
         return None
+    room = min(scheduler.max_num_seqs, scheduler.max_num_batched_tokens) - len(seqs)
+    join = list(scheduler.waiting)[: max(room, 0)]  # in arrival order; the rest join a later step
     bs = scheduler.block_size
     need = sum(max(0, -(-(q.num_computed + 2) // bs) - len(q.block_ids)) for q in follow)
     need += sum(max(0, -(-(q.num_computed + 1) // bs) - len(q.block_ids)) for q in join)

@@ -150,3 +150,24 @@ def test_one_token_prompt_chunks_beside_decodes_are_not_decode_rows(tiny_model) 
             assert llm.engine.num_used_blocks == 0
     assert outs[True] == outs[False]
     assert [n for _, n in outs[True]] == [2, 3, 10]
+
+
+def test_a_request_that_cannot_follow_keeps_the_batch_one_step_at_a_time(tiny_model) -> None:
+    """A penalty among plain requests: the batch is not overlapped while it runs (leaving it out of the
+    fed steps would give it a token only every other step), so every request still gets a token a step."""
+    plain = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    penalised = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True, frequency_penalty=0.5)
+    params = [plain, plain, penalised, plain]
+    outs, steps = {}, {}
+    for overlap in (False, True):
+        with LLM(str(tiny_model), async_scheduling=overlap, **KW) as llm:
+            eng = llm.engine
+            seqs = [eng.add_request(p, sp) for p, sp in zip(_prompts(4), params)]
+            steps[overlap] = 0
+            while eng.has_unfinished():
+                eng.step()
+                steps[overlap] += 1
+            outs[overlap] = [q.output_token_ids for q in seqs]
+            assert eng.overlapped_steps == 0 and eng.num_used_blocks == 0
+    assert outs[True] == outs[False]
+    assert steps[True] == steps[False] <= 31
