@@ -11,9 +11,11 @@ What this costs and what it rules out:
   dropped (a request that N ends by length is left out of N+1: that is known in advance).
 - Blocks freed while a step is in flight are given back only after it has run (``Scheduler.free``), so
   a KV transfer never lands in a block the GPU may still write.
-- A request takes part only if nothing in its sampling needs its newest token on the host: no grammar
-  (structured output masks the next token from the last) and no penalties (they count the output so far);
-  and not one whose KV is kept after it ends (``hold_kv``: a dropped row would still write its last block).
+- All or none: a batch is overlapped only if every request that goes on can take part, that is nothing
+  in its sampling needs its newest token on the host (no grammar: structured output masks the next token
+  from the last; no penalties: they count the output so far), and its KV is not kept after it ends
+  (``hold_kv``: a dropped row would still write its last block). Leaving one out would give it a token
+  only every other step.
 - Only when the whole running batch is one decode step, and whoever waits is a decode node's admitted
   request (its prompt's KV pulled, its first token on the host: it joins the next step). Prefills and
   preemption take the ordinary path, one step at a time.
