@@ -379,23 +379,22 @@ class LLMEngine:
             self.executor.launch(scheduled)
         if self._local:  # in process the logits are here now: sampling is queued behind the step
             step.logits = self.executor.collect()
-            step.sampled, rows = self._rows_to_sample(scheduled, step.logits)
-            if rows:
-                step.samples = launch_sample(torch.stack(rows), step.sampled, self.generator)
+            self._queue_samples(step, step.logits)
         if self.overlap:
             self.scheduler.free_after = step.id  # blocks freed from now on wait for this step
         return step
 
-    @staticmethod
-    def _rows_to_sample(scheduled: list[Scheduled],
-                        logits: list[StepLogits | None]) -> tuple[list[Sequence], list[torch.Tensor]]:
+    def _queue_samples(self, step: _Launched, logits: list[StepLogits | None]) -> None:
+        """Queue the sampling of the step's rows that reach the end of their request's tokens."""
         seqs, rows = [], []
-        for s, sl in zip(scheduled, logits):
+        for s, sl in zip(step.scheduled, logits):
             if s.samples and not s.seq.is_finished:
                 assert sl is not None
                 seqs.append(s.seq)
                 rows.append(sl.logits[-1])
-        return seqs, rows
+        step.sampled = seqs
+        if rows:
+            step.samples = launch_sample(torch.stack(rows), seqs, self.generator)
 
     def _blocks_held_elsewhere(self) -> bool:
         """Blocks the scheduler cannot preempt: held finished requests (``hold_kv``) and requests
@@ -427,10 +426,8 @@ class LLMEngine:
         (blocks freed meanwhile wait for ``newer``, the step still in flight, if any)."""
         self.scheduler.free_after = newer.id if newer is not None else None
         logits = step.logits if step.logits is not None else self.executor.collect()
-        if step.samples is None:  # (before the rows count as computed: that decides which rows sample)
-            step.sampled, rows = self._rows_to_sample(step.scheduled, logits)
-            if rows:
-                step.samples = launch_sample(torch.stack(rows), step.sampled, self.generator)
+        if step.samples is None and step.sampled is None:  # before the rows count as computed: that decides
+            self._queue_samples(step, logits)  # which rows sample
         finished: list[Sequence] = []
         for s, sl in zip(step.scheduled, logits):
             if s.seq.is_finished:

@@ -95,9 +95,8 @@ def next_decode_rows(scheduler: Scheduler, step: list[Scheduled]) -> NextRows | 
         return None
     room = min(scheduler.max_num_seqs, scheduler.max_num_batched_tokens) - len(seqs)
     join = list(scheduler.waiting)[: max(room, 0)]  # in arrival order; the rest join a later step
-    bs = scheduler.block_size
-    need = sum(max(0, -(-(q.num_computed + 2) // bs) - len(q.block_ids)) for q in follow)
-    need += sum(max(0, -(-(q.num_computed + 1) // bs) - len(q.block_ids)) for q in join)
+    # followers: a row past the one in flight; joiners: their first row
+    need = sum(scheduler.blocks_to_add(q, 2) for q in follow) + sum(scheduler.blocks_to_add(q, 1) for q in join)
     if need and not scheduler.allocator.can_allocate(need, 0):
         return None
     return NextRows(follow, join)
@@ -120,8 +119,7 @@ def grow(scheduler: Scheduler, rows: NextRows) -> list[Scheduled]:
         scheduler.running.append(q)
     out = []
     for q in rows.follow + rows.join:
-        n = max(0, -(-(q.num_computed + 1) // scheduler.block_size) - len(q.block_ids))
-        if n:
-            q.block_ids.extend(scheduler.allocator.allocate(n, len(q.block_ids)))
+        if not scheduler.grow(q, 1):  # next_decode_rows found them free
+            raise MemoryError(f"no free KV block for request {q.request_id}'s next row")
         out.append(Scheduled(q, 1))
     return out

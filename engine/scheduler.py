@@ -76,12 +76,14 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def _blocks_to_add(self, seq: Sequence, num_new: int) -> int:
+    def blocks_to_add(self, seq: Sequence, num_new: int) -> int:
+        """Blocks ``seq`` lacks for its next ``num_new`` rows."""
         need = -(-(seq.num_computed + num_new) // self.block_size)
         return max(0, need - len(seq.block_ids))
 
-    def _grow(self, seq: Sequence, num_new: int) -> bool:
-        n = self._blocks_to_add(seq, num_new)
+    def grow(self, seq: Sequence, num_new: int) -> bool:
+        """Allocate the blocks ``seq`` lacks for its next ``num_new`` rows; False if they are not free."""
+        n = self.blocks_to_add(seq, num_new)
         first = len(seq.block_ids)
         if not self.allocator.can_allocate(n, first):
             return False
@@ -109,7 +111,7 @@ class Scheduler:
             if seq.status != SeqStatus.RUNNING:
                 continue  # preempted earlier in this loop
             n = min(seq.num_remaining, budget)
-            while not self._grow(seq, n):
+            while not self.grow(seq, n):
                 # Preempt the most recently admitted request not already in this step.
                 victim = next(
                     (s for s in reversed(self.running) if s is not seq and s.request_id not in scheduled), None
@@ -127,7 +129,7 @@ class Scheduler:
             seq = self.waiting[0]
             hit = self._match_prefix(seq)
             n = min(seq.num_remaining, budget)
-            if not self._grow(seq, n):
+            if not self.grow(seq, n):
                 if hit:  # give the shared blocks back: the request starts over when there is room
                     self.free(seq.block_ids)
                     seq.block_ids, seq.num_computed, seq.num_registered, seq.prefix_hit_blocks = [], 0, 0, 0
