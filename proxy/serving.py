@@ -31,7 +31,7 @@ from proxy.metrics import ProxyMetrics
 from proxy.pipeline import Generation, GenerationError, GenerationRequest, Pipeline
 from proxy.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from proxy.responses import ChatFormat, CompletionFormat, Format, TokenTexts, sse, usage
-from proxy.sse import ClientDisconnected, EventStreamResponse, until_disconnected
+from proxy.sse import ClientDisconnected, ClientWatch, EventStreamResponse, until_disconnected
 from proxy.tool_calls import MARKERS, ToolCallStream, forced_prefix
 
 log = logging.getLogger(__name__)
@@ -209,12 +209,14 @@ class Serving:
                     self.metrics.errors.labels("client_disconnect").inc()
 
             handed_off = True
-            return EventStreamResponse(choices.events(req.include_usage, req.continuous_usage), on_close=close)
+            return EventStreamResponse(choices.events(req.include_usage, req.continuous_usage), on_close=close,
+                                       watch=ClientWatch.of(request))
         except ClientDisconnected:
             self.metrics.errors.labels("client_disconnect").inc()
             return Response(status_code=499)
         finally:
             if not handed_off:
+                ClientWatch.of(request).close()
                 choices.close()
                 self._leave()
 
@@ -259,12 +261,13 @@ class Serving:
 
             handed_off = True
             return EventStreamResponse(self._events(gen, fmt, out, req.include_usage, req.continuous_usage),
-                                       on_close=close)
+                                       on_close=close, watch=ClientWatch.of(request))
         except ClientDisconnected:
             self.metrics.errors.labels("client_disconnect").inc()
             return Response(status_code=499)  # nobody reads it; the metrics middleware counts it
         finally:
             if not handed_off:
+                ClientWatch.of(request).close()
                 self._leave()
 
     async def _complete(self, req: GenerationRequest, nodes: list[NodeState], fmt: Format,

@@ -2,8 +2,9 @@
 
 Starlette notices a disconnect only while it sends (or, depending on the ASGI spec version,
 not at all while the body iterator waits): a stalled decode stream would keep a request alive
-for nobody. Here a listener waits on ``receive()`` beside the work and cancels it the moment the
-client goes; cleanup (``on_close``) runs however the response ends, even if it never started.
+for nobody. Here one listener per request (``ClientWatch``) waits on ``receive()`` beside the work and
+cancels it the moment the client goes; cleanup (``on_close``) runs however the response ends, even if
+it never started.
 """
 
 from __future__ import annotations
@@ -31,54 +32,104 @@ async def _wait_disconnect(receive: Receive) -> None:
         pass
 
 
-async def until_disconnected(request: Request, work: Coroutine[Any, Any, T]) -> T:
-    """Run ``work``; cancel it and raise ``ClientDisconnected`` if the client leaves first.
+_SCOPE_KEY = "pdcluster.client_watch"
 
-    The request body must already be read: from then on ``receive()`` only reports the disconnect.
+
+class ClientWatch:
+    """One request's connection, watched for the client's leaving by one task for the request's whole
+    life: through its wait for the nodes and through its streamed answer.
+
+    ``guard(work)`` runs ``work`` in the calling task and cancels it there when the client leaves. A
+    watcher task per phase, and a task per guarded piece of work, had cost ~0.2 ms of the time to the
+    first token at concurrency 1 (docs/benchmarks.md). Whoever ends the request calls ``close``.
     """
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_wait_disconnect(request.receive))
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-        if not task.done():
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)  # let its cleanup run before we return
-    if task.cancelled():
-        raise ClientDisconnected()
-    return task.result()
+
+    def __init__(self, receive: Receive) -> None:
+        self._receive = receive
+        self._task: asyncio.Task[None] | None = None
+        self._guarded: asyncio.Task[Any] | None = None
+        self._cancelled_guarded = False
+        self.gone = False
+
+    @classmethod
+    def of(cls, request: Request) -> ClientWatch:
+        """The request's watch (made at its first use). The request body must already be read: from
+        then on ``receive()`` only reports the disconnect."""
+        watch = request.scope.get(_SCOPE_KEY)
+        if watch is None:
+            watch = request.scope[_SCOPE_KEY] = cls(request.receive)
+        return watch
+
+    async def guard(self, work: Coroutine[Any, Any, T]) -> T:
+        """``await work``; cancelled (its cleanup runs) and ``ClientDisconnected`` raised if the client
+        leaves first."""
+        if self._task is None:
+            self._task = asyncio.ensure_future(_wait_disconnect(self._receive))
+            self._task.add_done_callback(self._ended)
+        if self.gone:
+            work.close()
+            raise ClientDisconnected()
+        me = asyncio.current_task()
+        assert me is not None and self._guarded is None, "one guarded piece of work at a time"
+        self._guarded, self._cancelled_guarded = me, False
+        try:
+            return await work
+        except asyncio.CancelledError:
+            # Ours (the client left), unless someone else cancelled too: then theirs goes on.
+            if self._cancelled_guarded and me.uncancel() == 0:
+                raise ClientDisconnected() from None
+            raise
+        finally:
+            self._guarded = None
+
+    def _ended(self, task: asyncio.Task[None]) -> None:
+        if task.cancelled():
+            return
+        task.exception()  # retrieved: receive() failing means the connection is gone as well
+        self.gone = True
+        if self._guarded is not None and not self._guarded.done():
+            self._cancelled_guarded = True
+            self._guarded.cancel()
+
+    def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+
+
+async def until_disconnected(request: Request, work: Coroutine[Any, Any, T]) -> T:
+    """Run ``work``; cancel it and raise ``ClientDisconnected`` if the client leaves first
+    (``ClientWatch.guard`` with the request's watch)."""
+    return await ClientWatch.of(request).guard(work)
 
 
 class EventStreamResponse(StreamingResponse):
-    """``text/event-stream`` from an async iterator of SSE frames (bytes), cancelled on client disconnect.
+    """``text/event-stream`` from an async iterator of SSE frames (bytes), cancelled on client disconnect
+    (``watch``: the request's, which it closes).
 
     ``on_close(disconnected)`` runs exactly once, however the response ends.
     """
 
-    def __init__(self, events: AsyncIterator[bytes], on_close: Callable[[bool], None]) -> None:
+    def __init__(self, events: AsyncIterator[bytes], on_close: Callable[[bool], None],
+                 watch: ClientWatch) -> None:
         super().__init__(events, media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         self._events = events
         self._on_close = on_close
+        self._watch = watch
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        producer = asyncio.ensure_future(self._produce(send))
-        watcher = asyncio.ensure_future(_wait_disconnect(receive))
+        finished = False  # else the client left, the server is stopping, or the send failed
         try:
-            await asyncio.wait({producer, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            await self._watch.guard(self._produce(send))
+            finished = True
+        except (ClientDisconnected, OSError):  # OSError: the client went away mid-send
+            pass
         finally:
-            finished = producer.done()  # else the client left (or the server is stopping)
-            for t in (producer, watcher):
-                t.cancel()
-            await asyncio.gather(producer, watcher, return_exceptions=True)
+            self._watch.close()
             aclose = getattr(self._events, "aclose", None)
             if aclose is not None:
                 await aclose()
             self._on_close(not finished)
-        error = producer.exception() if producer.done() and not producer.cancelled() else None
-        if error is not None and not isinstance(error, OSError):  # OSError: the client went away mid-send
-            raise error
 
     async def _produce(self, send: Send) -> None:
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})

@@ -132,12 +132,12 @@ def test_a_client_that_hangs_up_cancels_its_decode(tiny_model: Path, stream: boo
         assert rid not in d0.finished
 
 
-def test_access_log_is_on_at_info_and_can_be_turned_off(
+def test_access_log_is_on_at_info_off_above_and_can_be_turned_off(
         tiny_model: Path, registered_fakes: tuple[str, FakePrefill, FakeDecode], tmp_path: Path) -> None:
     redis_url, _, _ = registered_fakes
-    for flags, expected in (((), True), (("--no-access-log",), False)):
-        log = tmp_path / f"proxy{len(flags)}.log"
-        with running_proxy(tiny_model, redis_url, "--log-level", "info", *flags, log=log) as (url, _):
+    for level, flags, expected in (("info", (), True), ("info", ("--no-access-log",), False), ("warning", (), False)):
+        log = tmp_path / f"proxy-{level}{len(flags)}.log"
+        with running_proxy(tiny_model, redis_url, "--log-level", level, *flags, log=log) as (url, _):
             r = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 5}, timeout=30)
             assert r.status_code == 200
         assert ('"POST /v1/completions HTTP/1.1" 200' in log.read_text()) is expected, log.read_text()[-2000:]
