@@ -156,6 +156,9 @@ class ProxyConfig:
     workers: int = field(default=1, metadata={
         "help": "HTTP worker processes sharing the port, each with its own view of the registry and its own "
                 "node connections (0: one per CPU core)"})
+    pin_workers: bool = field(default=True, metadata={
+        "help": "each worker process on one CPU core of those the proxy may use, its threads' hand-offs kept "
+                "on that core (measured: less added latency and CPU per request, benchmarks/proxy.py)"})
     access_log: bool = field(default=True, metadata={
         "help": "a log line per HTTP request at info level (the HTTP server's access log; uvicorn's was "
                 "measured at 10%% of the proxy's CPU per request on null nodes, benchmarks/proxy.py)"})

@@ -111,6 +111,10 @@ def worker_app() -> Any:
 
     config, log_level = parse_args(json.loads(os.environ[ARGV_ENV]))
     logging.basicConfig(level=log_level.upper(), format=_LOG_FORMAT)
+    if config.pin_workers:  # before this worker starts threads: they inherit the core
+        from proxy.affinity import pin_this_worker
+
+        pin_this_worker()
     try:
         return build_app(config)
     except (ValueError, OSError) as e:
@@ -142,6 +146,7 @@ def main(argv: list[str] | None = None) -> None:
     from granian.constants import HTTPModes, Interfaces, Loops, RuntimeModes
     from granian.log import LogLevels
 
+    from proxy.affinity import CLAIMS_ENV
     from proxy.metrics import MULTIPROC_DIR
 
     workers = config.workers or os.cpu_count() or 1
@@ -154,6 +159,7 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory(prefix="pdcluster-proxy-metrics-") as metrics_dir:
         if workers > 1:
             os.environ[MULTIPROC_DIR] = metrics_dir
+        os.environ[CLAIMS_ENV] = str(Path(metrics_dir) / "cpu-claims")  # proxy.affinity
         # A worker that dies is started again; one that dies again within seconds (one that cannot
         # build its app) stops the proxy.
         server = Granian("proxy.__main__:worker_app", factory=True, address=config.host, port=config.port,

@@ -147,8 +147,12 @@ def test_several_workers_share_the_port_the_metrics_and_the_drain_flags(
         tiny_model: Path, registered_fakes: tuple[str, FakePrefill, FakeDecode]) -> None:
     redis_url, p0, d0 = registered_fakes
     with running_proxy(tiny_model, redis_url, "--workers", "2") as (url, proc):
-        workers = psutil.Process(proc.pid).children(recursive=True)
-        assert len([w for w in workers if "spawn_main" in " ".join(w.cmdline())]) == 2
+        workers = [w for w in psutil.Process(proc.pid).children(recursive=True)
+                   if "spawn_main" in " ".join(w.cmdline())]
+        assert len(workers) == 2
+        if len(os.sched_getaffinity(0)) >= 2:  # each on a core of its own (proxy.affinity)
+            cores = [w.cpu_affinity() for w in workers]
+            assert all(len(c) == 1 for c in cores) and cores[0] != cores[1], cores
         n = 12
         for i in range(n):  # a new connection each: the kernel spreads them over the workers
             with httpx.Client(base_url=url, timeout=10) as c:
