@@ -50,9 +50,9 @@ def claim_core(claims_file: Path) -> int:
         f.seek(0)
         claims: dict[int, int] = {}
         for line in f.read().split("\n"):
-            pid, _, core = line.partition(" ")
-            if pid.isdigit() and core.isdigit() and _alive(int(pid)):
-                claims[int(pid)] = int(core)
+            pid, _, held = line.partition(" ")
+            if pid.isdigit() and held.isdigit() and _alive(int(pid)):
+                claims[int(pid)] = int(held)
         core = choose_core(allowed, claims)
         claims[os.getpid()] = core
         f.seek(0)
