@@ -21,7 +21,8 @@ has both write every token at once.
 The runs interleave (repetition, then front end, then concurrency) and each figure is the median over
 repetitions. Reported per front end and concurrency: req/s, e2e / TTFT / ITL p50 and p99, the front
 end's CPU time per request and its share of one core, and RSS; at concurrency 1 also the latency it
-adds over calling the two null legs directly (the same client code, no front end). Everything runs on
+adds over calling the two null legs directly (the same client code, no front end; 200 such calls in
+every repetition, pooled). Everything runs on
 this machine's cores (the client, the null engines and the front end). Both front ends log at warning
 level (no line per request: uvicorn's access log alone was 10% of our proxy's CPU per request). The
 last line is one JSON object. Without vllm-router installed only our proxy is measured (the JSON says so).
@@ -84,8 +85,9 @@ class Pacer:
             tick.set_result(None)
 
 
-def serve_null_grpc(redis_url: str, cluster: str, max_model_len: int, pacer: Pacer) -> None:
-    """A null prefill and a null decode node in this process, registered like real nodes."""
+def serve_null_grpc(redis_url: str, cluster: str, max_model_len: int, pacer: Pacer, index: int = 0) -> None:
+    """A null prefill and a null decode node in this process, registered like real nodes (``index``: one
+    of several such processes)."""
     import grpc
 
     from cluster.config import RegistryConfig
@@ -147,7 +149,7 @@ def serve_null_grpc(redis_url: str, cluster: str, max_model_len: int, pacer: Pac
             await server.start()
             servers.append(server)
         registry = Registry(RegistryConfig(url=redis_url, cluster=cluster))
-        infos = [NodeInfo(node_id=f"null-{role}", role=role, address=f"127.0.0.1:{port}", model=MODEL,
+        infos = [NodeInfo(node_id=f"null-{role}-{index}", role=role, address=f"127.0.0.1:{port}", model=MODEL,
                           max_model_len=max_model_len, dp=1, pcp=1, pp=1, kv_layout="replicated", block_size=16,
                           num_blocks=1 << 20, started_at=time.time()) for role, port in ports.items()]
         print(json.dumps(ports), flush=True)
@@ -229,6 +231,38 @@ async def stream_once(session: aiohttp.ClientSession, url: str, body: dict, run:
         run.ttft.append(first - t0)
         run.e2e.append(time.perf_counter() - t0)
     return events
+
+
+def load_process(url: str, concurrency: int, seconds: float, warmup_s: float, body_file: str) -> None:
+    """One client process of several (``--clients``): its closed loop, its samples as JSON on stdout."""
+    body = json.loads(Path(body_file).read_text())
+
+    async def go() -> Run:
+        conn = aiohttp.TCPConnector(limit=0)
+        async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=60)) as s:
+            return await closed_loop(lambda r: stream_once(s, url, body, r), concurrency, seconds, warmup_s)
+
+    run = asyncio.run(go())
+    print(json.dumps({"e2e": run.e2e, "ttft": run.ttft, "itl": run.itl, "errors": run.errors}))
+
+
+async def closed_loop_processes(url: str, concurrency: int, seconds: float, warmup_s: float, body_file: Path,
+                                clients: int) -> Run:
+    """The closed loop at ``concurrency`` from ``clients`` processes (so the client is not what limits a
+    front end on a machine of many cores), their samples pooled."""
+    shares = [concurrency // clients + (i < concurrency % clients) for i in range(clients)]
+    procs = [await asyncio.create_subprocess_exec(
+        sys.executable, __file__, "--load", url, str(n), str(seconds), str(warmup_s), str(body_file),
+        stdout=asyncio.subprocess.PIPE) for n in shares if n]
+    run = Run(seconds=seconds)
+    for p in procs:
+        out, _ = await p.communicate()
+        part = json.loads(out)
+        run.e2e += part["e2e"]
+        run.ttft += part["ttft"]
+        run.itl += part["itl"]
+        run.errors += part["errors"]
+    return run
 
 
 async def closed_loop(fn: Callable[[Run | None], Any], concurrency: int, seconds: float, warmup_s: float) -> Run:
@@ -385,12 +419,22 @@ def main() -> None:
                     help="both null decode engines make one token per turn of their event loop (turn: each "
                          "token reaches the front end on its own, as a real engine's do), one per stream per "
                          "--step-ms step of one clock (step: as a real engine's batch steps), or all at once (burst)")
+    ap.add_argument("--clients", type=int, default=1,
+                    help="client processes sharing each run's concurrency (1: the client runs in this process)")
+    ap.add_argument("--null-nodes", type=int, default=1,
+                    help="null engine processes behind each front end (ours: a prefill and a decode node each; "
+                         "vllm-router's: a prefill and a decode server each)")
     ap.add_argument("--null-grpc", nargs=3, metavar=("REDIS", "CLUSTER", "LEN"), help=argparse.SUPPRESS)
+    ap.add_argument("--null-index", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--load", nargs=5, metavar=("URL", "CONC", "SECONDS", "WARMUP", "BODY"), help=argparse.SUPPRESS)
     ap.add_argument("--null-http", nargs=2, metavar=("ROLE", "PORT"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.null_grpc:
         serve_null_grpc(args.null_grpc[0], args.null_grpc[1], int(args.null_grpc[2]),
-                        Pacer(args.pacing, args.step_ms / 1000))
+                        Pacer(args.pacing, args.step_ms / 1000), args.null_index)
+        return
+    if args.load:
+        load_process(args.load[0], int(args.load[1]), float(args.load[2]), float(args.load[3]), args.load[4])
         return
     if args.null_http:
         serve_null_http(args.null_http[0], int(args.null_http[1]), Pacer(args.pacing, args.step_ms / 1000))
@@ -402,10 +446,12 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="pdproxybench-"))
     model = make_tiny_model(tmp / MODEL)
     procs: list[subprocess.Popen] = []
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = dict(os.environ)
+    extra_path = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]  # kept after the tree's root
 
     def spawn(argv: list[str], tree: Path = ROOT, **kw: Any) -> subprocess.Popen:
-        p = subprocess.Popen(argv, env={**env, "PYTHONPATH": str(tree)}, cwd=tree, start_new_session=True, **kw)
+        path = os.pathsep.join([str(tree), *extra_path])
+        p = subprocess.Popen(argv, env={**env, "PYTHONPATH": path}, cwd=tree, start_new_session=True, **kw)
         procs.append(p)
         return p
 
@@ -413,13 +459,13 @@ def main() -> None:
     fronts: dict[str, tuple[str, psutil.Process]] = {}
     result: dict[str, Any] = {"bench": "proxy", "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens,
                               "seconds": args.seconds, "repeats": args.repeats, "cores": os.cpu_count(),
+                              "clients": args.clients, "null_nodes": args.null_nodes,
                               "pacing": args.pacing, "step_ms": args.step_ms if args.pacing == "step" else None}
     try:
-        null = spawn([sys.executable, __file__, "--null-grpc", redis.url, "bench", "4096", "--pacing", args.pacing,
-                      "--step-ms", str(args.step_ms)],
-                     stdout=subprocess.PIPE)
-        assert null.stdout is not None
-        ports = json.loads(null.stdout.readline())
+        nulls = [spawn([sys.executable, __file__, "--null-grpc", redis.url, "bench", "4096", "--pacing", args.pacing,
+                        "--step-ms", str(args.step_ms), "--null-index", str(i)], stdout=subprocess.PIPE)
+                 for i in range(args.null_nodes)]
+        ports = [json.loads(n.stdout.readline()) for n in nulls if n.stdout is not None][0]  # the direct legs' node
         ours = [("pdcluster" if w == 1 else f"pdcluster-w{w}", w, ROOT) for w in args.workers]
         if args.baseline:
             ours.append(("baseline", 1, Path(args.baseline).resolve()))
@@ -432,44 +478,65 @@ def main() -> None:
             wait_http(f"http://127.0.0.1:{port}/health")
             fronts[name] = (f"http://127.0.0.1:{port}/v1/completions", psutil.Process(proxy.pid))
         if args.router:
-            hp, hd, rp = free_port("127.0.0.1"), free_port("127.0.0.1"), free_port("127.0.0.1")
-            for role, http_port in (("prefill", hp), ("decode", hd)):
-                spawn([sys.executable, __file__, "--null-http", role, str(http_port), "--pacing", args.pacing,
-                       "--step-ms", str(args.step_ms)])
-            for http_port in (hp, hd):
+            http_ports = {role: [free_port("127.0.0.1") for _ in range(args.null_nodes)]
+                          for role in ("prefill", "decode")}
+            hp, hd, rp = http_ports["prefill"][0], http_ports["decode"][0], free_port("127.0.0.1")
+            for role, role_ports in http_ports.items():
+                for http_port in role_ports:
+                    spawn([sys.executable, __file__, "--null-http", role, str(http_port), "--pacing", args.pacing,
+                           "--step-ms", str(args.step_ms)])
+            for http_port in http_ports["prefill"] + http_ports["decode"]:
                 wait_http(f"http://127.0.0.1:{http_port}/health")
+            servers = [a for role in ("prefill", "decode") for p in http_ports[role]
+                       for a in (f"--{role}", f"http://127.0.0.1:{p}")]
             router = spawn([args.router, "--host", "127.0.0.1", "--port", str(rp), "--vllm-pd-disaggregation",
-                            "--prefill", f"http://127.0.0.1:{hp}", "--decode", f"http://127.0.0.1:{hd}",
-                            "--policy", "round_robin", "--log-level", "warning",
+                            *servers, "--policy", "round_robin", "--log-level", "warning",
                             "--prometheus-port", str(free_port("127.0.0.1"))],
                            stdout=subprocess.DEVNULL, stderr=open(tmp / "router.log", "wb"))  # noqa: SIM115
             wait_http(f"http://127.0.0.1:{rp}/health")
             fronts["vllm-router"] = (f"http://127.0.0.1:{rp}/v1/completions", psutil.Process(router.pid))
         result["router"] = "vllm-router 0.1.17" if args.router else None
         body = body_for(args)
+        body_file = tmp / "body.json"
+        body_file.write_text(json.dumps(body))
 
         async def measure() -> dict:
             per: dict[str, dict[int, list[dict]]] = {f: {c: [] for c in args.concurrency} for f in fronts}
             conn = aiohttp.TCPConnector(limit=0)
             async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=60)) as s:
                 names = list(fronts)
+                legs, http_legs = Run(), Run()  # the direct legs, pooled over the repetitions
                 for rep in range(args.repeats):
+                    # The legs called directly, in every repetition (the reference of the added latency:
+                    # measured once at the end it moved by ±0.3 ms between runs on 2 shared cores).
+                    if 1 in args.concurrency:
+                        legs.e2e += (await direct_grpc(ports, args, 200)).e2e
+                        if "vllm-router" in fronts:
+                            http_legs.e2e += (await direct_http(f"http://127.0.0.1:{hp}/v1/completions",
+                                                                f"http://127.0.0.1:{hd}/v1/completions", args, 200)).e2e
                     # Each repetition starts with the next front end (order effects cancel). Two identical
                     # trees still measured 0.91x for this tree's slot: compare trees both ways round.
                     for name in names[rep % len(names):] + names[:rep % len(names)]:
                         url, proc = fronts[name]
                         for c in args.concurrency:
                             c0 = cpu_seconds(proc)
-                            run = await closed_loop(lambda r, url=url: stream_once(s, url, body, r), c,
-                                                    args.seconds, args.warmup)
+                            if args.clients > 1:
+                                run = await closed_loop_processes(url, c, args.seconds, args.warmup, body_file,
+                                                                  args.clients)
+                            else:
+                                run = await closed_loop(lambda r, url=url: stream_once(s, url, body, r), c,
+                                                        args.seconds, args.warmup)
                             per[name][c].append(summarize(run, cpu_seconds(proc) - c0))
                             print(f"rep {rep} {name:>11} conc {c:>3}: {per[name][c][-1]['req_s']:7.1f} req/s",
                                   flush=True)
-            legs = await direct_grpc(ports, args, 100)
+            if 1 not in args.concurrency:
+                legs.e2e = (await direct_grpc(ports, args, 100)).e2e
+                if "vllm-router" in fronts:
+                    http_legs.e2e = (await direct_http(f"http://127.0.0.1:{hp}/v1/completions",
+                                                       f"http://127.0.0.1:{hd}/v1/completions", args, 100)).e2e
             direct = {name: legs for name in fronts if name != "vllm-router"}
             if "vllm-router" in fronts:
-                direct["vllm-router"] = await direct_http(f"http://127.0.0.1:{hp}/v1/completions",
-                                                          f"http://127.0.0.1:{hd}/v1/completions", args, 100)
+                direct["vllm-router"] = http_legs
             return {"per": per, "direct": direct}
 
         m = asyncio.run(measure())
