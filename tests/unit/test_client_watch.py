@@ -26,17 +26,19 @@ class Connection:
         return {"type": "http.disconnect"}
 
 
-def request_on(conn: Connection) -> Request:
-    return Request({"type": "http", "method": "POST", "path": "/", "headers": []}, conn.receive)
+async def watched() -> tuple[Connection, ClientWatch]:
+    """A connection whose request body has been read, and the request's watch."""
+    conn = Connection()
+    request = Request({"type": "http", "method": "POST", "path": "/", "headers": []}, conn.receive)
+    await request.body()
+    watch = ClientWatch.of(request)
+    assert ClientWatch.of(request) is watch
+    return conn, watch
 
 
 def test_the_work_runs_in_the_callers_task_and_one_watcher_serves_every_phase() -> None:
     async def main() -> None:
-        conn = Connection()
-        request = request_on(conn)
-        await request.body()
-        watch = ClientWatch.of(request)
-        assert ClientWatch.of(request) is watch
+        conn, watch = await watched()
 
         async def where() -> asyncio.Task:
             return asyncio.current_task()
@@ -52,10 +54,7 @@ def test_the_work_runs_in_the_callers_task_and_one_watcher_serves_every_phase() 
 
 def test_a_client_that_leaves_cancels_the_work_and_its_cleanup_runs() -> None:
     async def main() -> None:
-        conn = Connection()
-        request = request_on(conn)
-        await request.body()
-        watch = ClientWatch.of(request)
+        conn, watch = await watched()
         cleaned = asyncio.Event()
 
         async def slow() -> None:
@@ -82,10 +81,7 @@ def test_a_client_that_leaves_cancels_the_work_and_its_cleanup_runs() -> None:
 
 def test_a_cancel_from_elsewhere_stays_a_cancel() -> None:
     async def main() -> None:
-        conn = Connection()
-        request = request_on(conn)
-        await request.body()
-        watch = ClientWatch.of(request)
+        _, watch = await watched()
         task = asyncio.ensure_future(watch.guard(asyncio.sleep(30)))
         await asyncio.sleep(0.01)
         task.cancel()  # the server stopping, say: not a client that left
