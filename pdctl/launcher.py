@@ -152,6 +152,8 @@ def proxy_command(topology: Topology, registry_url: str, port: int, python: str 
         argv += ["--workers", str(proxy.workers)]
     if not proxy.access_log:
         argv += ["--no-access-log"]
+    if not proxy.pin_workers:
+        argv += ["--no-pin-workers"]
     for flag, value in (("--token-timeout-s", proxy.token_timeout_s), ("--prefill-timeout-s", proxy.prefill_timeout_s)):
         if value is not None:
             argv += [flag, str(value)]

@@ -10,7 +10,8 @@ A YAML topology (every key but ``model`` optional; relative paths are relative t
       port: null                   # the local redis-server's port; null = a free one
       cluster: pdcluster           # key prefix in Redis and the default run directory's name
       ttl_s: null                  # a node silent this long is unhealthy; null = the nodes' 5 s
-    proxy: {host: 127.0.0.1, port: 8000, api_key: null, admin_key: null, workers: 1, access_log: true}
+    proxy: {host: 127.0.0.1, port: 8000, api_key: null, admin_key: null, workers: 1, access_log: true,
+            pin_workers: true}
     prefill:
       - {dp: 1, pcp: 2, pp: 1, kv_layout: sharded}
     decode:
@@ -172,11 +173,13 @@ class ProxySpec:
     token_timeout_s: float | None = None  # the proxy's own defaults when None (60 s, 300 s)
     prefill_timeout_s: float | None = None
     access_log: bool = True  # the HTTP server's line per request, at info level
+    pin_workers: bool = True  # each worker process on one CPU core (proxy.affinity)
 
     def __post_init__(self) -> None:
         _port(self, "port")
-        if not isinstance(self.access_log, bool):
-            raise ValueError(f"proxy.access_log must be true or false, got {self.access_log!r}")
+        for name in ("access_log", "pin_workers"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"proxy.{name} must be true or false, got {getattr(self, name)!r}")
         if not isinstance(self.workers, int) or self.workers < 0:
             raise ValueError(f"proxy.workers must be an int >= 0, got {self.workers!r}")
         for name in ("token_timeout_s", "prefill_timeout_s"):

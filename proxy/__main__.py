@@ -113,7 +113,7 @@ def without_torch() -> None:
 
     if "torch" not in sys.modules:
         sys.modules["torch"] = None  # type: ignore[assignment]
-        os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # not its "PyTorch was not found" warning
+        os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")  # its "PyTorch was not found" advice
 
 
 def worker_app() -> Any:
@@ -128,7 +128,10 @@ def worker_app() -> Any:
     if config.pin_workers:  # before this worker starts threads: they inherit the core
         from proxy.affinity import pin_this_worker
 
-        pin_this_worker()
+        try:
+            pin_this_worker()
+        except (OSError, AttributeError) as e:  # an optimisation: never a reason not to serve
+            log.warning("worker not pinned to a CPU core: %s", e)
     try:
         return build_app(config)
     except (ValueError, OSError) as e:
@@ -163,7 +166,7 @@ def main(argv: list[str] | None = None) -> None:
     from proxy.affinity import CLAIMS_ENV
     from proxy.metrics import MULTIPROC_DIR
 
-    workers = config.workers or os.cpu_count() or 1
+    workers = config.workers or len(os.sched_getaffinity(0)) or 1  # 0: one per core this process may use
     where = f"http://{config.host}:{config.port} (registry cluster {config.registry.cluster!r})"
     # Each worker process parses the same command line and builds its own app (worker_app); several
     # write their metrics where /metrics (in any worker) sums them. Workers are spawned, not forked:

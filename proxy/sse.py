@@ -49,6 +49,7 @@ class ClientWatch:
         self._task: asyncio.Task[None] | None = None
         self._guarded: asyncio.Task[Any] | None = None
         self._cancelled_guarded = False
+        self._closed = False
         self.gone = False
 
     @classmethod
@@ -63,6 +64,7 @@ class ClientWatch:
     async def guard(self, work: Coroutine[Any, Any, T]) -> T:
         """``await work``; cancelled (its cleanup runs) and ``ClientDisconnected`` raised if the client
         leaves first."""
+        assert not self._closed, "the request's watch is closed: the request has ended"
         if self._task is None:
             self._task = asyncio.ensure_future(_wait_disconnect(self._receive))
             self._task.add_done_callback(self._ended)
@@ -76,11 +78,16 @@ class ClientWatch:
             return await work
         except asyncio.CancelledError:
             # Ours (the client left), unless someone else cancelled too: then theirs goes on.
-            if self._cancelled_guarded and me.uncancel() == 0:
-                raise ClientDisconnected() from None
+            if self._cancelled_guarded:
+                self._cancelled_guarded = False
+                if me.uncancel() == 0:
+                    raise ClientDisconnected() from None
             raise
         finally:
             self._guarded = None
+            if self._cancelled_guarded:  # the work swallowed our cancel: take it back all the same
+                self._cancelled_guarded = False
+                me.uncancel()
 
     def _ended(self, task: asyncio.Task[None]) -> None:
         if task.cancelled():
@@ -92,6 +99,7 @@ class ClientWatch:
             self._guarded.cancel()
 
     def close(self) -> None:
+        self._closed = True
         if self._task is not None:
             self._task.cancel()
 
@@ -124,6 +132,9 @@ class EventStreamResponse(StreamingResponse):
             finished = True
         except (ClientDisconnected, OSError):  # OSError: the client went away mid-send
             pass
+        except Exception:  # our failure, not the client's leaving: it ends the response, and is raised
+            finished = True
+            raise
         finally:
             self._watch.close()
             aclose = getattr(self._events, "aclose", None)

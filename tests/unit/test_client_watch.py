@@ -8,7 +8,7 @@ import asyncio
 import pytest
 from starlette.requests import Request
 
-from proxy.sse import ClientDisconnected, ClientWatch
+from proxy.sse import ClientDisconnected, ClientWatch, EventStreamResponse
 
 
 class Connection:
@@ -89,5 +89,44 @@ def test_a_cancel_from_elsewhere_stays_a_cancel() -> None:
             await task
         assert not watch.gone
         watch.close()
+
+    asyncio.run(main())
+
+
+def test_a_cancel_the_work_swallowed_is_taken_back() -> None:
+    async def main() -> None:
+        conn, watch = await watched()
+
+        async def stubborn() -> str:
+            try:
+                await asyncio.sleep(30)
+            except asyncio.CancelledError:
+                return "kept going"
+            return "slept"
+
+        asyncio.get_running_loop().call_later(0.05, conn.left.set)
+        assert await watch.guard(stubborn()) == "kept going"
+        assert asyncio.current_task().cancelling() == 0  # an asyncio.timeout in this task still works
+        watch.close()
+
+    asyncio.run(main())
+
+
+def test_a_stream_that_fails_is_not_counted_as_a_client_leaving() -> None:
+    async def main() -> None:
+        _, watch = await watched()
+        closed: list[bool] = []
+
+        async def events():  # noqa: ANN202
+            yield b"data: 1\n\n"
+            raise ValueError("a bug of ours")
+
+        async def send(message: dict) -> None:
+            pass
+
+        response = EventStreamResponse(events(), on_close=closed.append, watch=watch)
+        with pytest.raises(ValueError):
+            await response({"type": "http"}, watch._receive, send)
+        assert closed == [False]
 
     asyncio.run(main())

@@ -64,6 +64,7 @@ def test_minimal_yaml_and_absolute_model(tmp_path) -> None:
     ("model: m\nproxy: {local_prefill_max_tokens: -1}\n", "local_prefill_max_tokens must be an int >= 0"),
     ("model: m\nproxy: {workers: -2}\n", "proxy.workers must be an int >= 0"),
     ("model: m\nproxy: {access_log: 0}\n", "proxy.access_log must be true or false"),
+    ("model: m\nproxy: {pin_workers: yes please}\n", "proxy.pin_workers must be true or false"),
     ("model: m\nproxy: {token_timeout_s: 0}\n", "proxy.token_timeout_s must be a number > 0"),
     ("model: m\nprefill: [{dp: 0}]\n", r"prefill\[0\]: dp must be an integer > 0"),
     ("model: m\nprefill: [{pcp: 1.5}]\n", r"prefill\[0\]: pcp must be an integer > 0"),
@@ -148,6 +149,8 @@ def test_proxy_command_line(tmp_path) -> None:
     assert workers.argv[-4:] == ("--workers", "4", "--token-timeout-s", "3")
     quiet = proxy_command(Topology(model="/m", proxy=ProxySpec(access_log=False)), URL, port=8000, python="py")
     assert quiet.argv[-1] == "--no-access-log" and "--no-access-log" not in bare.argv
+    loose = proxy_command(Topology(model="/m", proxy=ProxySpec(pin_workers=False)), URL, port=8000, python="py")
+    assert loose.argv[-1] == "--no-pin-workers" and "--no-pin-workers" not in bare.argv
 
 
 def test_cluster_commands_order_and_ids() -> None:
