@@ -506,14 +506,19 @@ def main() -> None:
             async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=60)) as s:
                 names = list(fronts)
                 legs, http_legs = Run(), Run()  # the direct legs, pooled over the repetitions
+
+                async def call_legs(n: int) -> None:
+                    legs.e2e.extend((await direct_grpc(ports, args, n)).e2e)
+                    if "vllm-router" in fronts:
+                        http_legs.e2e.extend((await direct_http(f"http://127.0.0.1:{hp}/v1/completions",
+                                                                f"http://127.0.0.1:{hd}/v1/completions", args,
+                                                                n)).e2e)
+
                 for rep in range(args.repeats):
                     # The legs called directly, in every repetition (the reference of the added latency:
                     # measured once at the end it moved by ±0.3 ms between runs on 2 shared cores).
                     if 1 in args.concurrency:
-                        legs.e2e += (await direct_grpc(ports, args, 200)).e2e
-                        if "vllm-router" in fronts:
-                            http_legs.e2e += (await direct_http(f"http://127.0.0.1:{hp}/v1/completions",
-                                                                f"http://127.0.0.1:{hd}/v1/completions", args, 200)).e2e
+                        await call_legs(200)
                     # Each repetition starts with the next front end (order effects cancel). Two identical
                     # trees still measured 0.91x for this tree's slot: compare trees both ways round.
                     for name in names[rep % len(names):] + names[:rep % len(names)]:
@@ -529,11 +534,8 @@ def main() -> None:
                             per[name][c].append(summarize(run, cpu_seconds(proc) - c0))
                             print(f"rep {rep} {name:>11} conc {c:>3}: {per[name][c][-1]['req_s']:7.1f} req/s",
                                   flush=True)
-            if 1 not in args.concurrency:
-                legs.e2e = (await direct_grpc(ports, args, 100)).e2e
-                if "vllm-router" in fronts:
-                    http_legs.e2e = (await direct_http(f"http://127.0.0.1:{hp}/v1/completions",
-                                                       f"http://127.0.0.1:{hd}/v1/completions", args, 100)).e2e
+                if 1 not in args.concurrency:
+                    await call_legs(100)
             direct = {name: legs for name in fronts if name != "vllm-router"}
             if "vllm-router" in fronts:
                 direct["vllm-router"] = http_legs
