@@ -111,29 +111,59 @@ def serve_null_grpc(redis_url: str, cluster: str, max_model_len: int, pacer: Pac
             return pb.AbortResponse(found=False)
 
     class Decode(DecodeMux, pb_grpc.DecodeServiceServicer):
-        async def Decode(self, request: pb.DecodeRequest, context: Any):  # noqa: ANN201, N802
-            # As a decode node relays its engine's events: a queue filled one token per step (here one
-            # per turn of the event loop), drained by the node's own relay (``coalesced``).
-            events: asyncio.Queue = asyncio.Queue()
+        def __init__(self) -> None:
+            self.streams: dict[int, list] = {}  # the running batch: key -> [its queue, tokens made, tokens wanted]
+            self.more = asyncio.Event()
+            self.keys = 0
+            self.engine: asyncio.Task | None = None
 
-            async def engine() -> None:
-                events.put_nowait(pb.DecodeEvent(admitted=pb.Admitted(dp_rank=0)))
-                n = request.sampling.max_tokens
+        async def step_loop(self) -> None:
+            """The null engine: one loop for the whole batch, as a real engine's steps, making the next
+            token of every stream at each step (the pacer's: a turn of the event loop, or a step of
+            ``--step-ms``)."""
+            while True:
+                if not self.streams:
+                    self.more.clear()
+                    await self.more.wait()
+                await pacer.next()
+                for key, stream in list(self.streams.items()):
+                    queue, i, n = stream
+                    queue.put_nowait(pb.DecodeEvent(tokens=pb.Tokens(
+                        tokens=[pb.Token(token_id=300 + i % 200, logprob=-0.1)],
+                        finish_reason="length" if i == n - 1 else "")))
+                    stream[1] = i + 1
+                    if i + 1 == n:
+                        queue.put_nowait(None)
+                        del self.streams[key]
+
+        async def Decode(self, request: pb.DecodeRequest, context: Any):  # noqa: ANN201, N802
+            # As a decode node relays its engine's events: a queue the engine fills one token per step,
+            # drained by the node's own relay (``coalesced``).
+            if self.engine is None:
+                self.engine = asyncio.ensure_future(self.step_loop())
+            events: asyncio.Queue = asyncio.Queue()
+            events.put_nowait(pb.DecodeEvent(admitted=pb.Admitted(dp_rank=0)))
+            self.keys += 1
+            key = self.keys
+            n = request.sampling.max_tokens
+            if n <= 1:
+                events.put_nowait(None)
+            elif pacer.pacing == "burst":
                 for i in range(1, n):
-                    await pacer.next()
                     events.put_nowait(pb.DecodeEvent(tokens=pb.Tokens(
                         tokens=[pb.Token(token_id=300 + i % 200, logprob=-0.1)],
                         finish_reason="length" if i == n - 1 else "")))
                 events.put_nowait(None)
-
-            producer = asyncio.ensure_future(engine())
+            else:
+                self.streams[key] = [events, 1, n]
+                self.more.set()
             try:
                 async for event in coalesced(events):
                     if event is None:
                         return
                     yield event
             finally:
-                producer.cancel()
+                self.streams.pop(key, None)
 
         async def Abort(self, request: pb.AbortRequest, context: Any) -> pb.AbortResponse:  # noqa: N802
             return pb.AbortResponse(found=False)
@@ -203,6 +233,8 @@ class Run:
     itl: list[float] = field(default_factory=list)
     errors: int = 0
     seconds: float = 0.0
+    warmup: float = 0.0
+    completed: int = 0  # requests finished, the warm-up's included (the CPU figures cover it too)
 
 
 async def stream_once(session: aiohttp.ClientSession, url: str, body: dict, run: Run | None) -> int:
@@ -243,7 +275,8 @@ def load_process(url: str, concurrency: int, seconds: float, warmup_s: float, bo
             return await closed_loop(lambda r: stream_once(s, url, body, r), concurrency, seconds, warmup_s)
 
     run = asyncio.run(go())
-    print(json.dumps({"e2e": run.e2e, "ttft": run.ttft, "itl": run.itl, "errors": run.errors}))
+    print(json.dumps({"e2e": run.e2e, "ttft": run.ttft, "itl": run.itl, "errors": run.errors,
+                      "completed": run.completed}))
 
 
 async def closed_loop_processes(url: str, concurrency: int, seconds: float, warmup_s: float, body_file: Path,
@@ -254,7 +287,7 @@ async def closed_loop_processes(url: str, concurrency: int, seconds: float, warm
     procs = [await asyncio.create_subprocess_exec(
         sys.executable, __file__, "--load", url, str(n), str(seconds), str(warmup_s), str(body_file),
         stdout=asyncio.subprocess.PIPE) for n in shares if n]
-    run = Run(seconds=seconds)
+    run = Run(seconds=seconds, warmup=warmup_s)
     for p in procs:
         out, _ = await p.communicate()
         part = json.loads(out)
@@ -262,6 +295,7 @@ async def closed_loop_processes(url: str, concurrency: int, seconds: float, warm
         run.ttft += part["ttft"]
         run.itl += part["itl"]
         run.errors += part["errors"]
+        run.completed += part["completed"]
     return run
 
 
@@ -275,12 +309,13 @@ async def closed_loop(fn: Callable[[Run | None], Any], concurrency: int, seconds
             measured = time.perf_counter() >= stop_warm
             try:
                 await fn(run if measured else None)
+                run.completed += 1
             except Exception:  # counted; the load goes on
                 if measured:
                     run.errors += 1
 
     await asyncio.gather(*(worker() for _ in range(concurrency)))
-    run.seconds = seconds
+    run.seconds, run.warmup = seconds, warmup_s
     return run
 
 
@@ -359,13 +394,22 @@ def pct(xs: list[float], q: float) -> float | None:
     return float(np.percentile(xs, q)) * 1e3 if xs else None
 
 
-def summarize(run: Run, cpu_s: float) -> dict:
-    n = len(run.e2e)
+def summarize(run: Run, cpu_s: float, engines_s: float, client_s: float) -> dict:
+    """A run's figures. CPU per request: the front end's (``cpu_ms_per_req``), its null engines' and the
+    client's; ``ceiling_req_s`` is the rate a front end costing nothing would reach on this machine's
+    cores with these engines and this client (cores over their CPU per request)."""
+    n, done = len(run.e2e), run.completed  # measured; all, over the same time as the CPU figures
+
+    def per_req(s: float) -> float | None:
+        return s / done * 1e3 if done else None
+    rest = engines_s + client_s
     return {"req_s": n / run.seconds, "requests": n, "errors": run.errors,
             "e2e_p50_ms": pct(run.e2e, 50), "e2e_p99_ms": pct(run.e2e, 99),
             "ttft_p50_ms": pct(run.ttft, 50), "ttft_p99_ms": pct(run.ttft, 99),
             "itl_p50_ms": pct(run.itl, 50), "itl_p99_ms": pct(run.itl, 99),
-            "cpu_ms_per_req": cpu_s / n * 1e3 if n else None, "cpu_share": cpu_s / run.seconds}
+            "cpu_ms_per_req": per_req(cpu_s), "cpu_share": cpu_s / (run.seconds + run.warmup),
+            "engines_cpu_ms_per_req": per_req(engines_s), "client_cpu_ms_per_req": per_req(client_s),
+            "ceiling_req_s": (os.cpu_count() or 1) * done / rest if done and rest > 0 else None}
 
 
 def tree_rss(proc: psutil.Process) -> int:
@@ -389,6 +433,12 @@ def cpu_seconds(proc: psutil.Process) -> float:
         except psutil.NoSuchProcess:
             pass
     return own
+
+
+def own_cpu_seconds() -> float:
+    """This process's CPU (the client, when it runs here) and its finished children's (client processes)."""
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
 
 
 def median_of(reps: list[dict]) -> dict:
@@ -466,6 +516,7 @@ def main() -> None:
                         "--step-ms", str(args.step_ms), "--null-index", str(i)], stdout=subprocess.PIPE)
                  for i in range(args.null_nodes)]
         ports = [json.loads(n.stdout.readline()) for n in nulls if n.stdout is not None][0]  # the direct legs' node
+        engines = {"ours": [psutil.Process(n.pid) for n in nulls], "vllm-router": []}
         ours = [("pdcluster" if w == 1 else f"pdcluster-w{w}", w, ROOT) for w in args.workers]
         if args.baseline:
             ours.append(("baseline", 1, Path(args.baseline).resolve()))
@@ -483,8 +534,9 @@ def main() -> None:
             hp, hd, rp = http_ports["prefill"][0], http_ports["decode"][0], free_port("127.0.0.1")
             for role, role_ports in http_ports.items():
                 for http_port in role_ports:
-                    spawn([sys.executable, __file__, "--null-http", role, str(http_port), "--pacing", args.pacing,
-                           "--step-ms", str(args.step_ms)])
+                    engines["vllm-router"].append(psutil.Process(spawn(
+                        [sys.executable, __file__, "--null-http", role, str(http_port), "--pacing", args.pacing,
+                         "--step-ms", str(args.step_ms)]).pid))
             for http_port in http_ports["prefill"] + http_ports["decode"]:
                 wait_http(f"http://127.0.0.1:{http_port}/health")
             servers = [a for role in ("prefill", "decode") for p in http_ports[role]
@@ -523,15 +575,18 @@ def main() -> None:
                     # trees still measured 0.91x for this tree's slot: compare trees both ways round.
                     for name in names[rep % len(names):] + names[:rep % len(names)]:
                         url, proc = fronts[name]
+                        nulls_of = engines["vllm-router" if name == "vllm-router" else "ours"]
                         for c in args.concurrency:
-                            c0 = cpu_seconds(proc)
+                            c0, e0, l0 = cpu_seconds(proc), sum(map(cpu_seconds, nulls_of)), own_cpu_seconds()
                             if args.clients > 1:
                                 run = await closed_loop_processes(url, c, args.seconds, args.warmup, body_file,
                                                                   args.clients)
                             else:
                                 run = await closed_loop(lambda r, url=url: stream_once(s, url, body, r), c,
                                                         args.seconds, args.warmup)
-                            per[name][c].append(summarize(run, cpu_seconds(proc) - c0))
+                            per[name][c].append(summarize(run, cpu_seconds(proc) - c0,
+                                                          sum(map(cpu_seconds, nulls_of)) - e0,
+                                                          own_cpu_seconds() - l0))
                             print(f"rep {rep} {name:>11} conc {c:>3}: {per[name][c][-1]['req_s']:7.1f} req/s",
                                   flush=True)
                 if 1 not in args.concurrency:
@@ -582,7 +637,7 @@ def main() -> None:
 
 def print_table(result: dict, fronts: dict, concurrency: list[int]) -> None:
     print(f"\n{'front end':>12} {'conc':>5} {'req/s':>8} {'e2e p50':>9} {'e2e p99':>9} {'TTFT p50':>9} "
-          f"{'ITL p50':>8} {'CPU/req':>8} {'CPU':>6}")
+          f"{'ITL p50':>8} {'CPU/req':>8} {'CPU':>6} {'engines':>8} {'client':>7} {'ceiling':>8}")
     for name in fronts:
         for c in concurrency:
             r = result[name][f"c{c}"]
@@ -591,7 +646,8 @@ def print_table(result: dict, fronts: dict, concurrency: list[int]) -> None:
                 return f"{v:{w}.{d}f}" if v is not None and not math.isnan(v) else " " * (w - 1) + "-"
             print(f"{name:>12} {c:>5} {f(r['req_s'], 8)} {f(r['e2e_p50_ms'], 9, 2)} {f(r['e2e_p99_ms'], 9, 2)} "
                   f"{f(r['ttft_p50_ms'], 9, 2)} {f(r['itl_p50_ms'], 8, 3)} {f(r['cpu_ms_per_req'], 8, 2)} "
-                  f"{f(r['cpu_share'] * 100, 5, 0)}%")
+                  f"{f(r['cpu_share'] * 100, 5, 0)}% {f(r['engines_cpu_ms_per_req'], 8, 2)} "
+                  f"{f(r['client_cpu_ms_per_req'], 7, 2)} {f(r['ceiling_req_s'], 8, 0)}")
         res = result[name]
         added = f", adds {res['added_p50_ms']:.2f} ms p50 / {res['added_p99_ms']:.2f} ms p99 over the direct legs" \
             if "added_p50_ms" in res else ""

@@ -8,6 +8,7 @@ client's disconnect.
 from __future__ import annotations
 
 import os
+from bisect import bisect_left
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
@@ -25,6 +26,23 @@ Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+
+def observe_many(histogram: Histogram, amount: float, count: int) -> None:
+    """``count`` observations of ``amount`` at once: one update of the sum and of one bucket, where
+    ``Histogram.observe`` (which has no count) would make ``count`` of each. The proxy observes the
+    inter-token gap once per token: this was 15 observations per 16-token request."""
+    if count <= 0:
+        return
+    bounds = getattr(histogram, "_upper_bounds", None)
+    buckets = getattr(histogram, "_buckets", None)
+    total = getattr(histogram, "_sum", None)
+    if bounds is None or buckets is None or total is None:  # not prometheus_client's layout: one at a time
+        for _ in range(count):
+            histogram.observe(amount)
+        return
+    total.inc(amount * count)
+    buckets[bisect_left(bounds, amount)].inc(count)  # the first bucket whose bound is >= amount, as observe's
 
 
 class ProxyMetrics:

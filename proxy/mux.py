@@ -40,7 +40,7 @@ def _expire(future: asyncio.Future[Any]) -> None:
 async def _within(future: asyncio.Future[Any], timeout: float) -> Any:
     """``await future``, raising ``TimeoutError`` after ``timeout`` seconds (one timer: cheaper than
     ``asyncio.wait_for``, which this runs for every token read)."""
-    timer = asyncio.get_running_loop().call_later(timeout, _expire, future)
+    timer = future.get_loop().call_later(timeout, _expire, future)
     try:
         return await future
     finally:
@@ -63,6 +63,9 @@ class MuxStream:
     outgoing message, ``PrefillCalls`` or ``DecodeCalls``)."""
 
     def __init__(self, open_call: Callable[[], Any], calls_type: type) -> None:
+        # The loop, once: on Python 3.11 every ``asyncio.get_running_loop()`` is a getpid() system call,
+        # and the calls' futures are made per token (6% of the proxy's main thread, py-spy).
+        self.loop = asyncio.get_running_loop()
         self._call = open_call()
         self._calls_type = calls_type
         self._waiters: dict[str, _Waiter] = {}
@@ -70,8 +73,8 @@ class MuxStream:
         self._cancels: list[str] = []
         self._wake = asyncio.Event()
         self.broken = False
-        self._writer = asyncio.ensure_future(self._write())
-        self._reader = asyncio.ensure_future(self._read())
+        self._writer = self.loop.create_task(self._write())
+        self._reader = self.loop.create_task(self._read())
 
     def start(self, call: Any, waiter: _Waiter) -> None:
         rid = call.request_id
@@ -90,6 +93,9 @@ class MuxStream:
     async def _write(self) -> None:
         while True:
             await self._wake.wait()
+            # One turn of the event loop before writing: the calls of every request handled in it go in
+            # the same message (on null nodes, 1.1-1.3x the request rate at concurrency 32-128).
+            await asyncio.sleep(0)
             self._wake.clear()
             message = self._calls_type(calls=self._calls, cancel=self._cancels)
             self._calls, self._cancels = [], []
@@ -153,7 +159,7 @@ class _PrefillWaiter(_Waiter):
 
 async def prefill(stream: MuxStream, request: pb.PrefillRequest, timeout: float) -> pb.PrefillResponse:
     """``Prefill`` over the stream, with a deadline (DEADLINE_EXCEEDED past it, as the RPC's)."""
-    future: asyncio.Future[pb.PrefillResponse] = asyncio.get_running_loop().create_future()
+    future: asyncio.Future[pb.PrefillResponse] = stream.loop.create_future()
     stream.start(request, _PrefillWaiter(future))
     try:
         return await _within(future, timeout)
@@ -207,7 +213,7 @@ class DecodeCall(_Waiter):
         """The next event (``grpc.aio.EOF`` at the end); raises the call's ``AioRpcError``, or
         ``TimeoutError`` when nothing comes for ``timeout`` seconds."""
         if not self._events and self._error is None:
-            self._wake = asyncio.get_running_loop().create_future()
+            self._wake = self._stream.loop.create_future()
             try:
                 await _within(self._wake, timeout)
             finally:

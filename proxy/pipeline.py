@@ -49,7 +49,7 @@ from proxy import mux
 from proxy.clients import NodeClients
 from proxy.discovery import NodeView
 from proxy.errors import APIError, rpc_error
-from proxy.metrics import ProxyMetrics
+from proxy.metrics import ProxyMetrics, observe_many
 from proxy.prefix_index import PrefixIndex
 from proxy.router import CachedTokens, LocalLoad, NoRoute, Route, Router
 
@@ -468,8 +468,7 @@ class Generation:
         now = time.perf_counter()
         gap = (now - self._last_token_at) / k  # tokens arrive in batches: spread the gap over them
         self._last_token_at = now
-        for _ in range(k):
-            self._legs.metrics.itl.observe(gap)
+        observe_many(self._legs.metrics.itl, gap, k)
         self._legs.metrics.generation_tokens.inc(k)
 
     def close(self) -> None:

@@ -195,10 +195,12 @@ def _replicas(nodes: Iterable[NodeState], role: str) -> list[tuple[NodeState, in
 
 def prefill_candidates(nodes: Iterable[NodeState], model: str, prompt_tokens: int, total_tokens: int,
                        local: LocalLoad, long_prompt_tokens: int = LONG_PROMPT_TOKENS,
-                       exclude: Collection[str] = (), cached: CachedTokens | None = None) -> list[PrefillCandidate]:
+                       exclude: Collection[str] = (), cached: CachedTokens | None = None,
+                       explain: bool = True) -> list[PrefillCandidate]:
     """Every prefill replica with its estimated cost for a prompt of ``prompt_tokens``; nodes in
     ``exclude`` (they just failed this request) are not eligible. ``cached(node, dp_rank)``: the
-    prompt's tokens expected in that replica's prefix cache, which it need not compute."""
+    prompt's tokens expected in that replica's prefix cache, which it need not compute. Without
+    ``explain`` an eligible replica's reason is left empty (routing a request needs none)."""
     out = []
     for node, dp in _replicas(nodes, "prefill"):
         info = node.info
@@ -214,6 +216,9 @@ def prefill_candidates(nodes: Iterable[NodeState], model: str, prompt_tokens: in
         new = prompt_tokens - hit
         speedup = effective_pcp(info.pcp, new, long_prompt_tokens)
         cost = prefill_cost(queued, new, info.pcp, long_prompt_tokens)
+        if not explain:
+            out.append(PrefillCandidate(info.node_id, info.address, dp, info.pcp, queued, cost, True, "", hit))
+            continue
         why = f"estimated cost {cost:.0f} (queued {queued} + {new} tokens over effective PCP {speedup:.2f}"
         why += f" + PCP overhead {PCP_OVERHEAD_TOKENS * (info.pcp - 1):.0f})" if info.pcp > 1 else ")"
         if hit:
@@ -224,11 +229,12 @@ def prefill_candidates(nodes: Iterable[NodeState], model: str, prompt_tokens: in
 
 def decode_candidates(nodes: Iterable[NodeState], model: str, total_tokens: int,
                       local: LocalLoad, exclude: Collection[tuple[str, int]] = (),
-                      cached: CachedTokens | None = None) -> list[DecodeCandidate]:
+                      cached: CachedTokens | None = None, explain: bool = True) -> list[DecodeCandidate]:
     """Every decode rank with its load, for a request of ``total_tokens`` (prompt + output).
 
     ``exclude``: (node id, DP rank) pairs that refused this request already. ``cached(node, dp_rank)``:
-    the prompt's tokens expected in that rank's prefix cache, which it need not pull."""
+    the prompt's tokens expected in that rank's prefix cache, which it need not pull. Without
+    ``explain`` an eligible rank's reason is left empty."""
     out = []
     for node, dp in _replicas(nodes, "decode"):
         info = node.info
@@ -247,10 +253,13 @@ def decode_candidates(nodes: Iterable[NodeState], model: str, total_tokens: int,
         if bad is None and published is not None and published < needed:
             bad = f"needs {needed} KV blocks, {published} free"
         free = None if published is None else published - local.blocks(info.node_id, dp)
-        free_text = "free blocks unknown" if free is None else f"{free} free blocks"
         hit = cached(info.node_id, dp) if cached is not None and bad is None else 0
-        why = bad or f"{running} running, {free_text}, needs {needed}" + (
-            f"; {hit} of the prompt's tokens expected in its prefix cache" if hit else "")
+        if bad is not None or not explain:
+            why = bad or ""
+        else:
+            free_text = "free blocks unknown" if free is None else f"{free} free blocks"
+            why = f"{running} running, {free_text}, needs {needed}" + (
+                f"; {hit} of the prompt's tokens expected in its prefix cache" if hit else "")
         out.append(DecodeCandidate(info.node_id, info.address, dp, running, free, needed, bad is None, why, hit))
     return out
 
@@ -316,17 +325,19 @@ class Router:
     def plan(self, nodes: Sequence[NodeState], prompt_tokens: int, max_tokens: int,
              exclude_prefill: Collection[str] = (), prefill_node: str | None = None,
              exclude_decode: Collection[tuple[str, int]] = (), local: bool | None = None,
-             cached: CachedTokens | None = None) -> RoutePlan:
+             cached: CachedTokens | None = None, explain: bool = True) -> RoutePlan:
         """Judge every candidate and choose, without changing any state.
 
         ``prefill_node``: the request was prefilled there already; choose only a decode rank that
         can read its KV. ``exclude_decode``: (node id, DP rank) pairs not to choose. ``local``: True
         for a decode rank that prefills itself only, False never, None by the router's settings.
-        ``cached``: the prompt's tokens expected in each prefill replica's prefix cache.
+        ``cached``: the prompt's tokens expected in each prefill replica's prefix cache. ``explain``
+        False: no reasons for eligible candidates, nor for the choice (``route``: the request needs none;
+        ineligible candidates keep theirs, for the answer when nothing can take it).
         """
         total = prompt_tokens + max_tokens
-        dec = decode_candidates(nodes, self.model, total, self.load, exclude_decode, cached)
-        plan = self._disaggregated(nodes, prompt_tokens, total, dec, exclude_prefill, prefill_node, cached)
+        dec = decode_candidates(nodes, self.model, total, self.load, exclude_decode, cached, explain)
+        plan = self._disaggregated(nodes, prompt_tokens, total, dec, exclude_prefill, prefill_node, cached, explain)
         if prefill_node is not None or local is False:
             return plan
         short = prompt_tokens <= self.local_prefill_max_tokens
@@ -337,6 +348,8 @@ class Router:
         d, how = pick_decode([c for c in dec if c.node_id in capable], self._turn)
         if d is None and not local:
             return plan
+        if not explain:
+            return RoutePlan(None, d, plan.prefill_candidates, dec, local=True)
         why = ("local prefill (asked)" if local else
                f"local prefill: a prompt of {prompt_tokens} <= {self.local_prefill_max_tokens} tokens" if short
                else "local prefill: no prefill replica can take it")
@@ -345,11 +358,11 @@ class Router:
 
     def _disaggregated(self, nodes: Sequence[NodeState], prompt_tokens: int, total: int, dec: list[DecodeCandidate],
                        exclude_prefill: Collection[str], prefill_node: str | None,
-                       cached: CachedTokens | None = None) -> RoutePlan:
+                       cached: CachedTokens | None = None, explain: bool = True) -> RoutePlan:
         """A prefill replica and a decode rank that can read its KV."""
         engines = {n.info.node_id: (n.info.engine, n.info.kv_protocol) for n in nodes}
         pre = prefill_candidates(nodes, self.model, prompt_tokens, total, self.load, self.long_prompt_tokens,
-                                 exclude_prefill, cached)
+                                 exclude_prefill, cached, explain)
         readable = {e for e in set(engines.values())
                     if any(c.eligible and can_read(e, engines[c.node_id]) for c in dec)}
         pre = [c if not c.eligible or engines[c.node_id] in readable or not readable else
@@ -365,9 +378,9 @@ class Router:
                                                      f"{_kind(source)} node's KV")
                    for c in dec]
         d, how = pick_decode(dec, self._turn)
-        if p is not None:
+        if explain and p is not None:
             p = _with_reason(p, "lowest " + p.reason)
-        if d is not None:
+        if explain and d is not None:
             d = _with_reason(d, f"{how}: {d.reason}")
         return RoutePlan(p, d, pre, dec)
 
@@ -376,7 +389,7 @@ class Router:
               local: bool | None = None) -> Route:
         """Choose a prefill replica and a decode rank (or a decode rank that prefills locally: ``prefill``
         None); raises ``NoRoute``. ``local`` False: never a local prefill (as in ``plan``)."""
-        plan = self.plan(nodes, prompt_tokens, max_tokens, exclude_prefill, cached=cached, local=local)
+        plan = self.plan(nodes, prompt_tokens, max_tokens, exclude_prefill, cached=cached, local=local, explain=False)
         if plan.local and plan.decode is not None:
             self._turn += 1
             return Route(None, plan.decode)

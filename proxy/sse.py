@@ -46,6 +46,7 @@ class ClientWatch:
 
     def __init__(self, receive: Receive) -> None:
         self._receive = receive
+        self._loop = asyncio.get_running_loop()  # once: each lookup is a getpid() call on Python 3.11
         self._task: asyncio.Task[None] | None = None
         self._guarded: asyncio.Task[Any] | None = None
         self._cancelled_guarded = False
@@ -66,12 +67,12 @@ class ClientWatch:
         leaves first."""
         assert not self._closed, "the request's watch is closed: the request has ended"
         if self._task is None:
-            self._task = asyncio.ensure_future(_wait_disconnect(self._receive))
+            self._task = self._loop.create_task(_wait_disconnect(self._receive))
             self._task.add_done_callback(self._ended)
         if self.gone:
             work.close()
             raise ClientDisconnected()
-        me = asyncio.current_task()
+        me = asyncio.current_task(self._loop)
         assert me is not None and self._guarded is None, "one guarded piece of work at a time"
         self._guarded, self._cancelled_guarded = me, False
         try:

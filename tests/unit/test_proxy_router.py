@@ -180,12 +180,15 @@ def test_local_prefill_for_short_prompts_and_as_the_fallback() -> None:
     router = Router(MODEL, local_prefill_max_tokens=64)
     short = router.route([pre, dec, other], 64, 16)
     assert short.prefill is None and short.decode.node_id == "d"
-    assert short.decode.reason.startswith("local prefill: a prompt of 64 <= 64 tokens")
+    assert short.decode.reason == ""  # route() decides only: its reasons come from plan()
+    assert router.plan([pre, dec, other], 64, 16).decode.reason.startswith("local prefill: a prompt of 64 <= 64")
     long = router.route([pre, dec, other], 65, 16)
     assert long.prefill is not None and long.decode.node_id == "e"  # disaggregated: the least loaded rank
     # No prefill node (a colocated cluster, or all drained): local prefill on the capable rank.
     fallback = Router(MODEL).route([node("p", draining=True), dec, other], 5000, 16)
-    assert fallback.prefill is None and "no prefill replica can take it" in fallback.decode.reason
+    assert fallback.prefill is None and fallback.decode.node_id == "d"
+    assert "no prefill replica can take it" in Router(MODEL).plan([node("p", draining=True), dec, other], 5000,
+                                                                  16).decode.reason
     # A prefill node whose KV no decode rank can read (another protocol): prefilled locally as well.
     nv_dec = node("g", "decode", num_blocks=10_000, free=10_000, kv_protocol="nvlink_intra", local_prefill=True)
     assert Router(MODEL).route([pre, nv_dec], 5000, 16).prefill is None
