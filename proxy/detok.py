@@ -119,6 +119,9 @@ class OutputText:
     def _append(self, delta: str) -> None:
         if not delta:
             return
+        if not self._stops:
+            self._text += delta
+            return
         # A stop string may straddle the old text and the delta: search from just before the delta.
         start = max(self._sent, len(self._text) - self._longest + 1, 0)
         self._text += delta
