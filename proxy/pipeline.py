@@ -210,7 +210,7 @@ class Pipeline:
                 return Generation(legs, req, route, None, counted, prefix)
             prefill_route = route.prefill
             try:
-                reply, counted = await self._prefill(req, route)
+                reply, counted, sent = await self._prefill(req, route)
             except grpc.aio.AioRpcError as e:
                 legs.node_failed(prefill_route.node_id, e.code())
                 if e.code() not in MOVABLE or len(failed) + 1 >= PREFILL_ATTEMPTS:
@@ -224,9 +224,11 @@ class Pipeline:
             prefix.prefilled(prefill_route.node_id, prefill_route.dp_rank)
             legs.metrics.cached_tokens.labels("prefill").inc(reply.cached_tokens)
             legs.metrics.ttft.labels(req.endpoint).observe(time.perf_counter() - req.arrival)
-            return Generation(legs, req, route, reply, counted, prefix)
+            return Generation(legs, req, route, reply, counted, prefix, prompt_ids=sent.token_ids)
 
-    async def _prefill(self, req: GenerationRequest, route: Route) -> tuple[pb.PrefillResponse, _Counted]:
+    async def _prefill(self, req: GenerationRequest,
+                       route: Route) -> tuple[pb.PrefillResponse, _Counted, pb.PrefillRequest]:
+        """The prefill call: its answer, the request's share of the load, and the call as sent."""
         legs = self.legs
         n = len(req.prompt_token_ids)
         assert route.prefill is not None
@@ -249,7 +251,7 @@ class Pipeline:
             counted.release()
             raise
         counted.prefill_answered()
-        return reply, counted
+        return reply, counted, prefill
 
     async def drain_background(self, timeout_s: float = 5.0) -> None:
         """Let pending cleanup calls finish (at shutdown)."""
@@ -318,13 +320,16 @@ class Generation:
     (a local prefill on the decode rank) every token, the first too, comes from the decode stream."""
 
     def __init__(self, legs: Legs, req: GenerationRequest, route: Route, reply: pb.PrefillResponse | None,
-                 counted: _Counted, prefix: _PromptPrefix | None = None) -> None:
+                 counted: _Counted, prefix: _PromptPrefix | None = None, prompt_ids: Any = None) -> None:
+        """``prompt_ids``: the prompt as the prefill call carried it (a protobuf repeated field), which the
+        decode call copies in C (building it again from the list of ints took ~8 us a 512-token prompt)."""
         self._legs = legs
         self.request = req
         self.route = route
         self._prefix = prefix
         self._outputs: list[int] = [] if reply is None else [reply.first_token.token_id]  # for the prefix record
         self._reply = reply
+        self._prompt_ids = req.prompt_token_ids if prompt_ids is None else prompt_ids
         self._counted = counted
         self._first_taken = reply is None  # nothing to hand out before the stream's tokens
         self._ttft_pending = reply is None  # observed at the stream's first token
@@ -348,7 +353,7 @@ class Generation:
 
     def _open_decode(self) -> None:
         req, reply = self.request, self._reply
-        decode = pb.DecodeRequest(request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
+        decode = pb.DecodeRequest(request_id=req.request_id, prompt_token_ids=self._prompt_ids,
                                   sampling=req.sampling, dp_rank=self.route.decode.dp_rank,
                                   first_token=reply.first_token if reply is not None else None)
         if reply is None:
