@@ -17,10 +17,16 @@ front end on its own as a real engine's do, however fast the front end reads; ``
 them make one token for every stream per decode step of ``--step-ms`` (one clock per engine, as a
 real engine's batch steps: the front end then sees what it sees in service, one token per stream per
 step, and has to keep up with many streams at once); ``--pacing burst``
-has both write every token at once.
+has both write every token at once. Our null decode node steps one loop for its whole batch (a token
+for every stream per turn or step, as a real engine's steps) and relays through the decode node's own
+``coalesced``; vllm-router's null decode server writes from each stream's handler, as an aiohttp
+server does.
 The runs interleave (repetition, then front end, then concurrency) and each figure is the median over
 repetitions. Reported per front end and concurrency: req/s, e2e / TTFT / ITL p50 and p99, the front
-end's CPU time per request and its share of one core, and RSS; at concurrency 1 also the latency it
+end's CPU time per request and its share of one core, the null engines' and the client's CPU per
+request and the ceiling they leave (``ceiling_req_s``: the cores over their CPU per request, the rate
+of a front end that cost nothing), and RSS (CPU is counted over the warm-up too, with its requests);
+at concurrency 1 also the latency it
 adds over calling the two null legs directly (the same client code, no front end; 200 such calls in
 every repetition, pooled). Everything runs on
 this machine's cores (the client, the null engines and the front end). Both front ends log at warning
