@@ -137,13 +137,20 @@ async def serve(calls: AsyncIterator[Any], handler: Callable[[Any, CallContext],
     reader.add_done_callback(lambda t: None if t.cancelled() or t.exception() is None else out.put_nowait(None))
     try:
         while True:
-            batch = [await out.get()]
-            for _ in range(WRITE_AFTER_TURNS):
-                await asyncio.sleep(0)
-            while not out.empty() and len(batch) < MAX_REPLIES:
-                batch.append(out.get_nowait())
-            end = batch[-1] is None
-            replies = [r for r in batch if r is not None]
+            first = await out.get()
+            end = first is None
+            replies: list[Reply] = [] if first is None else [first]
+            if not end:
+                for _ in range(WRITE_AFTER_TURNS):
+                    await asyncio.sleep(0)
+            # Up to the end mark, never past it: replies queued behind it (handlers still running when
+            # the reader failed) must not hide it.
+            while not end and not out.empty() and len(replies) < MAX_REPLIES:
+                item = out.get_nowait()
+                if item is None:
+                    end = True
+                else:
+                    replies.append(item)
             if replies:
                 yield _message(replies)
             if end:

@@ -130,11 +130,10 @@ def worker_app() -> Any:
         from proxy.affinity import keep_helpers_batched, pin_this_worker
 
         try:
-            pin_this_worker()
+            if pin_this_worker() is not None:  # pinned: its helper threads share the loop's core
+                keep_helpers_batched()
         except (OSError, AttributeError) as e:  # an optimisation: never a reason not to serve
             log.warning("worker not pinned to a CPU core: %s", e)
-        else:
-            keep_helpers_batched()
     try:
         app = build_app(config)
     except (ValueError, OSError) as e:
@@ -142,6 +141,7 @@ def worker_app() -> Any:
         sys.exit(STARTUP_FAILURE)
     # What startup made (modules, the tokenizer, the app) lives as long as the worker: kept out of the
     # garbage collector's scans, which had been 6% of the worker's main thread under load (py-spy).
+    gc.collect()  # startup's garbage first: frozen, it would never be freed
     gc.freeze()
     return app
 

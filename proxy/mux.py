@@ -87,6 +87,12 @@ class MuxStream:
 
     def cancel(self, request_id: str) -> None:
         if self._waiters.pop(request_id, None) is not None and not self.broken:
+            unsent = [c for c in self._calls if c.request_id != request_id]
+            if len(unsent) < len(self._calls):  # not written yet: it never reaches the node
+                self._calls = unsent
+                return
+            # Written: the node cancels it. (A cancel in the same message as its call would reach the
+            # node first, find nothing running, and the call would then run to its end.)
             self._cancels.append(request_id)
             self._wake.set()
 

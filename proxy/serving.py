@@ -10,6 +10,7 @@ event. The client leaving cancels the work at any point; ``Generation.close`` cl
 from __future__ import annotations
 
 import logging
+import os
 import random
 import time
 from collections.abc import AsyncIterator
@@ -372,6 +373,7 @@ def _resolve_max_tokens(requested: int | None, prompt_len: int, limit: int, prom
 
 
 _ids = random.Random()  # seeded from the OS at import: each worker process draws its own sequence
+os.register_at_fork(after_in_child=_ids.seed)  # and a forked one too (workers are spawned today)
 
 
 def _new_id() -> str:

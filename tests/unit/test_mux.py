@@ -162,3 +162,46 @@ def test_many_calls_share_one_stream_each_as_on_its_own() -> None:
             assert d.broken
 
     asyncio.run(main())
+
+
+def test_a_call_cancelled_before_it_is_written_never_reaches_the_node() -> None:
+    """Cancelled within the writer's turn, a call leaves nothing on the node (a cancel sent with its call
+    would reach the node first, find nothing running, and the call would run to its end)."""
+    async def main() -> None:
+        server, _, decode_servicer, port = await _serve()
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+            d = mux.MuxStream(pb_grpc.DecodeServiceStub(ch).DecodeMux, pb.DecodeCalls)
+            early = mux.DecodeCall(d, pb.DecodeRequest(request_id="early", sampling=pb.SamplingParams(
+                max_tokens=10**6)))
+            early.cancel()  # before the writer's turn
+            after = mux.DecodeCall(d, pb.DecodeRequest(request_id="after", sampling=pb.SamplingParams(max_tokens=3)))
+            assert await _read_all(after) == [0, 1, 2]
+            again = mux.DecodeCall(d, pb.DecodeRequest(request_id="early", sampling=pb.SamplingParams(max_tokens=2)))
+            assert await _read_all(again) == [0, 1]  # the node never had "early" running: the id was free
+            assert decode_servicer.cancelled == []
+        await server.stop(grace=None)
+
+    asyncio.run(main())
+
+
+def test_a_failed_reader_ends_the_stream_with_its_error_despite_replies_behind_it() -> None:
+    """The calls stream failing while handlers still queue replies: the node's stream ends with the
+    reader's error rather than writing on forever."""
+    from node_runtime.mux import CallContext, serve
+
+    async def main() -> None:
+        async def calls() -> Any:
+            yield pb.DecodeCalls(calls=[pb.DecodeRequest(request_id="busy")])
+            await asyncio.sleep(0.01)
+            raise RuntimeError("the client's stream broke")
+
+        async def handler(call: Any, context: CallContext) -> Any:
+            for i in range(3000):
+                yield pb.DecodeEvent(tokens=pb.Tokens(tokens=[pb.Token(token_id=i)]))
+                await asyncio.sleep(0)
+
+        with pytest.raises(RuntimeError, match="stream broke"):
+            async for _ in serve(calls(), handler, streaming=True):
+                pass
+
+    asyncio.run(asyncio.wait_for(main(), 10))
