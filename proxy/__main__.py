@@ -138,6 +138,7 @@ def worker_app() -> Any:
         app = build_app(config)
     except (ValueError, OSError) as e:
         log.error("cannot load the model at %s: %s", config.model, e)
+        _stop_the_proxy(f"cannot load the model at {config.model}: {e}")
         sys.exit(STARTUP_FAILURE)
     # What startup made (modules, the tokenizer, the app) lives as long as the worker: kept out of the
     # garbage collector's scans, which had been 6% of the worker's main thread under load (py-spy).
@@ -151,6 +152,21 @@ _LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 # written only at info and below (at warning it had cost ~0.15 ms per request at concurrency 1).
 _ACCESS_LEVELS = ("debug", "info")
 STARTUP_FAILURE = 3  # a worker's exit status when it cannot build its app
+FAILED_ENV = "PDCLUSTER_PROXY_STARTUP_FAILED"  # where a worker that cannot build its app says why
+
+
+def _stop_the_proxy(why: str) -> None:
+    """A worker that cannot build its app (its model cannot be loaded: every respawn would fail alike)
+    writes why for the parent, and stops it. granian's own crash-loop check misses workers that fail
+    in turn: each respawn forgets the others' times, so two failing workers were respawned for ever."""
+    import os
+    import signal
+
+    where = os.environ.get(FAILED_ENV)
+    if where is None:  # not a worker of ``main``
+        return
+    Path(where).write_text(why)
+    os.kill(os.getppid(), signal.SIGINT)  # granian's parent: stop every worker and return
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -184,8 +200,10 @@ def main(argv: list[str] | None = None) -> None:
         if workers > 1:
             os.environ[MULTIPROC_DIR] = metrics_dir
         os.environ[CLAIMS_ENV] = str(Path(metrics_dir) / "cpu-claims")  # proxy.affinity
-        # A worker that dies is started again; one that dies again within seconds (one that cannot
-        # build its app) stops the proxy.
+        failed = Path(metrics_dir) / "startup-failed"
+        os.environ[FAILED_ENV] = str(failed)
+        # A worker that dies is started again (granian; one that dies again within seconds stops the
+        # proxy); one that cannot build its app stops the proxy at once (_stop_the_proxy).
         server = Granian("proxy.__main__:worker_app", factory=True, address=config.host, port=config.port,
                          interface=Interfaces.ASGI, workers=workers, loop=Loops.uvloop,
                          runtime_mode=RuntimeModes.st, http=HTTPModes.http1,
@@ -195,10 +213,12 @@ def main(argv: list[str] | None = None) -> None:
         try:
             server.serve()
         except SystemExit as e:
-            if e.code:
+            if e.code or failed.exists():
                 raise SystemExit(f"error: a proxy worker could not start or kept failing (its log says why); "
                                  f"model {config.model}") from None
             raise
+        if failed.exists():
+            raise SystemExit(f"error: a proxy worker could not start: {failed.read_text()}")
 
 if __name__ == "__main__":
     main()
