@@ -212,13 +212,14 @@ def main(argv: list[str] | None = None) -> None:
         log.info("serving with %d worker%s on %s", workers, "s" * (workers > 1), where)
         try:
             server.serve()
+            code: object = 0
         except SystemExit as e:
-            if e.code or failed.exists():
-                raise SystemExit(f"error: a proxy worker could not start or kept failing (its log says why); "
-                                 f"model {config.model}") from None
-            raise
-        if failed.exists():
+            code = e.code
+        if failed.exists():  # a worker stopped the proxy (_stop_the_proxy): its reason
             raise SystemExit(f"error: a proxy worker could not start: {failed.read_text()}")
+        if code:
+            raise SystemExit(f"error: a proxy worker could not start or kept failing (its log says why); "
+                             f"model {config.model}")
 
 if __name__ == "__main__":
     main()
