@@ -5,22 +5,22 @@
   python benchmarks/proxy.py --workers 1 2        # our proxy with one and with two worker processes
   python benchmarks/proxy.py --baseline /tmp/base  # and the proxy of another tree (git worktree add /tmp/base REV)
 
-Null engines (``benchmarks/null_engines.py``) answer at once, so what is measured is the front end: for
-our proxy, a null prefill and a null decode node (grpc.aio, the real ``pdcluster.v1`` contract, registered in a local Redis as
-nodes register) behind ``python -m proxy``; for vllm-router (``pip install vllm-router``; its
-``--vllm-pd-disaggregation`` mode, round robin), a null prefill and a null decode vLLM HTTP server
-(aiohttp: the prefill answers ``max_tokens`` 1 with ``kv_transfer_params``, the decode streams). Every
-request is a streamed ``/v1/completions`` of a ``--prompt-tokens`` token-id prompt for
-``--max-tokens`` tokens from a closed-loop aiohttp client at each concurrency. Both null decode
-engines make one token per turn of their event loop (``--pacing turn``), so each token reaches the
-front end on its own as a real engine's do, however fast the front end reads; ``--pacing step`` has
-them make one token for every stream per decode step of ``--step-ms`` (one clock per engine, as a
-real engine's batch steps: the front end then sees what it sees in service, one token per stream per
-step, and has to keep up with many streams at once); ``--pacing burst``
-has both write every token at once. Our null decode node steps one loop for its whole batch (a token
-for every stream per turn or step, as a real engine's steps) and relays through the decode node's own
-``coalesced``; vllm-router's null decode server writes from each stream's handler, as an aiohttp
-server does.
+Null engines (``benchmarks/null_engines.py``) answer at once, so what is measured is the front end:
+for our proxy, a null prefill and a null decode node (grpc.aio, the real ``pdcluster.v1`` contract,
+registered in a local Redis as nodes register) behind ``python -m proxy``; for vllm-router (``pip
+install vllm-router``; its ``--vllm-pd-disaggregation`` mode, round robin), a null prefill and a
+null decode vLLM HTTP server (aiohttp: the prefill answers ``max_tokens`` 1 with
+``kv_transfer_params``, the decode streams). Every request is a streamed ``/v1/completions`` of a
+``--prompt-tokens`` token-id prompt for ``--max-tokens`` tokens from a closed-loop aiohttp client at
+each concurrency. Both null decode engines make one token per turn of their event loop (``--pacing
+turn``), so each token reaches the front end on its own as a real engine's do, however fast the
+front end reads; ``--pacing step`` has them make one token for every stream per decode step of
+``--step-ms`` (one clock per engine, as a real engine's batch steps: the front end then sees what it
+sees in service, one token per stream per step, and has to keep up with many streams at once);
+``--pacing burst`` has both write every token at once. Our null decode node steps one loop for its
+whole batch (a token for every stream per turn or step, as a real engine's steps) and relays through
+the decode node's own ``coalesced``; vllm-router's null decode server writes from each stream's
+handler, as an aiohttp server does.
 The runs interleave (repetition, then front end, then concurrency) and each figure is the median over
 repetitions. Reported per front end and concurrency: req/s, e2e / TTFT / ITL p50 and p99, the front
 end's CPU time per request and its share of one core, the null engines' and the client's CPU per
