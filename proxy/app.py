@@ -33,7 +33,7 @@ from proxy.discovery import NodeSource, NodeView, available, context_limit
 from proxy.errors import APIError, install_error_handlers
 from proxy.hot_path import GenerationEndpoints, ProxyApp
 from proxy.kv_events import follow_kv_events
-from proxy.metrics import ProxyMetrics, RequestCounter
+from proxy.metrics import FLUSH_S, ProxyMetrics, RequestCounter
 from proxy.pipeline import Pipeline
 from proxy.ratelimit import RateLimiter
 from proxy.router import Router
@@ -120,9 +120,16 @@ def create_app(config: ProxyConfig, tokenizer: Tokenizer, nodes: NodeSource, *, 
     def kv_capacity(node_id: str) -> int | None:
         return next((n.info.num_blocks for n in view.source_nodes() if n.info.node_id == node_id), None)
 
+    async def flush_metrics() -> None:
+        """The request path's tallies into their series, for the other workers' /metrics pages."""
+        while True:
+            await asyncio.sleep(FLUSH_S)
+            metrics.flush()
+
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         probing = asyncio.ensure_future(watch_nodes())
+        flushing = asyncio.ensure_future(flush_metrics())
         following = asyncio.ensure_future(follow_kv_events(view.kv_event_stream, pipeline.legs.prefixes, kv_capacity,
                                                            metrics.kv_events.inc))
         try:
@@ -130,9 +137,11 @@ def create_app(config: ProxyConfig, tokenizer: Tokenizer, nodes: NodeSource, *, 
         finally:
             probing.cancel()
             following.cancel()
-            await asyncio.gather(probing, following, return_exceptions=True)
+            flushing.cancel()
+            await asyncio.gather(probing, following, flushing, return_exceptions=True)
             await pipeline.drain_background()  # aborts sent on the way out still reach the nodes
             await clients.close()
+            metrics.flush()  # the last requests' tallies, for the other workers' pages
             if on_shutdown is not None:
                 on_shutdown()
 

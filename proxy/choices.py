@@ -170,8 +170,8 @@ class Choices:
                 yield sse(item)
             if include_usage:
                 yield sse(self.children[0].fmt.usage_chunk(usage(self.prompt_tokens, completion)))
-            self.metrics.e2e.labels(self.children[0].req.endpoint).observe(
-                time.perf_counter() - self.children[0].req.arrival)
+            first = self.children[0].req
+            self.metrics.observe(self.metrics.e2e, time.perf_counter() - first.arrival, (first.endpoint,))
             yield sse("[DONE]")  # the stream's end: nothing runs after this yield (sse.EventStreamResponse)
         finally:
             for t in tasks:

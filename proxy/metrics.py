@@ -1,5 +1,11 @@
 """Prometheus metrics of one proxy, in a registry of its own (two apps in one process don't clash).
 
+The request path's counts and observations (``ProxyMetrics.add`` and ``observe``) are tallied in dicts
+of plain numbers and added to their series by ``flush``: when ``/metrics`` is rendered, and every
+``FLUSH_S`` for the other workers' pages. Each update straight into a series takes its lock, and a
+labelled one finds its child first: under load that was ~9% of a worker's CPU per request
+(cProfile, docs/benchmarks.md). Rare events (errors, circuit states) update their series directly.
+
 Also the ASGI middleware that counts requests by endpoint and status code: a pure ASGI wrapper,
 not Starlette's ``BaseHTTPMiddleware``, which would sit between streaming responses and the
 client's disconnect.
@@ -18,6 +24,8 @@ from prometheus_client.multiprocess import MultiProcessCollector
 PREFIX = "pdcluster_proxy"
 MULTIPROC_DIR = "PROMETHEUS_MULTIPROC_DIR"  # prometheus_client's: where each worker writes its series
 
+FLUSH_S = 1.0  # how stale another worker's tallies may be in a /metrics page (multiprocess mode)
+
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1, 2.5, 5)
 
@@ -26,23 +34,6 @@ Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
-
-
-def observe_many(histogram: Histogram, amount: float, count: int) -> None:
-    """``count`` observations of ``amount`` at once: one update of the sum and of one bucket, where
-    ``Histogram.observe`` (which has no count) would make ``count`` of each. The proxy observes the
-    inter-token gap once per token: this was 15 observations per 16-token request."""
-    if count <= 0:
-        return
-    bounds = getattr(histogram, "_upper_bounds", None)
-    buckets = getattr(histogram, "_buckets", None)
-    total = getattr(histogram, "_sum", None)
-    if bounds is None or buckets is None or total is None:  # not prometheus_client's layout: one at a time
-        for _ in range(count):
-            histogram.observe(amount)
-        return
-    total.inc(amount * count)
-    buckets[bisect_left(bounds, amount)].inc(count)  # the first bucket whose bound is >= amount, as observe's
 
 
 class ProxyMetrics:
@@ -94,10 +85,56 @@ class ProxyMetrics:
         self.routing = Counter(f"{PREFIX}_routing_decisions", "Routing decisions by role and node",
                                ["role", "node_id"], registry=r)
 
+        for histogram in (self.ttft, self.itl, self.e2e, self.kv_transfer_s, self.prefill_queue_s, self.prefill_s,
+                          self.prefill_rpc_s, self.decode_admission_s, self.first_decode_token_s):
+            if not hasattr(histogram, "_upper_bounds"):  # observe() reads it: prometheus_client's layout
+                raise RuntimeError("prometheus_client's Histogram has no _upper_bounds: update ProxyMetrics")
+        self._added: dict[tuple[Counter, tuple[str, ...]], float] = {}
+        self._observed: dict[tuple[Histogram, tuple[str, ...]], list[float]] = {}
+        self._children: dict[tuple[Any, tuple[str, ...]], Any] = {}
+
+    def add(self, counter: Counter, labels: tuple[str, ...] = (), amount: float = 1.0) -> None:
+        """``counter.labels(*labels).inc(amount)``, at the next ``flush``."""
+        key = (counter, labels)
+        added = self._added
+        added[key] = added.get(key, 0.0) + amount
+
+    def observe(self, histogram: Histogram, value: float, labels: tuple[str, ...] = (), count: int = 1) -> None:
+        """``count`` observations of ``value`` (``histogram.labels(*labels).observe``), at the next ``flush``."""
+        if count <= 0:
+            return
+        key = (histogram, labels)
+        tally = self._observed.get(key)
+        if tally is None:  # the sum, then one count per bucket
+            tally = self._observed[key] = [0.0] * (1 + len(histogram._upper_bounds))
+        tally[0] += value * count
+        # the first bucket whose bound is >= value, as Histogram.observe's
+        tally[1 + bisect_left(histogram._upper_bounds, value)] += count
+
+    def flush(self) -> None:
+        """Add the tallies to their series (in multiprocess mode: where every worker's page reads them)."""
+        added, self._added = self._added, {}
+        for (counter, labels), amount in added.items():
+            self._child(counter, labels).inc(amount)
+        observed, self._observed = self._observed, {}
+        for (histogram, labels), tally in observed.items():
+            child = self._child(histogram, labels)
+            child._sum.inc(tally[0])
+            for bucket, count in zip(child._buckets, tally[1:]):
+                if count:
+                    bucket.inc(count)
+
+    def _child(self, metric: Any, labels: tuple[str, ...]) -> Any:
+        child = self._children.get((metric, labels))
+        if child is None:
+            child = self._children[(metric, labels)] = metric.labels(*labels) if labels else metric
+        return child
+
     def render(self) -> bytes:
         """The exposition text: this process's series or, with several proxy workers (prometheus_client's
         multiprocess mode, ``$PROMETHEUS_MULTIPROC_DIR`` set before it was imported), every worker's
-        summed (the inflight gauge over live workers)."""
+        summed (the inflight gauge over live workers; other workers' tallies as of their last flush)."""
+        self.flush()
         if os.environ.get(MULTIPROC_DIR):
             merged = CollectorRegistry()
             MultiProcessCollector(merged)
@@ -132,5 +169,5 @@ class RequestCounter:
             raise
         finally:
             # 499 (nginx's "client closed request"): the client left before any answer.
-            self.metrics.requests.labels(self.endpoint_of(scope.get("path", "")), str(status or 499)).inc()
+            self.metrics.add(self.metrics.requests, (self.endpoint_of(scope.get("path", "")), str(status or 499)))
 

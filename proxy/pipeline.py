@@ -49,7 +49,7 @@ from proxy import mux
 from proxy.clients import NodeClients
 from proxy.discovery import NodeView
 from proxy.errors import APIError, rpc_error
-from proxy.metrics import ProxyMetrics, observe_many
+from proxy.metrics import ProxyMetrics
 from proxy.prefix_index import PrefixIndex
 from proxy.router import CachedTokens, LocalLoad, NoRoute, Route, Router
 
@@ -160,7 +160,7 @@ class Legs:
                                 prefill_node=source, exclude_decode=[failed], local=True if source is None else None)
         if plan.decode is None or (whole_node and plan.decode.node_id == route.decode.node_id):
             return None
-        self.metrics.routing.labels("decode", plan.decode.node_id).inc()
+        self.metrics.add(self.metrics.routing, ("decode", plan.decode.node_id))
         return Route(route.prefill, plan.decode)
 
     def spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
@@ -203,9 +203,9 @@ class Pipeline:
                     raise rpc_error("prefill", last_error) from None
                 raise APIError(503, e.message, code=e.code, cause="no_route") from None
             if route.prefill is None:  # the decode rank prefills: its stream brings the first token
-                legs.metrics.routing.labels("prefill", "local").inc()
-                legs.metrics.routing.labels("decode", route.decode.node_id).inc()
-                legs.metrics.prompt_tokens.inc(len(req.prompt_token_ids))
+                legs.metrics.add(legs.metrics.routing, ("prefill", "local"))
+                legs.metrics.add(legs.metrics.routing, ("decode", route.decode.node_id))
+                legs.metrics.add(legs.metrics.prompt_tokens, amount=len(req.prompt_token_ids))
                 counted = _Counted(legs.router.load, route, len(req.prompt_token_ids), route.decode.needed_blocks)
                 return Generation(legs, req, route, None, counted, prefix)
             prefill_route = route.prefill
@@ -222,8 +222,8 @@ class Pipeline:
                 continue
             legs.node_ok(prefill_route.node_id)
             prefix.prefilled(prefill_route.node_id, prefill_route.dp_rank)
-            legs.metrics.cached_tokens.labels("prefill").inc(reply.cached_tokens)
-            legs.metrics.ttft.labels(req.endpoint).observe(time.perf_counter() - req.arrival)
+            legs.metrics.add(legs.metrics.cached_tokens, ("prefill",), reply.cached_tokens)
+            legs.metrics.observe(legs.metrics.ttft, time.perf_counter() - req.arrival, (req.endpoint,))
             return Generation(legs, req, route, reply, counted, prefix, prompt_ids=sent.token_ids)
 
     async def _prefill(self, req: GenerationRequest,
@@ -232,9 +232,9 @@ class Pipeline:
         legs = self.legs
         n = len(req.prompt_token_ids)
         assert route.prefill is not None
-        legs.metrics.routing.labels("prefill", route.prefill.node_id).inc()
-        legs.metrics.routing.labels("decode", route.decode.node_id).inc()
-        legs.metrics.prompt_tokens.inc(n)
+        legs.metrics.add(legs.metrics.routing, ("prefill", route.prefill.node_id))
+        legs.metrics.add(legs.metrics.routing, ("decode", route.decode.node_id))
+        legs.metrics.add(legs.metrics.prompt_tokens, amount=n)
         counted = _Counted(legs.router.load, route, n, route.decode.needed_blocks)
         prefill = pb.PrefillRequest(request_id=req.request_id, token_ids=req.prompt_token_ids, sampling=req.sampling,
                                     dp_rank=route.prefill.dp_rank)
@@ -242,9 +242,9 @@ class Pipeline:
         try:
             reply = await mux.prefill(legs.clients.prefill_stream(route.prefill.address), prefill,
                                       legs.prefill_timeout_s)
-            legs.metrics.prefill_rpc_s.observe(time.perf_counter() - t0)
-            legs.metrics.prefill_queue_s.observe(reply.queue_s)
-            legs.metrics.prefill_s.observe(reply.prefill_s)
+            legs.metrics.observe(legs.metrics.prefill_rpc_s, time.perf_counter() - t0)
+            legs.metrics.observe(legs.metrics.prefill_queue_s, reply.queue_s)
+            legs.metrics.observe(legs.metrics.prefill_s, reply.prefill_s)
         except BaseException:  # an RPC error, or cancelled because the client left
             # The node may have finished the prefill and hold the KV: free it there.
             legs.spawn(legs.clients.abort_prefill(route.prefill.address, req.request_id))
@@ -387,7 +387,7 @@ class Generation:
         """
         if not self._first_taken:
             self._first_taken = True
-            self._legs.metrics.generation_tokens.inc()
+            self._legs.metrics.add(self._legs.metrics.generation_tokens)
             assert self._reply is not None
             return [self._reply.first_token], self._reply.finish_reason
         if self._finished or self._call is None:
@@ -397,23 +397,25 @@ class Generation:
             kind = event.WhichOneof("event")
             if kind == "admitted":
                 self.admitted.set()
-                self._legs.metrics.decode_admission_s.observe(time.perf_counter() - self._opened_at)
-                self._legs.metrics.kv_transfer_s.observe(event.admitted.transfer_s)
-                self._legs.metrics.kv_transfer_bytes.inc(event.admitted.transfer_bytes)
-                self._legs.metrics.cached_tokens.labels("decode").inc(event.admitted.cached_tokens)
+                metrics = self._legs.metrics
+                metrics.observe(metrics.decode_admission_s, time.perf_counter() - self._opened_at)
+                metrics.observe(metrics.kv_transfer_s, event.admitted.transfer_s)
+                metrics.add(metrics.kv_transfer_bytes, amount=event.admitted.transfer_bytes)
+                metrics.add(metrics.cached_tokens, ("decode",), event.admitted.cached_tokens)
                 self._counted.prefill_released()
                 self._record_prefix()
             elif kind == "tokens" and (event.tokens.tokens or event.tokens.finish_reason):
                 tokens = list(event.tokens.tokens)
                 if not self._first_event_seen:
                     self._first_event_seen = True
-                    self._legs.metrics.first_decode_token_s.observe(time.perf_counter() - self._opened_at)
+                    self._legs.metrics.observe(self._legs.metrics.first_decode_token_s,
+                                               time.perf_counter() - self._opened_at)
                 gaps = len(tokens)  # tokens that end an inter-token gap
                 if self._ttft_pending and tokens:  # a local prefill's first token: TTFT, not a gap
                     self._ttft_pending = False
-                    self._legs.metrics.ttft.labels(self.request.endpoint).observe(
-                        time.perf_counter() - self.request.arrival)
-                    self._legs.metrics.generation_tokens.inc()
+                    metrics = self._legs.metrics
+                    metrics.observe(metrics.ttft, time.perf_counter() - self.request.arrival, (self.request.endpoint,))
+                    metrics.add(metrics.generation_tokens)
                     self._last_token_at = time.perf_counter()
                     gaps -= 1
                 self._observe_tokens(gaps)
@@ -473,8 +475,9 @@ class Generation:
         now = time.perf_counter()
         gap = (now - self._last_token_at) / k  # tokens arrive in batches: spread the gap over them
         self._last_token_at = now
-        observe_many(self._legs.metrics.itl, gap, k)
-        self._legs.metrics.generation_tokens.inc(k)
+        metrics = self._legs.metrics
+        metrics.observe(metrics.itl, gap, count=k)
+        metrics.add(metrics.generation_tokens, amount=k)
 
     def close(self) -> None:
         """End the request; idempotent. Unless the nodes finished it, cancel decode and abort prefill."""

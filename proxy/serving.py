@@ -200,7 +200,7 @@ class Serving:
             await until_disconnected(request, choices.start())
             if not req.stream:
                 body = await until_disconnected(request, choices.complete())
-                self.metrics.e2e.labels(endpoint).observe(time.perf_counter() - arrival)
+                self.metrics.observe(self.metrics.e2e, time.perf_counter() - arrival, (endpoint,))
                 return JSONResponse(body)
 
             def close(disconnected: bool) -> None:
@@ -282,7 +282,7 @@ class Serving:
             async for _, piece_tokens, piece_finish in _pieces(gen, out):
                 tokens += piece_tokens
                 finish = piece_finish
-            self.metrics.e2e.labels(req.endpoint).observe(time.perf_counter() - req.arrival)
+            self.metrics.observe(self.metrics.e2e, time.perf_counter() - req.arrival, (req.endpoint,))
             return fmt.response(out.text, finish, tokens, usage(len(req.prompt_token_ids), len(tokens)))
         except GenerationError as e:
             raise e.error from None
@@ -319,7 +319,7 @@ class Serving:
                 if include_usage:
                     buf.append(sse(fmt.usage_chunk(usage(prompt_tokens, completion_tokens))))
                 buf.append(sse("[DONE]"))
-                self.metrics.e2e.labels(req.endpoint).observe(time.perf_counter() - req.arrival)
+                self.metrics.observe(self.metrics.e2e, time.perf_counter() - req.arrival, (req.endpoint,))
                 yield b"".join(buf)  # the stream's end: nothing runs after this yield (sse.EventStreamResponse)
                 return
         except GenerationError as e:

@@ -28,6 +28,7 @@ from cluster.net import free_port
 from cluster.registry import Registry
 from engine.tokenizer import Tokenizer
 from pdctl.redis_server import start_redis
+from proxy.metrics import FLUSH_S
 
 MODEL = "tiny-main"
 ADMIN_KEY = "adm"
@@ -162,7 +163,9 @@ def test_several_workers_share_the_port_the_metrics_and_the_drain_flags(
                                                     "stream": i % 2 == 0})
                 assert r.status_code == 200, r.text
         assert len(p0.requests) == n and len(d0.requests) == n
-        # Every worker answers /metrics with every worker's series summed.
+        # Every worker answers /metrics with every worker's series summed: the others' as of their last
+        # flush of the request path's tallies (every FLUSH_S), its own as of now.
+        time.sleep(FLUSH_S + 0.5)
         for _ in range(4):
             page = httpx.get(f"{url}/metrics", timeout=5).text
             line = next(x for x in page.splitlines()

@@ -1,47 +1,68 @@
-"""``observe_many``: k observations at once expose exactly what k calls of ``observe`` would."""
+"""``ProxyMetrics.add`` / ``observe``: tallied, then flushed, they expose exactly what direct updates of
+the series would (counts, sums, bucket bounds, labelled children), once each."""
 
 from __future__ import annotations
 
 import pytest
-from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from proxy.metrics import observe_many
-
-BUCKETS = (0.001, 0.01, 0.1, 1.0)
+from proxy.metrics import ProxyMetrics
 
 
-def _samples(registry: CollectorRegistry) -> dict[tuple[str, str], float]:
-    """Every sample but the creation time, by name and bucket bound."""
-    return {(s.name, s.labels.get("le", "")): s.value
+def _samples(registry: CollectorRegistry) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Every sample but the creation times, by name and labels."""
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
             for family in text_string_to_metric_families(generate_latest(registry).decode())
             for s in family.samples if not s.name.endswith("_created")}
 
 
-def _histogram() -> tuple[CollectorRegistry, Histogram]:
-    registry = CollectorRegistry()
-    return registry, Histogram("gap_seconds", "a gap", buckets=BUCKETS, registry=registry)
+def _assert_same(got: ProxyMetrics, want: ProxyMetrics) -> None:
+    g, w = _samples(got.registry), _samples(want.registry)
+    assert g.keys() == w.keys()
+    for key, value in w.items():  # a sum: count x amount against count additions
+        assert g[key] == pytest.approx(value, rel=1e-12, abs=0), key
 
 
-@pytest.mark.parametrize("amount", [0.0, 0.0005, 0.001, 0.0010001, 0.05, 1.0, 7.5])
+@pytest.mark.parametrize("amount", [0.0, 0.0005, 0.001, 0.0010001, 0.05, 1.0, 7.5, 1e6])
 @pytest.mark.parametrize("count", [0, 1, 15])
-def test_observe_many_equals_repeated_observe(amount: float, count: int) -> None:
-    one_by_one, h1 = _histogram()
-    at_once, h2 = _histogram()
+def test_tallied_observations_equal_direct_ones(amount: float, count: int) -> None:
+    tallied, direct = ProxyMetrics(), ProxyMetrics()
+    tallied.observe(tallied.itl, amount, count=count)
+    tallied.observe(tallied.ttft, amount, ("chat",), count=count)
     for _ in range(count):
-        h1.observe(amount)
-    observe_many(h2, amount, count)
-    want, got = _samples(one_by_one), _samples(at_once)
-    assert got.keys() == want.keys()
-    for key, value in want.items():  # the sum: count x amount against count additions
-        assert got[key] == pytest.approx(value, rel=1e-12, abs=0), key
+        direct.itl.observe(amount)
+        direct.ttft.labels("chat").observe(amount)
+    tallied.flush()
+    _assert_same(tallied, direct)
 
 
-def test_observe_many_on_a_labelled_child() -> None:
-    registry = CollectorRegistry()
-    h = Histogram("gap_seconds", "a gap", ["endpoint"], buckets=BUCKETS, registry=registry)
-    observe_many(h.labels("chat"), 0.02, 3)
-    text = generate_latest(registry).decode()
-    assert 'gap_seconds_bucket{endpoint="chat",le="0.01"} 0.0' in text
-    assert 'gap_seconds_bucket{endpoint="chat",le="0.1"} 3.0' in text
-    assert 'gap_seconds_count{endpoint="chat"} 3.0' in text
+def test_tallied_counts_equal_direct_ones_and_render_flushes_them_once() -> None:
+    tallied, direct = ProxyMetrics(), ProxyMetrics()
+    for node in ("p0", "p1", "p0"):
+        tallied.add(tallied.routing, ("prefill", node))
+        direct.routing.labels("prefill", node).inc()
+    tallied.add(tallied.prompt_tokens, amount=512)
+    tallied.add(tallied.prompt_tokens, amount=7)
+    direct.prompt_tokens.inc(519)
+    tallied.observe(tallied.e2e, 0.3, ("completions",))
+    direct.e2e.labels("completions").observe(0.3)
+    tallied.render()  # a page flushes first
+    _assert_same(tallied, direct)
+    tallied.flush()  # nothing left to add: a second flush changes nothing
+    tallied.render()
+    _assert_same(tallied, direct)
+    page = tallied.render().decode()
+    assert 'pdcluster_proxy_routing_decisions_total{node_id="p0",role="prefill"} 2.0' in page
+    assert "pdcluster_proxy_prompt_tokens_total 519.0" in page
+
+
+def test_nothing_reaches_the_series_before_a_flush() -> None:
+    m = ProxyMetrics()
+    m.add(m.generation_tokens, amount=3)
+    m.observe(m.itl, 0.01, count=2)
+    assert _samples(m.registry)[("pdcluster_proxy_generation_tokens_total", ())] == 0
+    assert _samples(m.registry)[("pdcluster_proxy_inter_token_latency_seconds_count", ())] == 0
+    m.flush()
+    assert _samples(m.registry)[("pdcluster_proxy_generation_tokens_total", ())] == 3
+    assert _samples(m.registry)[("pdcluster_proxy_inter_token_latency_seconds_count", ())] == 2
