@@ -22,7 +22,9 @@ whole batch (a token for every stream per turn or step, as a real engine's steps
 the decode node's own ``coalesced``; vllm-router's null decode server writes from each stream's
 handler, as an aiohttp server does.
 The runs interleave (repetition, then front end, then concurrency) and each figure is the median over
-repetitions. Reported per front end and concurrency: req/s, e2e / TTFT / ITL p50 and p99, the front
+repetitions; the ratios between front ends come both as ratios of those medians and as the median of
+each repetition's ratio (``paired_ratio_*``, steadier while the machine's speed drifts). Reported per
+front end and concurrency: req/s, e2e / TTFT / ITL p50 and p99, the front
 end's CPU time per request and its share of one core, the null engines' and the client's CPU per
 request and the ceiling they leave (``ceiling_req_s``: the cores over their CPU per request, the rate
 of a front end that cost nothing), and RSS (CPU is counted over the warm-up too, with its requests);
@@ -289,6 +291,15 @@ def median_of(reps: list[dict]) -> dict:
     return out
 
 
+def paired_ratio(ours: list[dict], theirs: list[dict]) -> float | None:
+    """The median over repetitions of our req/s over theirs in the same repetition. Each repetition runs
+    the front ends back to back, and this machine's speed drifts between repetitions (by up to a fifth
+    within one run, docs/benchmarks.md): a ratio of medians taken from different repetitions moves
+    with that drift, a ratio within one repetition much less."""
+    ratios = [o["req_s"] / t["req_s"] for o, t in zip(ours, theirs) if o["req_s"] and t["req_s"]]
+    return round(statistics.median(ratios), 3) if ratios else None
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 32, 128])
@@ -448,17 +459,19 @@ def main() -> None:
                 res["added_p99_ms"] = round(res["c1"]["e2e_p99_ms"] - res["direct_e2e_p99_ms"], 3)
             result[name] = res
         print_table(result, fronts, args.concurrency)
+        pairs = []  # (key, ours, theirs): ratios of medians, and the median of each repetition's ratio
         if "baseline" in fronts and "pdcluster" in fronts:  # this tree's proxy against the other's
-            result["ratio_req_s_vs_baseline"] = {f"c{c}": round(result["pdcluster"][f"c{c}"]["req_s"]
-                                                                / result["baseline"][f"c{c}"]["req_s"], 3)
-                                                 for c in args.concurrency}
+            pairs.append(("ratio_req_s_vs_baseline", "pdcluster", "baseline"))
         if "vllm-router" in fronts:  # each of ours against vllm-router, per concurrency
-            for name in fronts:
-                if name not in ("vllm-router", "baseline"):
-                    key = "ratio_req_s" if name == "pdcluster" else f"ratio_req_s_{name.split('-')[-1]}"
-                    result[key] = {f"c{c}": round(result[name][f"c{c}"]["req_s"]
-                                                 / result["vllm-router"][f"c{c}"]["req_s"], 3)
-                                   for c in args.concurrency}
+            pairs += [("ratio_req_s" if name == "pdcluster" else f"ratio_req_s_{name.split('-')[-1]}", name,
+                       "vllm-router") for name in fronts if name not in ("vllm-router", "baseline")]
+        for key, ours, theirs in pairs:
+            result[key] = {f"c{c}": round(result[ours][f"c{c}"]["req_s"] / result[theirs][f"c{c}"]["req_s"], 3)
+                           for c in args.concurrency}
+            paired = {f"c{c}": paired_ratio(m["per"][ours][c], m["per"][theirs][c]) for c in args.concurrency}
+            result["paired_" + key] = paired
+            print(f"{ours} / {theirs}, median of each repetition's req/s ratio: "
+                  + ", ".join(f"{v} at concurrency {k[1:]}" for k, v in paired.items()))
     finally:
         for p in reversed(procs):
             try:
