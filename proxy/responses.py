@@ -17,6 +17,7 @@ from proxy.tool_calls import ToolCall, ToolCallStream
 
 # JSON has no -inf: a token the sampler could not have picked gets this instead (as vLLM does).
 MIN_LOGPROB = -9999.0
+_MARK = "\x00pdcluster delta text\x00"  # stands for the text in a plain delta's event (_Base.delta_event)
 
 
 class Decoder(Protocol):
@@ -77,6 +78,8 @@ class Format(Protocol):
 
     def delta_chunk(self, text: str, tokens: Sequence[pb.Token]) -> dict[str, Any]: ...
 
+    def delta_event(self, text: str, tokens: Sequence[pb.Token]) -> bytes: ...
+
     def final_chunks(self, text: str, tokens: Sequence[pb.Token], finish_reason: str) -> list[dict[str, Any]]: ...
 
     def usage_chunk(self, usage: dict[str, int]) -> dict[str, Any]: ...
@@ -98,6 +101,27 @@ class _Base:
         self.include_usage = include_usage
         self.texts = texts
         self.shown: Callable[[int], str] = _as_token_id if token_ids else texts.shown
+
+    _frame: tuple[bytes, bytes] | None = None  # a plain delta's event, before and after its text
+
+    def delta_chunk(self, text: str, tokens: Sequence[pb.Token]) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def _plain(self) -> bool:
+        """Whether a delta is its text alone (no logprobs, no tool calls): the same event around it."""
+        return not self.logprobs
+
+    def delta_event(self, text: str, tokens: Sequence[pb.Token]) -> bytes:
+        """``sse(self.delta_chunk(text, tokens))``. A plain delta's event is made once per request with
+        a mark for its text, and then is that event's bytes around each text's JSON string: 0.3 against
+        1.9 us an event (a dict and its encoding each time), ~10 events a request (docs/benchmarks.md)."""
+        if not self._plain():
+            return sse(self.delta_chunk(text, tokens))
+        if self._frame is None:
+            head, mark, tail = sse(self.delta_chunk(_MARK, ())).partition(orjson.dumps(_MARK))
+            assert mark, "the mark is in the event"
+            self._frame = (head, tail)
+        return self._frame[0] + orjson.dumps(text) + self._frame[1]
 
     def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {"id": self.request_id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
@@ -196,6 +220,9 @@ class ChatFormat(_Base):
 
     _tools: ToolCallStream | None = None
     _calls = 0  # tool calls sent so far
+
+    def _plain(self) -> bool:
+        return not self.logprobs and self._tools is None
 
     def offer_tools(self, stream: ToolCallStream) -> None:
         """Read DeepSeek's tool calls out of the answer (``proxy.tool_calls``) into ``tool_calls``."""

@@ -309,7 +309,8 @@ class Serving:
                 completion_tokens += len(tokens)
                 if not finish:
                     if text:
-                        buf.append(sse(so_far(fmt.delta_chunk(text, tokens))))
+                        buf.append(sse(so_far(fmt.delta_chunk(text, tokens))) if continuous
+                                   else fmt.delta_event(text, tokens))
                     elif buf:  # the mark: the stream waits now
                         yield b"".join(buf)
                         buf = []
