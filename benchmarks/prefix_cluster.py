@@ -162,7 +162,8 @@ async def run_setting(target: Target, args: argparse.Namespace, block_size: int)
         for name, workload in (("shared_prefix", shared_prefix), ("multi_turn", multi_turn)):
             before = await scrape_legs(client)
             results, ideal = await workload(client, model, args, target.vocab, block_size)
-            await asyncio.sleep(args.settle_s)  # counters come with the streams; nothing to wait for but safety
+            # Several proxy workers: a page has the others' series as of their last flush (FLUSH_S = 1 s).
+            await asyncio.sleep(args.settle_s)
             out[name] = figures(results, before, await scrape_legs(client), ideal)
         return out
 
@@ -195,7 +196,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--request-timeout", type=float, default=600.0)
     ap.add_argument("--start-timeout", type=float, default=300.0)
-    ap.add_argument("--settle-s", type=float, default=0.2)
+    ap.add_argument("--settle-s", type=float, default=1.2,
+                    help="wait before reading the proxy's metrics after a workload (its workers flush every 1 s)")
     args = ap.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     out: dict[str, Any] = {}

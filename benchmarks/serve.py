@@ -57,6 +57,7 @@ sys.path.insert(0, str(ROOT))
 from pdctl.launcher import down, up  # noqa: E402
 from pdctl.tiny_model import make_tiny_model  # noqa: E402
 from pdctl.topology import DecodeSpec, PrefillSpec, ProxySpec, RegistrySpec, Topology, load_topology  # noqa: E402
+from proxy.metrics import FLUSH_S  # noqa: E402
 
 # --prompt-mix long: (weight, shortest, longest) prompt lengths, uniform within a bucket.
 LONG_MIX = ((0.35, 1024, 4096), (0.30, 4096, 8192), (0.20, 8192, 16384), (0.15, 16384, 32768))
@@ -352,10 +353,13 @@ async def measure(client: httpx.AsyncClient, model: str, prompts: list[list[int]
                   rng: random.Random, extra: dict[str, Any] | None = None) -> dict[str, Any]:
     """The warmup requests, then the measured ones between two scrapes of the proxy's metrics."""
     warm = await run_load(client, model, prompts[:args.warmup], args, rng, extra)
+    # A proxy worker's page has the other workers' series as of their last flush (FLUSH_S ago at most).
+    await asyncio.sleep(FLUSH_S + 0.2)
     before = await scrape(client)
     t0 = time.perf_counter()
     measured = await run_load(client, model, prompts[args.warmup:], args, rng, extra)
     window = time.perf_counter() - t0
+    await asyncio.sleep(FLUSH_S + 0.2)
     after = await scrape(client)
     return summarize(measured, warm + measured, window, args, proxy_view(before, after))
 

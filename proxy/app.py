@@ -124,7 +124,10 @@ def create_app(config: ProxyConfig, tokenizer: Tokenizer, nodes: NodeSource, *, 
         """The request path's tallies into their series, for the other workers' /metrics pages."""
         while True:
             await asyncio.sleep(FLUSH_S)
-            metrics.flush()
+            try:
+                metrics.flush()
+            except Exception:  # must outlive one failed flush (the next one tries again)
+                log.exception("flushing the metrics failed")
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -139,9 +142,11 @@ def create_app(config: ProxyConfig, tokenizer: Tokenizer, nodes: NodeSource, *, 
             following.cancel()
             flushing.cancel()
             await asyncio.gather(probing, following, flushing, return_exceptions=True)
-            await pipeline.drain_background()  # aborts sent on the way out still reach the nodes
-            await clients.close()
-            metrics.flush()  # the last requests' tallies, for the other workers' pages
+            try:
+                await pipeline.drain_background()  # aborts sent on the way out still reach the nodes
+                await clients.close()
+            finally:
+                metrics.flush()  # the last requests' tallies, for the other workers' pages
             if on_shutdown is not None:
                 on_shutdown()
 

@@ -108,6 +108,8 @@ class ProxyMetrics:
         if tally is None:  # the sum, then one count per bucket
             tally = self._observed[key] = [0.0] * (1 + len(histogram._upper_bounds))
         tally[0] += value * count
+        if value != value:  # NaN: in the sum only, as Histogram.observe (no bucket's bound is >= it)
+            return
         # the first bucket whose bound is >= value, as Histogram.observe's
         tally[1 + bisect_left(histogram._upper_bounds, value)] += count
 

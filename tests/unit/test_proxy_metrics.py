@@ -66,3 +66,18 @@ def test_nothing_reaches_the_series_before_a_flush() -> None:
     m.flush()
     assert _samples(m.registry)[("pdcluster_proxy_generation_tokens_total", ())] == 3
     assert _samples(m.registry)[("pdcluster_proxy_inter_token_latency_seconds_count", ())] == 2
+
+
+def test_a_nan_observation_goes_to_the_sum_only_as_a_direct_one() -> None:
+    tallied, direct = ProxyMetrics(), ProxyMetrics()
+    tallied.observe(tallied.kv_transfer_s, float("nan"))
+    tallied.observe(tallied.kv_transfer_s, 0.02)
+    direct.kv_transfer_s.observe(float("nan"))
+    direct.kv_transfer_s.observe(0.02)
+    tallied.flush()
+    g, w = _samples(tallied.registry), _samples(direct.registry)
+    name = "pdcluster_proxy_kv_transfer_seconds"
+    got_sum, want_sum = g.pop((f"{name}_sum", ())), w.pop((f"{name}_sum", ()))
+    assert got_sum != got_sum and want_sum != want_sum  # both NaN
+    assert g == w  # every bucket and the count: the 0.02 alone
+    assert g[(f"{name}_count", ())] == 1
