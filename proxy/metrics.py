@@ -85,8 +85,7 @@ class ProxyMetrics:
         self.routing = Counter(f"{PREFIX}_routing_decisions", "Routing decisions by role and node",
                                ["role", "node_id"], registry=r)
 
-        for histogram in (self.ttft, self.itl, self.e2e, self.kv_transfer_s, self.prefill_queue_s, self.prefill_s,
-                          self.prefill_rpc_s, self.decode_admission_s, self.first_decode_token_s):
+        for histogram in [m for m in vars(self).values() if isinstance(m, Histogram)]:
             if not hasattr(histogram, "_upper_bounds"):  # observe() reads it: prometheus_client's layout
                 raise RuntimeError("prometheus_client's Histogram has no _upper_bounds: update ProxyMetrics")
         self._added: dict[tuple[Counter, tuple[str, ...]], float] = {}
