@@ -9,8 +9,11 @@ calls of other kinds (deadline exceeded, internal errors, decode streams that st
 ``Prober`` asks each open node's standard health service (``grpc.health.v1``, which a node answers
 SERVING from registration until it starts stopping), a round per ``probe_once`` (the app runs one
 every ``--health-probe-s``): SERVING half-opens it. While
-the registry is unreachable the proxy cannot see heartbeats, so the prober checks every known node
-and opens those that do not answer: health then comes from the nodes themselves.
+the registry is unreachable the proxy cannot see heartbeats, so the prober checks every known node:
+health then comes from the nodes themselves. A node that answers NOT_SERVING or refuses the
+connection opens at once; one that does not answer within the probe's timeout opens only after
+``failure_threshold`` such rounds in a row (a busy host can be slow to answer one probe: the same
+starvation that made the registry time out).
 """
 
 from __future__ import annotations
@@ -27,12 +30,16 @@ log = logging.getLogger(__name__)
 
 CLOSED, HALF_OPEN, OPEN = "closed", "half_open", "open"
 STATE_VALUE = {CLOSED: 0, HALF_OPEN: 1, OPEN: 2}  # the gauge's encoding
+# A health probe's outcomes: the node answered SERVING, answered something else, refused the
+# connection (UNAVAILABLE), or gave no answer in time (or failed otherwise).
+SERVING, NOT_SERVING, REFUSED, NO_ANSWER = "serving", "not_serving", "refused", "no_answer"
 
 
 @dataclass
 class _Node:
     state: str = CLOSED
-    failures: int = 0  # consecutive
+    failures: int = 0  # consecutive failed calls
+    missed: int = 0  # consecutive probes without an answer
 
 
 class Breakers:
@@ -75,20 +82,28 @@ class Breakers:
         if n.state != CLOSED:
             self._move(node_id, n, CLOSED, "a call succeeded")
 
-    def probe(self, node_id: str, serving: bool) -> None:
-        """A health probe's answer: an open node that is serving half-opens; one that is not opens."""
+    def probe(self, node_id: str, outcome: str) -> None:
+        """A health probe's outcome (``SERVING``, ``NOT_SERVING``, ``REFUSED`` or ``NO_ANSWER``): an
+        open node that is serving half-opens; one that says it is not, or refuses, opens; one that
+        does not answer opens after ``failure_threshold`` probes in a row without an answer."""
+        if outcome not in (SERVING, NOT_SERVING, REFUSED, NO_ANSWER):
+            raise ValueError(f"unknown probe outcome {outcome!r}")
         n = self._nodes.setdefault(node_id, _Node())
-        if serving and n.state == OPEN:
-            self._move(node_id, n, HALF_OPEN, "its health probe passed")
-        elif not serving and n.state != OPEN:
-            self._move(node_id, n, OPEN, "its health probe failed")
+        n.missed = n.missed + 1 if outcome == NO_ANSWER else 0
+        if outcome == SERVING:
+            if n.state == OPEN:
+                self._move(node_id, n, HALF_OPEN, "its health probe passed")
+        elif outcome in (NOT_SERVING, REFUSED):
+            self._move(node_id, n, OPEN, f"its health probe found it {outcome.replace('_', ' ')}")
+        elif n.missed >= self.failure_threshold:
+            self._move(node_id, n, OPEN, f"{n.missed} health probes in a row got no answer")
 
     def reset(self, node_id: str | None = None) -> None:
         """Close one node's breaker (or all): an operator says it is back."""
         for k in [node_id] if node_id is not None else list(self._nodes):
             n = self._nodes.get(k)
             if n is not None:
-                n.failures = 0
+                n.failures = n.missed = 0
                 if n.state != CLOSED:
                     self._move(k, n, CLOSED, "reset")
 
@@ -104,18 +119,19 @@ class Breakers:
         log.warning("node %s: circuit %s -> %s (%s)", node_id, n.state, state, why)
         n.state = state
         if state == CLOSED:
-            n.failures = 0
+            n.failures = n.missed = 0
         self._on_change(node_id, state)
 
 
-async def check_health(channel: grpc.aio.Channel, timeout_s: float) -> bool:
-    """Whether the node behind ``channel`` answers SERVING within ``timeout_s``."""
+async def check_health(channel: grpc.aio.Channel, timeout_s: float) -> str:
+    """The node's answer within ``timeout_s``: ``SERVING``, ``NOT_SERVING``, ``REFUSED`` (it did
+    not take the connection) or ``NO_ANSWER``."""
     try:
         reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""),
                                                                timeout=timeout_s)
-    except grpc.aio.AioRpcError:
-        return False
-    return reply.status == health_pb2.HealthCheckResponse.SERVING
+    except grpc.aio.AioRpcError as e:
+        return REFUSED if e.code() == grpc.StatusCode.UNAVAILABLE else NO_ANSWER
+    return SERVING if reply.status == health_pb2.HealthCheckResponse.SERVING else NOT_SERVING
 
 
 class Prober:
@@ -142,5 +158,5 @@ class Prober:
             return
         answers = await asyncio.gather(*(check_health(self._channel(n.info.address), self.timeout_s)
                                          for n in targets))
-        for n, serving in zip(targets, answers):
-            self._breakers.probe(n.info.node_id, serving)
+        for n, outcome in zip(targets, answers):
+            self._breakers.probe(n.info.node_id, outcome)
