@@ -9,8 +9,12 @@ in the state file:
    the node is still finishing);
 2. after the grace period, SIGTERM to whatever is left of the group, and a moment later SIGKILL.
 
-PID reuse guard: a record carries its leader's start time (psutil's ``create_time``); a live pid
-with another start time is someone else's process and is left alone.
+PID reuse guard: a record carries its leader's start time; a live pid with another start time is
+someone else's process and is left alone. The start is compared as seconds since boot, within the
+same boot (the kernel's boot id): psutil's ``create_time`` adds the boot time, which moves whenever
+the wall clock is stepped (NTP, a VM resumed from a snapshot), so after such a step every record
+would look like someone else's and ``pdctl down`` would stop nothing. Records without those fields
+(earlier versions, systems without a boot id) fall back to the wall-clock start time.
 """
 
 from __future__ import annotations
@@ -31,6 +35,8 @@ _POLL_S = 0.05
 # the kernel reports in whole seconds and moves when the wall clock is stepped. A reused pid
 # belongs to a process started long after ours ended.
 _SAME_START_S = 1.0
+_SAME_TICK_S = 0.005  # seconds since boot are whole clock ticks (10 ms): equal, up to float rounding
+_BOOT_ID = "/proc/sys/kernel/random/boot_id"
 
 
 @dataclass(frozen=True)
@@ -42,14 +48,19 @@ class ProcessRecord:
     start_time: float | None  # the leader's start, seconds since the epoch (None: unknown, not checked)
     log: str
     port: int | None = None
+    since_boot: float | None = None  # the leader's start, seconds since boot (clock steps do not move it)
+    boot_id: str | None = None  # the boot ``since_boot`` counts from
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     @staticmethod
     def from_dict(d: Mapping[str, Any]) -> ProcessRecord:
+        since_boot, boot_id = d.get("since_boot"), d.get("boot_id")
         return ProcessRecord(name=str(d["name"]), pid=int(d["pid"]), start_time=_read_start_time(d.get("start_time")),
-                             log=str(d["log"]), port=d.get("port"))
+                             log=str(d["log"]), port=d.get("port"),
+                             since_boot=None if since_boot is None else float(since_boot),
+                             boot_id=None if boot_id is None else str(boot_id))
 
 
 def _read_start_time(value: Any) -> float | None:
@@ -74,7 +85,9 @@ def spawn(name: str, argv: Sequence[str], log_path: Path, env: Mapping[str, str]
 
 def record_of(name: str, pid: int, log_path: Path, port: int | None = None) -> ProcessRecord:
     """The record of a group leader started elsewhere (e.g. the local redis-server)."""
-    return ProcessRecord(name=name, pid=pid, start_time=_start_time(pid), log=str(log_path), port=port)
+    since_boot = _since_boot(pid)
+    return ProcessRecord(name=name, pid=pid, start_time=_start_time(pid), log=str(log_path), port=port,
+                         since_boot=since_boot, boot_id=_boot_id() if since_boot is not None else None)
 
 
 def is_running(record: ProcessRecord) -> bool:
@@ -101,15 +114,21 @@ def stop_groups(records: Sequence[ProcessRecord], grace_s: float, kill_wait_s: f
 def _ours(record: ProcessRecord) -> bool:
     # A live leader with another start time means the pid was reused; while any member of our
     # group lives, Linux does not reuse the group id, so a dead leader is safe to signal around.
-    if record.start_time is None:
+    boot_id = _boot_id() if record.since_boot is not None and record.boot_id is not None else None
+    if boot_id is not None:
+        if boot_id != record.boot_id:  # the machine restarted since: nothing of ours runs
+            return False
+    elif record.start_time is None:
         return True
     try:
-        created = psutil.Process(record.pid).create_time()
+        if boot_id is not None:
+            assert record.since_boot is not None
+            return abs(_process_since_boot(psutil.Process(record.pid)) - record.since_boot) < _SAME_TICK_S
+        return abs(psutil.Process(record.pid).create_time() - record.start_time) < _SAME_START_S
     except psutil.NoSuchProcess:  # the leader is gone (a zombie still shows its start time)
         return True
     except psutil.AccessDenied:  # another user's process: not one we started
         return False
-    return abs(created - record.start_time) < _SAME_START_S
 
 
 def _leader_alive(pid: int) -> bool:
@@ -143,6 +162,27 @@ def _start_time(pid: int) -> float | None:
     try:
         return psutil.Process(pid).create_time()
     except psutil.NoSuchProcess:  # already gone: nothing to guard
+        return None
+
+
+def _process_since_boot(process: psutil.Process) -> float:
+    # create_time is the kernel's start tick count over the clock rate plus the boot time it reads
+    # now, and boot_time reads the same value: the difference is the tick count, whatever the clock did.
+    return process.create_time() - psutil.boot_time()
+
+
+def _since_boot(pid: int) -> float | None:
+    try:
+        return _process_since_boot(psutil.Process(pid))
+    except psutil.NoSuchProcess:
+        return None
+
+
+def _boot_id() -> str | None:
+    """The kernel's id of this boot (Linux), or None where there is none."""
+    try:
+        return Path(_BOOT_ID).read_text().strip() or None
+    except OSError:
         return None
 
 

@@ -103,10 +103,29 @@ def test_a_reused_pid_is_left_alone(tmp_path) -> None:
     proc, rec = spawn("sleeper", SLEEPER, tmp_path / "s.log")
     try:
         forged = record_of("sleeper", proc.pid, tmp_path / "s.log")
-        forged = type(forged)(**{**forged.to_dict(), "start_time": 1.0})  # as if the pid now were someone else's
+        forged = type(forged)(**{**forged.to_dict(), "start_time": 1.0, "since_boot": 1.0})  # as if someone else's
         assert not is_running(forged)
         assert stop_groups([forged], grace_s=0.2) == []
         assert proc.poll() is None
+    finally:
+        stop_groups([rec], grace_s=2.0)
+
+
+@pytest.mark.skipif(not Path("/proc/sys/kernel/random/boot_id").exists(), reason="no boot id (not Linux)")
+def test_a_record_survives_a_wall_clock_step_but_not_a_reboot_or_another_start(tmp_path) -> None:
+    """A VM resumed from a snapshot (or NTP) steps the wall clock, and with it every wall-clock start
+    time psutil reports: the record must still match its process, or ``pdctl down`` stops nothing."""
+    proc, rec = spawn("sleeper", SLEEPER, tmp_path / "s.log")
+    try:
+        assert rec.since_boot is not None and rec.boot_id
+        stepped = ProcessRecord.from_dict({**rec.to_dict(), "start_time": rec.start_time + 3600.0})
+        assert is_running(stepped)
+        rebooted = ProcessRecord.from_dict({**rec.to_dict(), "boot_id": "another-boot"})
+        assert not is_running(rebooted) and stop_groups([rebooted], grace_s=0.2) == [] and proc.poll() is None
+        other = ProcessRecord.from_dict({**rec.to_dict(), "since_boot": rec.since_boot - 5.0})
+        assert not is_running(other) and stop_groups([other], grace_s=0.2) == [] and proc.poll() is None
+        assert stop_groups([stepped], grace_s=2.0) == []
+        assert proc.wait(timeout=5) is not None
     finally:
         stop_groups([rec], grace_s=2.0)
 
@@ -116,10 +135,11 @@ def test_a_record_of_an_earlier_version_still_matches_its_process(tmp_path) -> N
     proc, rec = spawn("sleeper", SLEEPER, tmp_path / "s.log")
     try:
         ticks = Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()[19]  # what was recorded
-        old = ProcessRecord.from_dict({**rec.to_dict(), "start_time": ticks})
+        old = ProcessRecord.from_dict({**rec.to_dict(), "start_time": ticks, "since_boot": None, "boot_id": None})
         assert old.start_time == pytest.approx(rec.start_time, abs=1.0) and is_running(old)
         earlier = int(ticks) - 5 * os.sysconf("SC_CLK_TCK")  # 5 s before it: another process
-        other = ProcessRecord.from_dict({**rec.to_dict(), "start_time": str(earlier)})
+        other = ProcessRecord.from_dict({**rec.to_dict(), "start_time": str(earlier), "since_boot": None,
+                                         "boot_id": None})
         assert not is_running(other)
     finally:
         stop_groups([rec], grace_s=2.0)
