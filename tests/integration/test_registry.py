@@ -74,6 +74,24 @@ def test_a_node_is_judged_by_the_ttl_its_heartbeats_carry(registry: Registry, co
         patient.close()
 
 
+
+def test_a_stepped_wall_clock_does_not_age_the_view(registry: Registry, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The time since a refresh is counted on the monotonic clock: an hour's step of the wall clock (NTP,
+    a VM resumed from a snapshot) keeps every node as healthy as it was; monotonic time past the TTL does not."""
+    registry.heartbeat(info("prefill-0"), LOADS)
+    view = RegistryView(registry, refresh_s=60.0)  # one refresh, then only the clocks move
+    view.start()
+    try:
+        assert view.wait_for(lambda nodes: len(nodes) == 1, timeout_s=5)
+        wall, mono = time.time, time.monotonic
+        monkeypatch.setattr(time, "time", lambda: wall() + 3600.0)
+        assert view.snapshot()[0].healthy
+        monkeypatch.setattr(time, "monotonic", lambda: mono() + registry.config.ttl_s + 1.0)
+        assert not view.snapshot()[0].healthy
+    finally:
+        monkeypatch.undo()
+        view.stop()
+
 def test_nodes_sorted_by_role_then_id(registry: Registry) -> None:
     for node_id, role in [("prefill-1", "prefill"), ("decode-0", "decode"), ("prefill-0", "prefill")]:
         registry.heartbeat(info(node_id, role), ())
