@@ -26,6 +26,12 @@ from cluster.proto_gen import pdcluster_v1_pb2 as pb
 log = logging.getLogger(__name__)
 
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
+# A decode read's timeout is enforced by its stream's watchdog, which looks every WATCH_SHARE of the
+# shortest timeout it has been given (between WATCH_MIN_S and WATCH_MAX_S): a read times out at
+# most that much late.
+WATCH_SHARE = 0.1
+WATCH_MIN_S = 0.01
+WATCH_MAX_S = 1.0
 
 
 def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
@@ -39,7 +45,7 @@ def _expire(future: asyncio.Future[Any]) -> None:
 
 async def _within(future: asyncio.Future[Any], timeout: float) -> Any:
     """``await future``, raising ``TimeoutError`` after ``timeout`` seconds (one timer: cheaper than
-    ``asyncio.wait_for``, which this runs for every token read)."""
+    ``asyncio.wait_for``; a decode read uses its stream's watchdog instead, cheaper still)."""
     timer = future.get_loop().call_later(timeout, _expire, future)
     try:
         return await future
@@ -75,6 +81,28 @@ class MuxStream:
         self.broken = False
         self._writer = self.loop.create_task(self._write())
         self._reader = self.loop.create_task(self._read())
+        # Decode reads waiting for their next event, each with its deadline (loop time). One watchdog
+        # task expires them, instead of a timer armed and cancelled for every token read (2.3 us each
+        # under uvloop, ~6% of the proxy's loop at concurrency 128, py-spy).
+        self.waiting: dict[DecodeCall, float] = {}
+        self._watchdog: asyncio.Task[None] | None = None
+        self._watch_s = WATCH_MAX_S
+
+    def watch(self, call: DecodeCall, timeout: float) -> None:
+        """Expire ``call``'s wait ``timeout`` seconds from now (a little later: see ``WATCH_SHARE``)."""
+        self.waiting[call] = self.loop.time() + timeout
+        if timeout * WATCH_SHARE < self._watch_s:
+            self._watch_s = max(WATCH_MIN_S, timeout * WATCH_SHARE)
+        if self._watchdog is None:
+            self._watchdog = self.loop.create_task(self._expire_waits())
+
+    async def _expire_waits(self) -> None:
+        while True:
+            await asyncio.sleep(self._watch_s)
+            now = self.loop.time()
+            for call in [c for c, deadline in self.waiting.items() if deadline <= now]:
+                del self.waiting[call]
+                call.expire()
 
     def start(self, call: Any, waiter: _Waiter) -> None:
         rid = call.request_id
@@ -131,6 +159,8 @@ class MuxStream:
         finally:
             self.broken = True
             self._writer.cancel()
+            if self._watchdog is not None:
+                self._watchdog.cancel()
             waiters, self._waiters = self._waiters, {}
             for waiter in waiters.values():
                 waiter.fail(error)
@@ -141,6 +171,8 @@ class MuxStream:
     def close(self) -> None:
         self._call.cancel()
         self._reader.cancel()
+        if self._watchdog is not None:
+            self._watchdog.cancel()
 
 
 class _PrefillWaiter(_Waiter):
@@ -215,15 +247,23 @@ class DecodeCall(_Waiter):
         """Whether ``read`` would answer without waiting."""
         return bool(self._events) or self._error is not None
 
+    def expire(self) -> None:
+        """The stream's watchdog: this read waited past its deadline."""
+        if self._wake is not None and not self._wake.done():
+            self._wake.set_exception(TimeoutError())
+
     async def read(self, timeout: float) -> Any:
         """The next event (``grpc.aio.EOF`` at the end); raises the call's ``AioRpcError``, or
-        ``TimeoutError`` when nothing comes for ``timeout`` seconds."""
+        ``TimeoutError`` when nothing comes for ``timeout`` seconds (up to ``WATCH_SHARE`` more)."""
         if not self._events and self._error is None:
-            self._wake = self._stream.loop.create_future()
+            stream = self._stream
+            self._wake = stream.loop.create_future()
+            stream.watch(self, timeout)
             try:
-                await _within(self._wake, timeout)
+                await self._wake
             finally:
                 self._wake = None
+                stream.waiting.pop(self, None)
         if self._events:
             return self._events.popleft()
         assert self._error is not None

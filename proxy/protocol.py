@@ -132,28 +132,41 @@ class _Sampling(_Request):
         raise NotImplementedError
 
     def sampling(self, max_tokens: int) -> pb.SamplingParams:
-        """The node-side sampling parameters, with ``max_tokens`` resolved by the caller."""
+        """The node-side sampling parameters, with ``max_tokens`` resolved by the caller. Fields at
+        their proto3 default (0, empty) are left unset: the same message, built for less (each field
+        given costs a lookup and a conversion, on every request)."""
         params = pb.SamplingParams(
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=self.top_k or 0,
             max_tokens=max_tokens,
-            min_tokens=self.min_tokens or 0,
-            stop=self.stop_list,
-            stop_token_ids=self.stop_token_ids or [],
-            ignore_eos=self.ignore_eos,
-            presence_penalty=self.presence_penalty or 0.0,
-            frequency_penalty=self.frequency_penalty or 0.0,
             repetition_penalty=self.repetition_penalty or 1.0,
-            min_p=self.min_p or 0.0,
-            logit_bias=self.token_bias(),
         )
+        if self.top_k:
+            params.top_k = self.top_k
+        if self.min_tokens:
+            params.min_tokens = self.min_tokens
+        stop = self.stop_list
+        if stop:
+            params.stop.extend(stop)
+        if self.stop_token_ids:
+            params.stop_token_ids.extend(self.stop_token_ids)
+        if self.ignore_eos:
+            params.ignore_eos = True
+        if self.presence_penalty:
+            params.presence_penalty = self.presence_penalty
+        if self.frequency_penalty:
+            params.frequency_penalty = self.frequency_penalty
+        if self.min_p:
+            params.min_p = self.min_p
+        if self.logit_bias:
+            params.logit_bias.update(self.token_bias())
         if self.seed is not None:
             params.seed = self.seed
         if self.top_logprobs_n is not None:
             params.logprobs = self.top_logprobs_n
-        if self._constraint is not None:
-            params.structured_output.CopyFrom(structured_to_pb(self._constraint))
+        constraint = (self.__pydantic_private__ or {}).get("_constraint")  # not via __getattr__ (1.8 us)
+        if constraint is not None:
+            params.structured_output.CopyFrom(structured_to_pb(constraint))
         return params
 
     @property

@@ -4,6 +4,7 @@ each call behaves as the same call on its own, however many share the stream."""
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 import grpc
@@ -144,9 +145,14 @@ def test_many_calls_share_one_stream_each_as_on_its_own() -> None:
             stalled = mux.DecodeCall(d, pb.DecodeRequest(request_id="s", first_token=pb.Token(token_id=98),
                                                          sampling=pb.SamplingParams(max_tokens=5)))
             assert (await stalled.read(5.0)).WhichOneof("event") == "admitted"
+            t0 = time.monotonic()
             with pytest.raises(TimeoutError):
+                await stalled.read(0.2)
+            assert 0.2 <= time.monotonic() - t0 < 0.5  # the watchdog looks every tenth of the timeout
+            with pytest.raises(TimeoutError):  # and again: every read has its own deadline
                 await stalled.read(0.05)
             stalled.cancel()
+            assert not d.waiting  # no read left registered with the watchdog
             assert not d.broken and not p.broken
 
             # the node goes away: every call still on the stream fails UNAVAILABLE, none hangs
