@@ -214,11 +214,11 @@ def prefill_candidates(nodes: Iterable[NodeState], model: str, prompt_tokens: in
             continue
         hit = min(cached(info.node_id, dp), prompt_tokens - 1) if cached is not None else 0
         new = prompt_tokens - hit
-        speedup = effective_pcp(info.pcp, new, long_prompt_tokens)
         cost = prefill_cost(queued, new, info.pcp, long_prompt_tokens)
         if not explain:
             out.append(PrefillCandidate(info.node_id, info.address, dp, info.pcp, queued, cost, True, "", hit))
             continue
+        speedup = effective_pcp(info.pcp, new, long_prompt_tokens)
         why = f"estimated cost {cost:.0f} (queued {queued} + {new} tokens over effective PCP {speedup:.2f}"
         why += f" + PCP overhead {PCP_OVERHEAD_TOKENS * (info.pcp - 1):.0f})" if info.pcp > 1 else ")"
         if hit:
@@ -270,8 +270,8 @@ C = TypeVar("C", PrefillCandidate, DecodeCandidate)
 def pick(candidates: Sequence[C], key: Callable[[C], tuple[float, ...]], turn: int = 0) -> C | None:
     """The eligible candidate with the lowest ``key``; exact ties go round by ``turn``."""
     eligible = [c for c in candidates if c.eligible]
-    if not eligible:
-        return None
+    if len(eligible) <= 1:
+        return eligible[0] if eligible else None
     best = min(key(c) for c in eligible)
     tied = [c for c in eligible if key(c) == best]  # already in (node_id, dp_rank) order
     return tied[turn % len(tied)]
@@ -363,16 +363,19 @@ class Router:
         engines = {n.info.node_id: (n.info.engine, n.info.kv_protocol) for n in nodes}
         pre = prefill_candidates(nodes, self.model, prompt_tokens, total, self.load, self.long_prompt_tokens,
                                  exclude_prefill, cached, explain)
-        readable = {e for e in set(engines.values())
-                    if any(c.eligible and can_read(e, engines[c.node_id]) for c in dec)}
-        pre = [c if not c.eligible or engines[c.node_id] in readable or not readable else
-               replace(c, cost=math.inf, eligible=False,
-                       reason=f"no eligible decode rank can read a {_kind(engines[c.node_id])} node's KV")
-               for c in pre]
+        # One kind of node (the usual cluster): every decode rank reads every prefill node's KV.
+        mixed = len(set(engines.values())) > 1 or (prefill_node is not None and prefill_node not in engines)
+        if mixed:
+            readable = {e for e in set(engines.values())
+                        if any(c.eligible and can_read(e, engines[c.node_id]) for c in dec)}
+            pre = [c if not c.eligible or engines[c.node_id] in readable or not readable else
+                   replace(c, cost=math.inf, eligible=False,
+                           reason=f"no eligible decode rank can read a {_kind(engines[c.node_id])} node's KV")
+                   for c in pre]
         p = pick(pre, _prefill_key, self._turn)
         # A prefill node that has left the view: assume the strictest (only vLLM decode reads both).
         source = (engines.get(prefill_node, ("vllm", "tcp")) if prefill_node else engines[p.node_id] if p else None)
-        if source is not None:
+        if mixed and source is not None:
             dec = [c if not c.eligible or can_read(source, engines[c.node_id]) else
                    replace(c, eligible=False, reason=f"a {_kind(engines[c.node_id])} decode node cannot read a "
                                                      f"{_kind(source)} node's KV")
