@@ -8,7 +8,7 @@ import asyncio
 import pytest
 from starlette.requests import Request
 
-from proxy.sse import ClientDisconnected, ClientWatch, EventStreamResponse
+from proxy.sse import WATCH_AFTER_S, ClientDisconnected, ClientWatch, EventStreamResponse
 
 
 class Connection:
@@ -46,8 +46,25 @@ def test_the_work_runs_in_the_callers_task_and_one_watcher_serves_every_phase() 
         assert await watch.guard(where()) is asyncio.current_task()
         assert await watch.guard(where()) is asyncio.current_task()
         await asyncio.sleep(0)
+        assert conn.calls == 1  # a young request is not watched yet
+        await asyncio.sleep(WATCH_AFTER_S + 0.05)
         assert conn.calls == 2  # the body, then one wait for the disconnect across both phases
         watch.close()
+
+    asyncio.run(main())
+
+
+def test_a_request_that_ends_young_never_starts_a_watcher() -> None:
+    async def main() -> None:
+        conn, watch = await watched()
+
+        async def quick() -> int:
+            return 1
+
+        assert await watch.guard(quick()) == 1
+        watch.close()
+        await asyncio.sleep(WATCH_AFTER_S + 0.05)
+        assert conn.calls == 1 and not [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
 
     asyncio.run(main())
 
