@@ -111,7 +111,9 @@ class LocalLoad:
         return self._requests.get(node_id, 0)
 
 
-@dataclass(frozen=True)
+# The routing types are not frozen: a frozen dataclass's __init__ took 1.9 against 0.34 us, and routing
+# makes four per request. Nothing changes them after they are made (``replace`` makes new ones).
+@dataclass(slots=True)
 class PrefillCandidate:
     node_id: str
     address: str
@@ -129,7 +131,7 @@ class PrefillCandidate:
         return d
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class DecodeCandidate:
     node_id: str
     address: str
@@ -145,7 +147,7 @@ class DecodeCandidate:
         return asdict(self)
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class RoutePlan:
     """Every candidate with its verdict, and the choice (None where there is none). ``local``: the
     decode rank prefills the request itself (no prefill replica is chosen)."""
@@ -157,7 +159,7 @@ class RoutePlan:
     local: bool = False
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Route:
     prefill: PrefillCandidate | None  # None: a local prefill on the decode rank
     decode: DecodeCandidate
