@@ -292,7 +292,8 @@ class RegistryView:
         self._nodes: list[NodeState] = []
         self._last_error: str | None = None
         self._refreshed_at = 0.0  # time.time() of the last list Redis gave
-        self._refreshed_mono = 0.0  # time.monotonic() of the same moment
+        # That list with its moment on both clocks, replaced as one: snapshot() reads it unlocked.
+        self._published: tuple[list[NodeState], float, float] = ([], 0.0, 0.0)
         self._held: dict[str, NodeState] = {}  # known before an outage, not re-registered yet
         self._held_until = 0.0
         self._changed = threading.Condition()
@@ -322,12 +323,11 @@ class RegistryView:
         business, ``proxy.breaker``), rather than all turning unhealthy after the TTL. When Redis
         is back (perhaps restarted, empty), those nodes stay for one TTL while they re-register.
         """
-        nodes = self._nodes
+        nodes, now, refreshed_mono = self._published
         # The nodes' heartbeat times are of the refresh's wall clock; the time since is counted on the
         # monotonic clock, so a stepped wall clock (NTP, a VM resumed) does not age every node at once.
-        now = self._refreshed_at
         if self._last_error is None:
-            now += time.monotonic() - self._refreshed_mono
+            now += time.monotonic() - refreshed_mono
         ttl_s = self._registry.config.ttl_s
         return [replace(n, healthy=False) if n.healthy and now - n.heartbeat_at > (n.ttl_s or ttl_s) else n
                 for n in nodes]
@@ -383,7 +383,7 @@ class RegistryView:
 
     def _refresh(self) -> None:
         nodes = self._registry.nodes()
-        now = time.time()
+        now, now_mono = time.time(), time.monotonic()
         with self._changed:
             if self._last_error is not None and self._nodes:
                 # Back after an outage: a restarted Redis is empty until each node's next heartbeat.
@@ -398,7 +398,7 @@ class RegistryView:
                 self._held = {}
             self._nodes = nodes
             self._refreshed_at = now
-            self._refreshed_mono = time.monotonic()
+            self._published = (nodes, now, now_mono)
             self._last_error = None
             self._changed.notify_all()
 

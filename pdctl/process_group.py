@@ -123,7 +123,10 @@ def _ours(record: ProcessRecord) -> bool:
     try:
         if boot_id is not None:
             assert record.since_boot is not None
-            return abs(_process_since_boot(psutil.Process(record.pid)) - record.since_boot) < _SAME_TICK_S
+            since_boot = _since_boot(record.pid)
+            if since_boot is None:  # gone (or hidden) since psutil saw it: nothing of ours to signal
+                return not psutil.pid_exists(record.pid)
+            return abs(since_boot - record.since_boot) < _SAME_TICK_S
         return abs(psutil.Process(record.pid).create_time() - record.start_time) < _SAME_START_S
     except psutil.NoSuchProcess:  # the leader is gone (a zombie still shows its start time)
         return True
@@ -165,16 +168,14 @@ def _start_time(pid: int) -> float | None:
         return None
 
 
-def _process_since_boot(process: psutil.Process) -> float:
-    # create_time is the kernel's start tick count over the clock rate plus the boot time it reads
-    # now, and boot_time reads the same value: the difference is the tick count, whatever the clock did.
-    return process.create_time() - psutil.boot_time()
-
-
 def _since_boot(pid: int) -> float | None:
+    """When ``pid`` started, in seconds since boot (Linux: /proc's start time, in clock ticks, which
+    no clock step moves; psutil has no public call for it, and its ``create_time`` minus
+    ``boot_time`` only cancels the step on psutil 7), or None where it cannot be read."""
     try:
-        return _process_since_boot(psutil.Process(pid))
-    except psutil.NoSuchProcess:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return int(fields[19]) / os.sysconf("SC_CLK_TCK")  # field 22, counted after the command's ")"
+    except (OSError, IndexError, ValueError):
         return None
 
 

@@ -78,7 +78,7 @@ class Breakers:
         n = self._nodes.get(node_id)
         if n is None:
             return
-        n.failures = 0
+        n.failures = n.missed = 0  # it answers: earlier missed probes are not "in a row" with later ones
         if n.state != CLOSED:
             self._move(node_id, n, CLOSED, "a call succeeded")
 

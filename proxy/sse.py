@@ -46,7 +46,8 @@ class ClientWatch:
 
     The watcher starts ``WATCH_AFTER_S`` after the first ``guard``: most requests end sooner and never
     pay for it (a task, a pending ``receive()`` and its cancellation). A client who leaves before is
-    noticed then, or at once by the next send of a streamed answer.
+    noticed then at the latest; a request that ends sooner runs to its end (the server drops what
+    it sends to a closed connection), as short as it is.
     """
 
     def __init__(self, receive: Receive) -> None:

@@ -75,6 +75,10 @@ def test_a_probe_without_an_answer_opens_only_after_the_threshold_in_a_row() -> 
     assert b.state("n") == CLOSED
     b.probe("n", NO_ANSWER)
     b.probe("n", NO_ANSWER)
+    b.success("n")  # so does a call it answered (an outage's misses do not add to the next one's)
+    b.probe("n", NO_ANSWER)
+    assert b.state("n") == CLOSED
+    b.probe("n", NO_ANSWER)
     b.reset("n")  # an operator's reset clears the run too
     b.probe("n", NO_ANSWER)
     assert b.state("n") == CLOSED

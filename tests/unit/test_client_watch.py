@@ -98,9 +98,10 @@ def test_a_client_that_leaves_cancels_the_work_and_its_cleanup_runs() -> None:
 
 def test_a_cancel_from_elsewhere_stays_a_cancel() -> None:
     async def main() -> None:
-        _, watch = await watched()
+        conn, watch = await watched()
         task = asyncio.ensure_future(watch.guard(asyncio.sleep(30)))
-        await asyncio.sleep(0.01)
+        await asyncio.sleep(WATCH_AFTER_S + 0.05)
+        assert conn.calls == 2  # the watcher is waiting on the connection
         task.cancel()  # the server stopping, say: not a client that left
         with pytest.raises(asyncio.CancelledError):
             await task

@@ -148,11 +148,22 @@ def test_many_calls_share_one_stream_each_as_on_its_own() -> None:
             t0 = time.monotonic()
             with pytest.raises(TimeoutError):
                 await stalled.read(0.2)
-            assert 0.2 <= time.monotonic() - t0 < 0.5  # the watchdog looks every tenth of the timeout
-            with pytest.raises(TimeoutError):  # and again: every read has its own deadline
+            assert 0.2 <= time.monotonic() - t0 < 0.4
+            # A short read while a long one waits is not held to the long one's timer.
+            patient = mux.DecodeCall(d, pb.DecodeRequest(request_id="p", first_token=pb.Token(token_id=98),
+                                                         sampling=pb.SamplingParams(max_tokens=5)))
+            assert (await patient.read(5.0)).WhichOneof("event") == "admitted"
+            long_wait = asyncio.ensure_future(patient.read(60.0))
+            await asyncio.sleep(0.01)
+            t0 = time.monotonic()
+            with pytest.raises(TimeoutError):  # every read has its own deadline
                 await stalled.read(0.05)
+            assert time.monotonic() - t0 < 0.25 and not long_wait.done()
+            long_wait.cancel()
             stalled.cancel()
-            assert not d.waiting  # no read left registered with the watchdog
+            patient.cancel()
+            await asyncio.sleep(0)
+            assert not d.waiting  # no read left registered with the timer
             assert not d.broken and not p.broken
 
             # the node goes away: every call still on the stream fails UNAVAILABLE, none hangs
