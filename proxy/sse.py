@@ -33,7 +33,6 @@ async def _wait_disconnect(receive: Receive) -> None:
 
 
 _SCOPE_KEY = "pdcluster.client_watch"
-WATCH_AFTER_S = 0.25  # a request's age before its connection is watched (ClientWatch)
 
 
 class ClientWatch:
@@ -43,18 +42,12 @@ class ClientWatch:
     ``guard(work)`` runs ``work`` in the calling task and cancels it there when the client leaves. A
     watcher task per phase, and a task per guarded piece of work, had cost ~0.2 ms of the time to the
     first token at concurrency 1 (docs/benchmarks.md). Whoever ends the request calls ``close``.
-
-    The watcher starts ``WATCH_AFTER_S`` after the first ``guard``: most requests end sooner and never
-    pay for it (a task, a pending ``receive()`` and its cancellation). A client who leaves before is
-    noticed then at the latest; a request that ends sooner runs to its end (the server drops what
-    it sends to a closed connection), as short as it is.
     """
 
     def __init__(self, receive: Receive) -> None:
         self._receive = receive
         self._loop = asyncio.get_running_loop()  # once: each lookup is a getpid() call on Python 3.11
         self._task: asyncio.Task[None] | None = None
-        self._timer: asyncio.TimerHandle | None = None
         self._guarded: asyncio.Task[Any] | None = None
         self._cancelled_guarded = False
         self._closed = False
@@ -73,8 +66,9 @@ class ClientWatch:
         """``await work``; cancelled (its cleanup runs) and ``ClientDisconnected`` raised if the client
         leaves first."""
         assert not self._closed, "the request's watch is closed: the request has ended"
-        if self._timer is None:
-            self._timer = self._loop.call_later(WATCH_AFTER_S, self._watch)
+        if self._task is None:
+            self._task = self._loop.create_task(_wait_disconnect(self._receive))
+            self._task.add_done_callback(self._ended)
         if self.gone:
             work.close()
             raise ClientDisconnected()
@@ -96,11 +90,6 @@ class ClientWatch:
                 self._cancelled_guarded = False
                 me.uncancel()
 
-    def _watch(self) -> None:
-        if not self._closed:
-            self._task = self._loop.create_task(_wait_disconnect(self._receive))
-            self._task.add_done_callback(self._ended)
-
     def _ended(self, task: asyncio.Task[None]) -> None:
         if task.cancelled():
             return
@@ -112,8 +101,6 @@ class ClientWatch:
 
     def close(self) -> None:
         self._closed = True
-        if self._timer is not None:
-            self._timer.cancel()
         if self._task is not None:
             self._task.cancel()
 

@@ -8,7 +8,7 @@ import asyncio
 import pytest
 from starlette.requests import Request
 
-from proxy.sse import WATCH_AFTER_S, ClientDisconnected, ClientWatch, EventStreamResponse
+from proxy.sse import ClientDisconnected, ClientWatch, EventStreamResponse
 
 
 class Connection:
@@ -46,25 +46,8 @@ def test_the_work_runs_in_the_callers_task_and_one_watcher_serves_every_phase() 
         assert await watch.guard(where()) is asyncio.current_task()
         assert await watch.guard(where()) is asyncio.current_task()
         await asyncio.sleep(0)
-        assert conn.calls == 1  # a young request is not watched yet
-        await asyncio.sleep(WATCH_AFTER_S + 0.05)
         assert conn.calls == 2  # the body, then one wait for the disconnect across both phases
         watch.close()
-
-    asyncio.run(main())
-
-
-def test_a_request_that_ends_young_never_starts_a_watcher() -> None:
-    async def main() -> None:
-        conn, watch = await watched()
-
-        async def quick() -> int:
-            return 1
-
-        assert await watch.guard(quick()) == 1
-        watch.close()
-        await asyncio.sleep(WATCH_AFTER_S + 0.05)
-        assert conn.calls == 1 and not [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
 
     asyncio.run(main())
 
@@ -98,10 +81,9 @@ def test_a_client_that_leaves_cancels_the_work_and_its_cleanup_runs() -> None:
 
 def test_a_cancel_from_elsewhere_stays_a_cancel() -> None:
     async def main() -> None:
-        conn, watch = await watched()
+        _, watch = await watched()
         task = asyncio.ensure_future(watch.guard(asyncio.sleep(30)))
-        await asyncio.sleep(WATCH_AFTER_S + 0.05)
-        assert conn.calls == 2  # the watcher is waiting on the connection
+        await asyncio.sleep(0.01)
         task.cancel()  # the server stopping, say: not a client that left
         with pytest.raises(asyncio.CancelledError):
             await task
