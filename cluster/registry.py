@@ -289,10 +289,9 @@ class RegistryView:
             raise ValueError(f"refresh_s must be > 0, got {refresh_s}")
         self._registry = registry
         self._refresh_s = refresh_s
-        self._nodes: list[NodeState] = []
         self._last_error: str | None = None
-        self._refreshed_at = 0.0  # time.time() of the last list Redis gave
-        # That list with its moment on both clocks, replaced as one: snapshot() reads it unlocked.
+        # The last list Redis gave, with its moment on the wall clock (time.time(), the frame of its
+        # heartbeat times) and on the monotonic one: replaced as one, snapshot() reads it unlocked.
         self._published: tuple[list[NodeState], float, float] = ([], 0.0, 0.0)
         self._held: dict[str, NodeState] = {}  # known before an outage, not re-registered yet
         self._held_until = 0.0
@@ -385,7 +384,7 @@ class RegistryView:
         nodes = self._registry.nodes()
         now, now_mono = time.time(), time.monotonic()
         with self._changed:
-            if self._last_error is not None and self._nodes:
+            if self._last_error is not None and self._published[0]:
                 # Back after an outage: a restarted Redis is empty until each node's next heartbeat.
                 # Keep the nodes we knew for one TTL (as alive now: they were while the proxy probed
                 # them) unless they re-register or their TTL runs out first.
@@ -396,8 +395,6 @@ class RegistryView:
                 nodes = nodes + [n for k, n in self._held.items() if k not in fresh]
             else:
                 self._held = {}
-            self._nodes = nodes
-            self._refreshed_at = now
             self._published = (nodes, now, now_mono)
             self._last_error = None
             self._changed.notify_all()
