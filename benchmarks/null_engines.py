@@ -55,6 +55,7 @@ def serve_null_grpc(redis_url: str, cluster: str, max_model_len: int, pacer: Pac
     from cluster.registry import Registry
     from decode_node.service import coalesced
     from node_runtime.mux import DecodeMux, PrefillMux
+    from node_runtime.server import run_loop
 
     class Prefill(PrefillMux, pb_grpc.PrefillServiceServicer):
         async def Prefill(self, request: pb.PrefillRequest, context: Any) -> pb.PrefillResponse:  # noqa: N802
@@ -146,7 +147,7 @@ def serve_null_grpc(redis_url: str, cluster: str, max_model_len: int, pacer: Pac
                 registry.heartbeat(info, [ReplicaLoad(dp_rank=0, free_blocks=1 << 20)])
             await asyncio.sleep(1.0)
 
-    asyncio.run(main())
+    run_loop(main())  # the event loop a real node runs on
 
 
 def serve_null_http(role: str, port: int, pacer: Pacer) -> None:
@@ -180,4 +181,7 @@ def serve_null_http(role: str, port: int, pacer: Pacer) -> None:
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", health)
     app.router.add_post("/v1/completions", completions)
-    web.run_app(app, host="127.0.0.1", port=port, print=None, access_log=None)
+    import uvloop
+
+    # On uvloop, as vLLM's OpenAI server runs.
+    web.run_app(app, host="127.0.0.1", port=port, print=None, access_log=None, loop=uvloop.new_event_loop())
