@@ -172,14 +172,13 @@ async def direct_grpc(ports: dict, args: argparse.Namespace, n: int) -> Run:
     import grpc
 
     from cluster.proto_gen import pdcluster_v1_pb2 as pb
-    from cluster.proto_gen import pdcluster_v1_pb2_grpc as pb_grpc
     from proxy import mux
 
     prompt = body_for(args)["prompt"]
     async with grpc.aio.insecure_channel(f"127.0.0.1:{ports['prefill']}") as pc, \
             grpc.aio.insecure_channel(f"127.0.0.1:{ports['decode']}") as dc:
-        prefill = mux.MuxStream(pb_grpc.PrefillServiceStub(pc).PrefillMux, pb.PrefillCalls)
-        decode = mux.MuxStream(pb_grpc.DecodeServiceStub(dc).DecodeMux, pb.DecodeCalls)
+        prefill = mux.MuxStream(pc, mux.PREFILL)
+        decode = mux.MuxStream(dc, mux.DECODE)
         sampling = pb.SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
         run = Run()
         for k in range(n + 5):

@@ -15,7 +15,7 @@ from cluster import tls
 from cluster.auth import call_metadata
 from cluster.proto_gen import pdcluster_v1_pb2 as pb
 from cluster.proto_gen import pdcluster_v1_pb2_grpc as pb_grpc
-from proxy.mux import MuxStream
+from proxy.mux import DECODE, PREFILL, MuxStream
 
 log = logging.getLogger(__name__)
 
@@ -56,18 +56,14 @@ class NodeClients:
         """The node's ``PrefillMux`` stream (a new one when there is none, or it broke)."""
         stream = self._streams.get(("prefill", address))
         if stream is None or stream.broken:
-            stub = self.prefill(address)
-            stream = self._streams["prefill", address] = MuxStream(
-                lambda: stub.PrefillMux(metadata=self.metadata), pb.PrefillCalls)
+            stream = self._streams["prefill", address] = MuxStream(self.channel(address), PREFILL, self.metadata)
         return stream
 
     def decode_stream(self, address: str) -> MuxStream:
         """The node's ``DecodeMux`` stream (a new one when there is none, or it broke)."""
         stream = self._streams.get(("decode", address))
         if stream is None or stream.broken:
-            stub = self.decode(address)
-            stream = self._streams["decode", address] = MuxStream(
-                lambda: stub.DecodeMux(metadata=self.metadata), pb.DecodeCalls)
+            stream = self._streams["decode", address] = MuxStream(self.channel(address), DECODE, self.metadata)
         return stream
 
     async def abort_prefill(self, address: str, request_id: str) -> bool:

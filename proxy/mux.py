@@ -9,14 +9,20 @@ reply to its request. They look like the calls they replace: a failed call raise
 
 A stream that breaks (the node died, its connection dropped) fails every call on it with the
 stream's status, as each call would have failed on its own; the next call opens a new stream.
+
+A stream's outgoing message is written as bytes: each call serialized on its own and framed as an
+element of the message's ``calls`` field (protobuf's wire format for a repeated message field), the
+cancels after them. The same bytes as the generated message would give, without copying every call
+(its prompt's token ids) into that message first: 7 against 16 us a 512-token call.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
+import functools
 import logging
-from collections.abc import Callable
 from typing import Any
 
 import grpc
@@ -59,16 +65,60 @@ class _Waiter:
         raise NotImplementedError
 
 
-class MuxStream:
-    """One multiplexed stream to one node (``open_call`` starts the bidi call; ``calls_type`` is its
-    outgoing message, ``PrefillCalls`` or ``DecodeCalls``)."""
+@dataclasses.dataclass(frozen=True)
+class Service:
+    """A node service's multiplexed method: its path and the message its calls travel in."""
 
-    def __init__(self, open_call: Callable[[], Any], calls_type: type) -> None:
+    method: str
+    calls_type: type[pb.PrefillCalls] | type[pb.DecodeCalls]
+
+    @functools.cached_property
+    def _calls_key(self) -> bytes:
+        """The key of one element of the message's ``calls`` (its field number, length-delimited)."""
+        return _varint(self.calls_type.DESCRIPTOR.fields_by_name["calls"].number << 3 | 2)
+
+    def encode(self, calls: list[Any], cancels: list[str]) -> bytes:
+        """``calls_type(calls=calls, cancel=cancels)``'s bytes, each call serialized once (no copy of
+        it into the message)."""
+        key = self._calls_key
+        parts: list[bytes] = []
+        for call in calls:
+            body = call.SerializeToString()
+            parts += (key, _varint(len(body)), body)
+        if cancels:
+            parts.append(self.calls_type(cancel=cancels).SerializeToString())
+        return b"".join(parts)
+
+
+def _method(service: str, name: str) -> str:
+    return f"/{pb.DESCRIPTOR.services_by_name[service].full_name}/{name}"
+
+
+PREFILL = Service(_method("PrefillService", "PrefillMux"), pb.PrefillCalls)
+DECODE = Service(_method("DecodeService", "DecodeMux"), pb.DecodeCalls)
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n > 0x7F:
+        out.append(n & 0x7F | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+class MuxStream:
+    """One multiplexed stream to one node over ``channel``: ``service`` is ``PREFILL`` or ``DECODE``;
+    ``metadata`` goes with the stream's call."""
+
+    def __init__(self, channel: grpc.aio.Channel, service: Service, metadata: Any = None) -> None:
         # The loop, once: on Python 3.11 every ``asyncio.get_running_loop()`` is a getpid() system call,
         # and the calls' futures are made per token (6% of the proxy's main thread, py-spy).
         self.loop = asyncio.get_running_loop()
-        self._call = open_call()
-        self._calls_type = calls_type
+        # No request serializer: the writer hands over the message's bytes (the module's docstring).
+        self._call = channel.stream_stream(service.method, response_deserializer=pb.MuxReplies.FromString)(
+            metadata=metadata)
+        self._service = service
         self._waiters: dict[str, _Waiter] = {}
         self._calls: list[Any] = []
         self._cancels: list[str] = []
@@ -133,7 +183,7 @@ class MuxStream:
             # the same message (on null nodes, 1.1-1.3x the request rate at concurrency 32-128).
             await asyncio.sleep(0)
             self._wake.clear()
-            message = self._calls_type(calls=self._calls, cancel=self._cancels)
+            message = self._service.encode(self._calls, self._cancels)
             self._calls, self._cancels = [], []
             try:
                 await self._call.write(message)

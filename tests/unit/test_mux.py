@@ -92,8 +92,8 @@ def test_many_calls_share_one_stream_each_as_on_its_own() -> None:
     async def main() -> None:
         server, prefill_servicer, decode_servicer, port = await _serve()
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
-            p = mux.MuxStream(pb_grpc.PrefillServiceStub(ch).PrefillMux, pb.PrefillCalls)
-            d = mux.MuxStream(pb_grpc.DecodeServiceStub(ch).DecodeMux, pb.DecodeCalls)
+            p = mux.MuxStream(ch, mux.PREFILL)
+            d = mux.MuxStream(ch, mux.DECODE)
             # prefill: answers out of order, by their own delays; a bad one and a buggy one fail alone
             replies = await asyncio.gather(*(mux.prefill(p, pb.PrefillRequest(request_id=f"p{i}",
                                                                               token_ids=[20 - i] * (i + 1)), 5.0)
@@ -187,7 +187,7 @@ def test_a_call_cancelled_before_it_is_written_never_reaches_the_node() -> None:
     async def main() -> None:
         server, _, decode_servicer, port = await _serve()
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
-            d = mux.MuxStream(pb_grpc.DecodeServiceStub(ch).DecodeMux, pb.DecodeCalls)
+            d = mux.MuxStream(ch, mux.DECODE)
             early = mux.DecodeCall(d, pb.DecodeRequest(request_id="early", sampling=pb.SamplingParams(
                 max_tokens=10**6)))
             early.cancel()  # before the writer's turn
@@ -222,3 +222,17 @@ def test_a_failed_reader_ends_the_stream_with_its_error_despite_replies_behind_i
                 pass
 
     asyncio.run(asyncio.wait_for(main(), 10))
+
+
+def test_the_stream_writes_the_bytes_of_the_generated_message() -> None:
+    """The writer frames each serialized call itself: the node must read exactly the message the
+    generated class would have written, calls and cancels, long prompts (multi-byte lengths) too."""
+    sampling = pb.SamplingParams(max_tokens=16, temperature=0.5)
+    prefills = [pb.PrefillRequest(request_id=f"p{i}", token_ids=list(range(n)), sampling=sampling, dp_rank=i % 2)
+                for i, n in enumerate((1, 100, 3000))]
+    decodes = [pb.DecodeRequest(request_id="d", prompt_token_ids=[5] * 70000, first_token=pb.Token(token_id=7))]
+    for service, calls_type, calls in ((mux.PREFILL, pb.PrefillCalls, prefills), (mux.DECODE, pb.DecodeCalls, decodes)):
+        for some, cancels in ((calls, []), (calls, ["x", "y"]), ([], ["z"]), ([], [])):
+            raw = service.encode(some, cancels)
+            assert raw == calls_type(calls=some, cancel=cancels).SerializeToString()
+            assert calls_type.FromString(raw) == calls_type(calls=some, cancel=cancels)
