@@ -33,7 +33,7 @@ _CHANNEL_OPTIONS = [
 
 
 class NodeClients:
-    """Stubs of the prefill and decode services, over cached channels."""
+    """The nodes' multiplexed streams and the prefill service's stub, over cached channels."""
 
     def __init__(self) -> None:
         self._channels: dict[str, grpc.aio.Channel] = {}
@@ -48,9 +48,6 @@ class NodeClients:
 
     def prefill(self, address: str) -> pb_grpc.PrefillServiceStub:
         return pb_grpc.PrefillServiceStub(self.channel(address))
-
-    def decode(self, address: str) -> pb_grpc.DecodeServiceStub:
-        return pb_grpc.DecodeServiceStub(self.channel(address))
 
     def prefill_stream(self, address: str) -> MuxStream:
         """The node's ``PrefillMux`` stream (a new one when there is none, or it broke)."""
