@@ -43,9 +43,10 @@ class Pacer:
             tick.set_result(None)
 
 
-def serve_null_grpc(redis_url: str, cluster: str, max_model_len: int, pacer: Pacer, index: int = 0) -> None:
-    """A null prefill and a null decode node in this process, registered like real nodes (``index``: one
-    of several such processes)."""
+def serve_null_grpc(redis_url: str, cluster: str, max_model_len: int, pacer: Pacer, role: str, index: int = 0) -> None:
+    """A null ``role`` ("prefill" or "decode") node in this process, registered like a real node (``index``:
+    one of several such nodes of the role). One role a process, as real nodes and the null vLLM servers
+    are: a decode node's steps do not wait on a prefill node's work."""
     import grpc
 
     from cluster.config import RegistryConfig
@@ -128,23 +129,19 @@ def serve_null_grpc(redis_url: str, cluster: str, max_model_len: int, pacer: Pac
             return pb.AbortResponse(found=False)
 
     async def main() -> None:
-        ports = {}
-        servers = []
-        for role, servicer, add in (("prefill", Prefill(), pb_grpc.add_PrefillServiceServicer_to_server),
-                                    ("decode", Decode(), pb_grpc.add_DecodeServiceServicer_to_server)):
-            server = grpc.aio.server()
-            add(servicer, server)
-            ports[role] = server.add_insecure_port("127.0.0.1:0")
-            await server.start()
-            servers.append(server)
+        servicer, add = ((Prefill, pb_grpc.add_PrefillServiceServicer_to_server) if role == "prefill"
+                         else (Decode, pb_grpc.add_DecodeServiceServicer_to_server))
+        server = grpc.aio.server()
+        add(servicer(), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
         registry = Registry(RegistryConfig(url=redis_url, cluster=cluster))
-        infos = [NodeInfo(node_id=f"null-{role}-{index}", role=role, address=f"127.0.0.1:{port}", model=MODEL,
-                          max_model_len=max_model_len, dp=1, pcp=1, pp=1, kv_layout="replicated", block_size=16,
-                          num_blocks=1 << 20, started_at=time.time()) for role, port in ports.items()]
-        print(json.dumps(ports), flush=True)
+        info = NodeInfo(node_id=f"null-{role}-{index}", role=role, address=f"127.0.0.1:{port}", model=MODEL,
+                        max_model_len=max_model_len, dp=1, pcp=1, pp=1, kv_layout="replicated", block_size=16,
+                        num_blocks=1 << 20, started_at=time.time())
+        print(json.dumps({role: port}), flush=True)
         while True:
-            for info in infos:
-                registry.heartbeat(info, [ReplicaLoad(dp_rank=0, free_blocks=1 << 20)])
+            registry.heartbeat(info, [ReplicaLoad(dp_rank=0, free_blocks=1 << 20)])
             await asyncio.sleep(1.0)
 
     run_loop(main())  # the event loop a real node runs on

@@ -10,7 +10,8 @@ for our proxy, a null prefill and a null decode node (grpc.aio, the real ``pdclu
 registered in a local Redis as nodes register) behind ``python -m proxy``; for vllm-router (``pip
 install vllm-router``; its ``--vllm-pd-disaggregation`` mode, round robin), a null prefill and a
 null decode vLLM HTTP server (aiohttp: the prefill answers ``max_tokens`` 1 with
-``kv_transfer_params``, the decode streams). Every request is a streamed ``/v1/completions`` of a
+``kv_transfer_params``, the decode streams). Each null node and server is a process of its own, as
+real nodes are. Every request is a streamed ``/v1/completions`` of a
 ``--prompt-tokens`` token-id prompt for ``--max-tokens`` tokens from a closed-loop aiohttp client at
 each concurrency. Both null decode engines make one token per turn of their event loop (``--pacing
 turn``), so each token reaches the front end on its own as a real engine's do, however fast the
@@ -322,16 +323,16 @@ def main() -> None:
     ap.add_argument("--clients", type=int, default=1,
                     help="client processes sharing each run's concurrency (1: the client runs in this process)")
     ap.add_argument("--null-nodes", type=int, default=1,
-                    help="null engine processes behind each front end (ours: a prefill and a decode node each; "
-                         "vllm-router's: a prefill and a decode server each)")
-    ap.add_argument("--null-grpc", nargs=3, metavar=("REDIS", "CLUSTER", "LEN"), help=argparse.SUPPRESS)
+                    help="null prefill and decode pairs behind each front end (ours: a prefill and a decode node, "
+                         "vllm-router's: a prefill and a decode server; each a process)")
+    ap.add_argument("--null-grpc", nargs=4, metavar=("REDIS", "CLUSTER", "LEN", "ROLE"), help=argparse.SUPPRESS)
     ap.add_argument("--null-index", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--load", nargs=5, metavar=("URL", "CONC", "SECONDS", "WARMUP", "BODY"), help=argparse.SUPPRESS)
     ap.add_argument("--null-http", nargs=2, metavar=("ROLE", "PORT"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.null_grpc:
         serve_null_grpc(args.null_grpc[0], args.null_grpc[1], int(args.null_grpc[2]),
-                        Pacer(args.pacing, args.step_ms / 1000), args.null_index)
+                        Pacer(args.pacing, args.step_ms / 1000), args.null_grpc[3], args.null_index)
         return
     if args.load:
         load_process(args.load[0], int(args.load[1]), float(args.load[2]), float(args.load[3]), args.load[4])
@@ -362,10 +363,13 @@ def main() -> None:
                               "clients": args.clients, "null_nodes": args.null_nodes,
                               "pacing": args.pacing, "step_ms": args.step_ms if args.pacing == "step" else None}
     try:
-        nulls = [spawn([sys.executable, __file__, "--null-grpc", redis.url, "bench", "4096", "--pacing", args.pacing,
-                        "--step-ms", str(args.step_ms), "--null-index", str(i)], stdout=subprocess.PIPE)
-                 for i in range(args.null_nodes)]
-        ports = [json.loads(n.stdout.readline()) for n in nulls if n.stdout is not None][0]  # the direct legs' node
+        nulls = [spawn([sys.executable, __file__, "--null-grpc", redis.url, "bench", "4096", role, "--pacing",
+                        args.pacing, "--step-ms", str(args.step_ms), "--null-index", str(i)], stdout=subprocess.PIPE)
+                 for i in range(args.null_nodes) for role in ("prefill", "decode")]
+        ports = {}  # the direct legs' nodes: the first of each role
+        for n in reversed(nulls):
+            assert n.stdout is not None
+            ports.update(json.loads(n.stdout.readline()))
         engines = {"ours": [psutil.Process(n.pid) for n in nulls], "vllm-router": []}
         ours = [("pdcluster" if w == 1 else f"pdcluster-w{w}", w, ROOT) for w in args.workers]
         if args.baseline:
