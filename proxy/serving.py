@@ -302,20 +302,28 @@ class Serving:
                 chunk["usage"] = usage(prompt_tokens, completion_tokens)
             return chunk
 
-        # Chunks ready together leave in one write; each goes out before the stream next waits.
+        # Chunks ready together leave in one write; each goes out before the stream next waits. (The
+        # loop is _pieces' own, inline: one generator less to pass for every decode event.)
         buf = [sse(so_far(chunk)) for chunk in fmt.first_chunks()]
+        pending: list[pb.Token] = []  # the tokens since the last text sent
         try:
-            async for text, tokens, finish in _pieces(gen, out, marks=True):
-                completion_tokens += len(tokens)
+            while True:
+                if buf and not gen.ready():  # the stream waits now: what is ready leaves first
+                    yield b"".join(buf)
+                    buf = []
+                tokens, finish = await gen.next_tokens()
+                if _add_tokens(out, tokens, pending):
+                    finish = "stop"
                 if not finish:
+                    text = out.take()
                     if text:
-                        buf.append(sse(so_far(fmt.delta_chunk(text, tokens))) if continuous
-                                   else fmt.delta_event(text, tokens))
-                    elif buf:  # the mark: the stream waits now
-                        yield b"".join(buf)
-                        buf = []
+                        completion_tokens += len(pending)
+                        buf.append(sse(so_far(fmt.delta_chunk(text, pending))) if continuous
+                                   else fmt.delta_event(text, pending))
+                        pending = []
                     continue
-                for chunk in fmt.final_chunks(text, tokens, finish):
+                completion_tokens += len(pending)
+                for chunk in fmt.final_chunks(out.finish(), pending, finish):
                     buf.append(sse(so_far(chunk)))
                 if include_usage:
                     buf.append(sse(fmt.usage_chunk(usage(prompt_tokens, completion_tokens))))
@@ -334,21 +342,25 @@ class Serving:
             yield b"".join(buf) + sse(error_body("internal server error", type="server_error", code="internal_error"))
 
 
-async def _pieces(gen: Generation, out: OutputText, marks: bool = False) -> AsyncIterator[Piece]:
+def _add_tokens(out: OutputText, tokens: list[pb.Token], pending: list[pb.Token]) -> bool:
+    """Add a decode event's tokens to the text and to ``pending``; whether a stop string ended the
+    output (the tokens after the one that completed it are dropped)."""
+    for t in tokens:
+        pending.append(t)
+        out.add(t.token_id)
+        if out.stopped:
+            return True
+    return False
+
+
+async def _pieces(gen: Generation, out: OutputText) -> AsyncIterator[Piece]:
     """Text as it becomes sendable, each piece with the tokens since the last; the last piece has the
-    finish reason. Tokens after a stop string are dropped: the output ends there ("stop"). With
-    ``marks``, also an empty piece ("", [], "") each time before it waits for the decode node."""
+    finish reason. Tokens after a stop string are dropped: the output ends there ("stop")."""
     pending: list[pb.Token] = []
     while True:
-        if marks and not gen.ready():
-            yield "", [], ""
         tokens, finish = await gen.next_tokens()
-        for t in tokens:
-            pending.append(t)
-            out.add(t.token_id)
-            if out.stopped:
-                finish = "stop"
-                break
+        if _add_tokens(out, tokens, pending):
+            finish = "stop"
         if finish:
             yield out.finish(), pending, finish
             return
