@@ -2,7 +2,8 @@
 
 Ours: a null prefill and a null decode node (grpc.aio, the real ``pdcluster.v1`` contract and the node
 runtime's multiplexed calls, registered in Redis as nodes register); the decode node steps one loop for
-its whole batch, as a real engine, and relays through the decode node's own ``coalesced``.
+its whole batch, as a real engine, and hands each step's events to the calls as the decode node does
+(``outbox.deliver`` into ``DecodeService``'s ``call_sink``, straight onto the mux's queue).
 vllm-router's: a null vLLM OpenAI server per role (aiohttp; the prefill answers one token with
 ``kv_transfer_params``, the decode streams from each request's handler, as an aiohttp server does).
 ``Pacer`` says when the next token is made (``--pacing`` of the benchmark).
@@ -13,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from types import SimpleNamespace
 from typing import Any
 
 MODEL = "tiny"
@@ -54,9 +56,14 @@ def serve_null_grpc(redis_url: str, cluster: str, max_model_len: int, pacer: Pac
     from cluster.proto_gen import pdcluster_v1_pb2 as pb
     from cluster.proto_gen import pdcluster_v1_pb2_grpc as pb_grpc
     from cluster.registry import Registry
-    from decode_node.service import coalesced
+    from decode_node.outbox import deliver
+    from decode_node.service import call_sink
     from node_runtime.mux import DecodeMux, PrefillMux
     from node_runtime.server import run_loop
+
+    def token_event(i: int, n: int) -> pb.DecodeEvent:
+        return pb.DecodeEvent(tokens=pb.Tokens(tokens=[pb.Token(token_id=300 + i % 200, logprob=-0.1)],
+                                               finish_reason="length" if i == n - 1 else ""))
 
     class Prefill(PrefillMux, pb_grpc.PrefillServiceServicer):
         async def Prefill(self, request: pb.PrefillRequest, context: Any) -> pb.PrefillResponse:  # noqa: N802
@@ -72,7 +79,7 @@ def serve_null_grpc(redis_url: str, cluster: str, max_model_len: int, pacer: Pac
 
     class Decode(DecodeMux, pb_grpc.DecodeServiceServicer):
         def __init__(self) -> None:
-            self.streams: dict[int, list] = {}  # the running batch: key -> [its queue, tokens made, tokens wanted]
+            self.streams: dict[int, list] = {}  # the running batch: key -> [its sink, tokens made, tokens wanted]
             self.more = asyncio.Event()
             self.keys = 0
             self.engine: asyncio.Task | None = None
@@ -80,48 +87,43 @@ def serve_null_grpc(redis_url: str, cluster: str, max_model_len: int, pacer: Pac
         async def step_loop(self) -> None:
             """The null engine: one loop for the whole batch, as a real engine's steps, making the next
             token of every stream at each step (the pacer's: a turn of the event loop, or a step of
-            ``--step-ms``)."""
+            ``--step-ms``) and handing the step's events over at once, as the node's outbox does."""
             while True:
                 if not self.streams:
                     self.more.clear()
                     await self.more.wait()
                 await pacer.next()
+                step: list[tuple[Any, Any]] = []
                 for key, stream in list(self.streams.items()):
-                    queue, i, n = stream
-                    queue.put_nowait(pb.DecodeEvent(tokens=pb.Tokens(
-                        tokens=[pb.Token(token_id=300 + i % 200, logprob=-0.1)],
-                        finish_reason="length" if i == n - 1 else "")))
+                    job, i, n = stream
+                    step.append((job, token_event(i, n)))
                     stream[1] = i + 1
                     if i + 1 == n:
-                        queue.put_nowait(None)
+                        step.append((job, None))
                         del self.streams[key]
+                deliver(step)
 
-        async def Decode(self, request: pb.DecodeRequest, context: Any):  # noqa: ANN201, N802
-            # As a decode node relays its engine's events: a queue the engine fills one token per step,
-            # drained by the node's own relay (``coalesced``).
+        async def decode_into(self, request: pb.DecodeRequest, context: Any, send: Any) -> None:
+            # As the decode node's DecodeService.decode_into: the events go to the mux's queue from the
+            # engine step's hand-over (``outbox.deliver``); this task waits for the end only.
             if self.engine is None:
                 self.engine = asyncio.ensure_future(self.step_loop())
-            events: asyncio.Queue = asyncio.Queue()
-            events.put_nowait(pb.DecodeEvent(admitted=pb.Admitted(dp_rank=0)))
+            sink, done = call_sink(send)
+            job = SimpleNamespace(sink=sink)
             self.keys += 1
             key = self.keys
             n = request.sampling.max_tokens
+            events: list[tuple[Any, Any]] = [(job, pb.DecodeEvent(admitted=pb.Admitted(dp_rank=0)))]
             if n <= 1:
-                events.put_nowait(None)
+                events.append((job, None))
             elif pacer.pacing == "burst":
-                for i in range(1, n):
-                    events.put_nowait(pb.DecodeEvent(tokens=pb.Tokens(
-                        tokens=[pb.Token(token_id=300 + i % 200, logprob=-0.1)],
-                        finish_reason="length" if i == n - 1 else "")))
-                events.put_nowait(None)
+                events += [(job, token_event(i, n)) for i in range(1, n)] + [(job, None)]
             else:
-                self.streams[key] = [events, 1, n]
+                self.streams[key] = [job, 1, n]
                 self.more.set()
+            deliver(events)
             try:
-                async for event in coalesced(events):
-                    if event is None:
-                        return
-                    yield event
+                await done
             finally:
                 self.streams.pop(key, None)
 

@@ -19,8 +19,9 @@ front end reads; ``--pacing step`` has them make one token for every stream per 
 ``--step-ms`` (one clock per engine, as a real engine's batch steps: the front end then sees what it
 sees in service, one token per stream per step, and has to keep up with many streams at once);
 ``--pacing burst`` has both write every token at once. Our null decode node steps one loop for its
-whole batch (a token for every stream per turn or step, as a real engine's steps) and relays through
-the decode node's own ``coalesced``; vllm-router's null decode server writes from each stream's
+whole batch (a token for every stream per turn or step, as a real engine's steps) and hands each
+step's events to the calls as the decode node does (``decode_node.outbox.deliver`` into
+``DecodeService``'s ``call_sink``); vllm-router's null decode server writes from each stream's
 handler, as an aiohttp server does.
 The runs interleave (repetition, then front end, then concurrency) and each figure is the median over
 repetitions; the ratios between front ends come both as ratios of those medians and as the median of
@@ -314,7 +315,7 @@ def main() -> None:
     ap.add_argument("--proxy-args", default="", help="extra flags for python -m proxy")
     ap.add_argument("--baseline", default="", metavar="DIR",
                     help="also the proxy of this source tree, one worker, as front end 'baseline' (before/after "
-                         "in one run; the trees must speak the same node protocol: the null nodes are this one's)")
+                         "in one run), on null nodes of that tree (so a change to the nodes' side shows too)")
     ap.add_argument("--step-ms", type=float, default=5.0, help="--pacing step: the null engines' decode step")
     ap.add_argument("--pacing", choices=("turn", "step", "burst"), default="turn",
                     help="both null decode engines make one token per turn of their event loop (turn: each "
@@ -363,21 +364,32 @@ def main() -> None:
                               "clients": args.clients, "null_nodes": args.null_nodes,
                               "pacing": args.pacing, "step_ms": args.step_ms if args.pacing == "step" else None}
     try:
-        nulls = [spawn([sys.executable, __file__, "--null-grpc", redis.url, "bench", "4096", role, "--pacing",
-                        args.pacing, "--step-ms", str(args.step_ms), "--null-index", str(i)], stdout=subprocess.PIPE)
-                 for i in range(args.null_nodes) for role in ("prefill", "decode")]
-        ports = {}  # the direct legs' nodes: the first of each role
-        for n in reversed(nulls):
-            assert n.stdout is not None
-            ports.update(json.loads(n.stdout.readline()))
-        engines = {"ours": [psutil.Process(n.pid) for n in nulls], "vllm-router": []}
+        def null_nodes(tree: Path, cluster: str) -> tuple[list[psutil.Process], dict[str, int]]:
+            """The tree's null gRPC nodes, registered as ``cluster``; and the first of each role's port
+            (the direct legs' nodes)."""
+            nulls = [spawn([sys.executable, str(tree / "benchmarks" / "proxy.py"), "--null-grpc", redis.url, cluster,
+                            "4096", role, "--pacing", args.pacing, "--step-ms", str(args.step_ms), "--null-index",
+                            str(i)], tree=tree, stdout=subprocess.PIPE)
+                     for i in range(args.null_nodes) for role in ("prefill", "decode")]
+            first: dict[str, int] = {}
+            for n in reversed(nulls):
+                assert n.stdout is not None
+                first.update(json.loads(n.stdout.readline()))
+            return [psutil.Process(n.pid) for n in nulls], first
+
+        engines: dict[str, list[psutil.Process]] = {"vllm-router": []}
+        ports: dict[str, dict[str, int]] = {}  # of each cluster of null nodes
+        engines["ours"], ports["ours"] = null_nodes(ROOT, "bench")
         ours = [("pdcluster" if w == 1 else f"pdcluster-w{w}", w, ROOT) for w in args.workers]
-        if args.baseline:
-            ours.append(("baseline", 1, Path(args.baseline).resolve()))
-        for name, workers, tree in ours:  # one proxy per worker count (and tree), all on the same null nodes
+        if args.baseline:  # its own null nodes: a change to the nodes' side is measured too
+            base = Path(args.baseline).resolve()
+            ours.append(("baseline", 1, base))
+            engines["baseline"], ports["baseline"] = null_nodes(base, "bench-baseline")
+        for name, workers, tree in ours:  # one proxy per worker count (and tree), each tree on its null nodes
             port = free_port("127.0.0.1")
+            cluster = "bench-baseline" if name == "baseline" else "bench"
             proxy = spawn([sys.executable, "-m", "proxy", "--model", str(model), "--port", str(port),
-                           "--registry-url", redis.url, "--cluster", "bench", "--workers", str(workers),
+                           "--registry-url", redis.url, "--cluster", cluster, "--workers", str(workers),
                            "--log-level", "warning", *args.proxy_args.split()],  # as vllm-router's, below
                           tree=tree, stdout=subprocess.DEVNULL, stderr=open(tmp / f"{name}.log", "wb"))  # noqa: SIM115
             wait_http(f"http://127.0.0.1:{port}/health")
@@ -411,10 +423,12 @@ def main() -> None:
             conn = aiohttp.TCPConnector(limit=0)
             async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=60)) as s:
                 names = list(fronts)
-                legs, http_legs = Run(), Run()  # the direct legs, pooled over the repetitions
+                legs = {nodes: Run() for nodes in ports}  # the direct legs, pooled over the repetitions
+                http_legs = Run()
 
                 async def call_legs(n: int) -> None:
-                    legs.e2e.extend((await direct_grpc(ports, args, n)).e2e)
+                    for nodes, run in legs.items():
+                        run.e2e.extend((await direct_grpc(ports[nodes], args, n)).e2e)
                     if "vllm-router" in fronts:
                         http_legs.e2e.extend((await direct_http(f"http://127.0.0.1:{hp}/v1/completions",
                                                                 f"http://127.0.0.1:{hd}/v1/completions", args,
@@ -429,7 +443,7 @@ def main() -> None:
                     # trees still measured 0.91x for this tree's slot: compare trees both ways round.
                     for name in names[rep % len(names):] + names[:rep % len(names)]:
                         url, proc = fronts[name]
-                        nulls_of = engines["vllm-router" if name == "vllm-router" else "ours"]
+                        nulls_of = engines[name if name in ("vllm-router", "baseline") else "ours"]
                         for c in args.concurrency:
                             c0, e0, l0 = cpu_seconds(proc), sum(map(cpu_seconds, nulls_of)), own_cpu_seconds()
                             if args.clients > 1:
@@ -445,7 +459,8 @@ def main() -> None:
                                   flush=True)
                 if 1 not in args.concurrency:
                     await call_legs(100)
-            direct = {name: legs for name in fronts if name != "vllm-router"}
+            direct = {name: legs["baseline" if name == "baseline" else "ours"] for name in fronts
+                      if name != "vllm-router"}
             if "vllm-router" in fronts:
                 direct["vllm-router"] = http_legs
             return {"per": per, "direct": direct}

@@ -13,8 +13,8 @@ import asyncio
 from collections.abc import Callable, Sequence
 from typing import Any
 
-# (the request's DecodeJob: its ``loop`` and ``events`` queue; the event: a pb.DecodeEvent, an
-# exception, or None at the end)
+# (the request's DecodeJob: its ``loop`` and ``sink``; the event: a pb.DecodeEvent, an exception, or
+# None at the end)
 Item = tuple[Any, Any]
 
 
@@ -35,15 +35,17 @@ class Outbox:
 
 
 def to_loops(items: Sequence[Item]) -> None:
-    """Put each event on its stream's queue: one ``call_soon_threadsafe`` per event loop (any thread)."""
+    """Hand each event to its stream's sink on the stream's event loop: one ``call_soon_threadsafe``
+    per event loop (any thread)."""
     by_loop: dict[asyncio.AbstractEventLoop, list[Item]] = {}
     for stream, item in items:
         assert stream.loop is not None
         by_loop.setdefault(stream.loop, []).append((stream, item))
     for loop, group in by_loop.items():
-        loop.call_soon_threadsafe(_put_all, group)
+        loop.call_soon_threadsafe(deliver, group)
 
 
-def _put_all(group: list[Item]) -> None:
+def deliver(group: Sequence[Item]) -> None:
+    """Each event to its stream's sink, in order (on the streams' event loop)."""
     for stream, item in group:
-        stream.events.put_nowait(item)
+        stream.sink(item)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import grpc
 
@@ -14,7 +14,7 @@ from cluster.wire import sampling_from_pb
 from decode_node.worker import DecodeJob, DecodeWorker, KVLost, NodeStopping
 from kv_transfer.handle import from_handle
 from kv_transfer.transport import TransferError
-from node_runtime.mux import DecodeMux
+from node_runtime.mux import CallContext, DecodeMux, Send
 from node_runtime.server import Lifecycle
 
 log = logging.getLogger("pdcluster.decode")
@@ -50,6 +50,20 @@ async def coalesced(events: asyncio.Queue) -> AsyncIterator[object]:
         yield item
 
 
+def call_sink(send: Send) -> tuple[Callable[[object], None], asyncio.Future]:
+    """A multiplexed call's sink: its events go to ``send``, its end (None) or failure (an exception)
+    into the future the call's handler waits on."""
+    done: asyncio.Future = asyncio.get_running_loop().create_future()
+
+    def sink(item: object) -> None:
+        if isinstance(item, pb.DecodeEvent):
+            send(item)
+        elif not done.done():
+            done.set_result(item)
+
+    return sink, done
+
+
 class DecodeService(DecodeMux, pb_grpc.DecodeServiceServicer):
     def __init__(self, worker: DecodeWorker, node_id: str, state: Lifecycle) -> None:
         self.worker = worker
@@ -61,6 +75,43 @@ class DecodeService(DecodeMux, pb_grpc.DecodeServiceServicer):
     async def Decode(
         self, request: pb.DecodeRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.DecodeEvent]:
+        events: asyncio.Queue = asyncio.Queue()
+        await self._submit(request, context, events.put_nowait)
+        finished = False
+        try:
+            async for item in coalesced(events):
+                if item is None:
+                    finished = True
+                    return
+                if isinstance(item, BaseException):
+                    finished = True
+                    await context.abort(*_status(item))
+                assert isinstance(item, pb.DecodeEvent)
+                yield item
+        finally:
+            if not finished:  # the client went away (or the stream broke): free the request here
+                self.worker.abort(request.request_id)
+
+    async def decode_into(self, request: pb.DecodeRequest, context: CallContext, send: Send) -> None:
+        """``Decode`` for a multiplexed call (``node_runtime.mux``): each event goes to ``send`` from the
+        callback that delivers an engine step's events (``decode_node.outbox``), and this task wakes
+        only at the end: no task switch per stream and step."""
+        sink, done = call_sink(send)
+        await self._submit(request, context, sink)
+        finished = False
+        try:
+            end = await done
+            finished = True
+            if end is not None:
+                await context.abort(*_status(end))
+        finally:
+            if not finished:  # the call was cancelled (the proxy's cancel, or the stream broke)
+                self.worker.abort(request.request_id)
+
+    async def _submit(self, request: pb.DecodeRequest, context: grpc.aio.ServicerContext | CallContext,
+                      sink: Callable[[object], None]) -> None:
+        """Check the request (``context.abort`` with INVALID_ARGUMENT, or UNAVAILABLE while stopping) and
+        hand it to the worker; its events go to ``sink``, on this event loop's thread."""
         rid = request.request_id
         if not rid or not request.prompt_token_ids:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id and prompt_token_ids are required")
@@ -90,24 +141,9 @@ class DecodeService(DecodeMux, pb_grpc.DecodeServiceServicer):
                                     f"first token {request.first_token.token_id} outside the vocabulary")
         elif any(not 0 <= t < self.vocab_size for t in request.prompt_token_ids):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt token ids outside the vocabulary")
-        loop = asyncio.get_running_loop()
-        events: asyncio.Queue = asyncio.Queue()
-        job = DecodeJob(rid, list(request.prompt_token_ids), params, request.first_token, source, loop, events)
+        job = DecodeJob(rid, list(request.prompt_token_ids), params, request.first_token, source,
+                        asyncio.get_running_loop(), sink)
         self.worker.submit(job, request.dp_rank)
-        finished = False
-        try:
-            async for item in coalesced(events):
-                if item is None:
-                    finished = True
-                    return
-                if isinstance(item, BaseException):
-                    finished = True
-                    await context.abort(*_status(item))
-                assert isinstance(item, pb.DecodeEvent)
-                yield item
-        finally:
-            if not finished:  # the client went away (or the stream broke): free the request here
-                self.worker.abort(rid)
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
         found = any(request.request_id in r.jobs for r in self.worker.replicas)

@@ -65,7 +65,9 @@ class DecodeJob:
     first: pb.Token  # sampled by the prefill node (unset with a local prefill)
     source: KVSource | None  # None: the replica prefills the prompt itself (DecodeRequest.local_prefill)
     loop: asyncio.AbstractEventLoop | None
-    events: asyncio.Queue | None  # of pb.DecodeEvent, then None (end) or an Exception
+    # Called on ``loop``'s thread with each of the request's events: a pb.DecodeEvent, then None (the
+    # end) or an exception (``DecodeService``: a stream's queue, or the mux's queue directly).
+    sink: Callable[[Any], None] | None
     seq: Sequence | None = None
     sent: int = 1  # output tokens already known to the client (the first came from prefill)
     admitted: bool = False  # the pull is done and the request is in the running batch
@@ -79,8 +81,8 @@ class DecodeJob:
 
     def emit(self, item: Any) -> None:
         """One event, from any thread (the engine thread buffers its events: ``Replica.outbox``)."""
-        assert self.loop is not None and self.events is not None
-        self.loop.call_soon_threadsafe(self.events.put_nowait, item)
+        assert self.loop is not None and self.sink is not None
+        self.loop.call_soon_threadsafe(self.sink, item)
 
 
 # -- a replica's engine-thread messages ------------------------------------------------------------

@@ -7,6 +7,11 @@ status codes and events as the call on its own, with no RPC per request. What th
 goes into one queue; the stream writes whatever is queued as one message (the tokens of a request
 that are queued together merge into one event), so under load a write carries many requests.
 
+A decode servicer may also offer ``decode_into(call, context, send)``: the call's events go to
+``send`` from whatever delivers them (the callback that hands over an engine step's events), straight
+onto the stream's queue, and the handler's task wakes only at the call's end. Relaying each event
+through the handler's async generator costs a task switch per stream and engine step.
+
 A cancel message, the client ending the stream or the stream breaking cancels the calls concerned,
 exactly as cancelling each call would (the handlers free what the request holds).
 """
@@ -88,10 +93,13 @@ def _message(replies: list[Reply]) -> pb.MuxReplies:
     return message
 
 
-async def serve(calls: AsyncIterator[Any], handler: Callable[[Any, CallContext], Any],
-                streaming: bool) -> AsyncIterator[pb.MuxReplies]:
-    """Run each call of the ``calls`` stream through ``handler`` (a unary handler returning the reply,
-    or, ``streaming``, an async generator of decode events); yield their replies, batched."""
+Send = Callable[[Any], None]  # one decode event of the call, onto the stream's queue
+
+
+async def serve(calls: AsyncIterator[Any], handler: Callable[..., Any], kind: str) -> AsyncIterator[pb.MuxReplies]:
+    """Run each call of the ``calls`` stream through ``handler``; yield their replies, batched. ``kind``:
+    "unary" (the handler returns the reply), "events" (an async generator of decode events) or "sink"
+    (``handler(call, context, send)`` sends the events and returns at the call's end)."""
     out: asyncio.Queue[Reply | None] = asyncio.Queue()
     running: dict[str, asyncio.Task[None]] = {}
     context = CallContext()
@@ -99,7 +107,19 @@ async def serve(calls: AsyncIterator[Any], handler: Callable[[Any, CallContext],
     async def one(call: Any) -> None:
         rid = call.request_id
         try:
-            if streaming:
+            if kind == "sink":
+                live = True  # events sent after the call ended (cancelled) are not written
+
+                def send(event: Any) -> None:
+                    if live:
+                        out.put_nowait((rid, "event", event))
+
+                try:
+                    await handler(call, context, send)
+                finally:
+                    live = False
+                out.put_nowait(_status(rid, grpc.StatusCode.OK, ""))
+            elif kind == "events":
                 async for event in handler(call, context):
                     out.put_nowait((rid, "event", event))
                 out.put_nowait(_status(rid, grpc.StatusCode.OK, ""))
@@ -170,16 +190,19 @@ class PrefillMux:
 
     async def PrefillMux(self, request_iterator: AsyncIterator[pb.PrefillCalls],  # noqa: N802
                          context: grpc.aio.ServicerContext) -> AsyncIterator[pb.MuxReplies]:
-        async for replies in serve(request_iterator, self.Prefill, streaming=False):
+        async for replies in serve(request_iterator, self.Prefill, "unary"):
             yield replies
 
 
 class DecodeMux:
-    """``DecodeMux`` for a ``DecodeService`` servicer (put it first among the bases)."""
+    """``DecodeMux`` for a ``DecodeService`` servicer (put it first among the bases): through the
+    servicer's ``decode_into`` where it has one, else through its ``Decode``."""
 
     Decode: Callable[[Any, Any], AsyncIterator[pb.DecodeEvent]]
 
     async def DecodeMux(self, request_iterator: AsyncIterator[pb.DecodeCalls],  # noqa: N802
                         context: grpc.aio.ServicerContext) -> AsyncIterator[pb.MuxReplies]:
-        async for replies in serve(request_iterator, self.Decode, streaming=True):
+        into = getattr(self, "decode_into", None)
+        handler, kind = (into, "sink") if into is not None else (self.Decode, "events")
+        async for replies in serve(request_iterator, handler, kind):
             yield replies

@@ -76,7 +76,7 @@ async def decode(worker, prefill: Prefill, rid: str, prompt: list[int], dp_rank:
 
     first, source = prefill.prefilled(rid, prompt)
     events: asyncio.Queue = asyncio.Queue()
-    job = DecodeJob(rid, prompt, PARAMS, first, source, asyncio.get_running_loop(), events)
+    job = DecodeJob(rid, prompt, PARAMS, first, source, asyncio.get_running_loop(), events.put_nowait)
     worker.submit(job, dp_rank)
     out, admitted_on = [first.token_id], -1
     try:

@@ -69,15 +69,16 @@ class Setup:
     async def decode(self, rid: str, prompt: list[int], abort_after_s: float | None = None) -> list:
         first, handle = self.prefilled(rid, prompt)
         loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
         job = DecodeJob(rid, prompt, SamplingParams(max_tokens=6, temperature=0.0), first, from_handle(handle), loop,
-                        asyncio.Queue())
+                        queue.put_nowait)
         self.worker.submit(job, -1)
         if abort_after_s is not None:
             await asyncio.sleep(abort_after_s)
             self.worker.abort(rid)
         events = []
         while True:
-            item = await asyncio.wait_for(job.events.get(), 20)
+            item = await asyncio.wait_for(queue.get(), 20)
             events.append(item)
             if item is None or isinstance(item, BaseException):
                 return events
@@ -157,10 +158,11 @@ def test_kv_the_prefill_node_no_longer_held_is_not_decoded(tiny_model: Path) -> 
 
         async def run() -> list:
             loop = asyncio.get_running_loop()
+            queue: asyncio.Queue = asyncio.Queue()
             job = DecodeJob("a", PROMPTS[0], SamplingParams(max_tokens=6, temperature=0.0), first,
-                            from_handle(handle), loop, asyncio.Queue())
+                            from_handle(handle), loop, queue.put_nowait)
             s.worker.submit(job, -1)
-            return [await asyncio.wait_for(job.events.get(), 20)]
+            return [await asyncio.wait_for(queue.get(), 20)]
 
         (err,) = asyncio.run(run())
         assert isinstance(err, KVLost)

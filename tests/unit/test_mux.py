@@ -218,7 +218,7 @@ def test_a_failed_reader_ends_the_stream_with_its_error_despite_replies_behind_i
                 await asyncio.sleep(0)
 
         with pytest.raises(RuntimeError, match="stream broke"):
-            async for _ in serve(calls(), handler, streaming=True):
+            async for _ in serve(calls(), handler, "events"):
                 pass
 
     asyncio.run(asyncio.wait_for(main(), 10))

@@ -15,6 +15,9 @@ class _Stream:
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue
 
+    def sink(self, item: object) -> None:  # as DecodeService's: onto the stream's queue
+        self.events.put_nowait(item)
+
 
 def test_flush_hands_over_once_and_only_what_was_put() -> None:
     calls: list[list] = []
