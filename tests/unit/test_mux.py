@@ -236,3 +236,50 @@ def test_the_stream_writes_the_bytes_of_the_generated_message() -> None:
             raw = service.encode(some, cancels)
             assert raw == calls_type(calls=some, cancel=cancels).SerializeToString()
             assert calls_type.FromString(raw) == calls_type(calls=some, cancel=cancels)
+
+
+def test_sink_calls_send_their_events_then_their_status_and_nothing_once_cancelled() -> None:
+    """``decode_into``-style handlers ("sink"): events sent from outside the handler's task reach the
+    stream in order before the call's status; an aborted call ends with its status; a cancelled call's
+    later events are dropped (its handler freed the request, as a cancelled ``Decode`` does)."""
+    from node_runtime.mux import CallAborted, CallContext, serve
+
+    async def main() -> list[tuple[str, str, Any]]:
+        sends: dict[str, Any] = {}
+        ends: dict[str, asyncio.Future] = {}
+        go_on = asyncio.Event()
+
+        async def calls() -> Any:
+            yield pb.DecodeCalls(calls=[pb.DecodeRequest(request_id=r) for r in ("ok", "bad", "gone")])
+            await go_on.wait()
+            yield pb.DecodeCalls(cancel=["gone"])
+            await asyncio.sleep(0.05)
+            for rid in ("ok", "bad", "gone"):  # an engine step after the cancel
+                sends[rid](_tokens(rid, [9])[2])
+            ends["ok"].set_result(None)
+            ends["bad"].set_result(CallAborted(grpc.StatusCode.FAILED_PRECONDITION, "lost"))
+
+        async def handler(call: Any, context: CallContext, send: Any) -> None:
+            sends[call.request_id] = send
+            end = ends[call.request_id] = asyncio.get_running_loop().create_future()
+            send(_tokens(call.request_id, [1])[2])  # as an engine step delivers, outside this task too
+            if len(sends) == 3:
+                go_on.set()
+            failure = await end
+            if failure is not None:
+                raise failure
+
+        got: list[tuple[str, str, Any]] = []
+        async for message in serve(calls(), handler, "sink"):
+            for r in message.replies:
+                kind = r.WhichOneof("reply")
+                got.append((r.request_id, kind, [t.token_id for t in r.event.tokens.tokens] if kind == "event"
+                            else r.status.code))
+        return got
+
+    got = asyncio.run(asyncio.wait_for(main(), 10))
+    assert [g for g in got if g[0] == "ok"] == [("ok", "event", [1]), ("ok", "event", [9]),
+                                                ("ok", "status", grpc.StatusCode.OK.value[0])]
+    assert [g for g in got if g[0] == "bad"] == [("bad", "event", [1]), ("bad", "event", [9]),
+                                                 ("bad", "status", grpc.StatusCode.FAILED_PRECONDITION.value[0])]
+    assert [g for g in got if g[0] == "gone"] == [("gone", "event", [1])]
