@@ -314,8 +314,9 @@ def main() -> None:
                     help="our proxy with each of these worker counts (one front end each)")
     ap.add_argument("--proxy-args", default="", help="extra flags for python -m proxy")
     ap.add_argument("--baseline", default="", metavar="DIR",
-                    help="also the proxy of this source tree, one worker, as front end 'baseline' (before/after "
+                    help="also the proxy of this source tree (--baseline-workers), front end 'baseline' (before/after "
                          "in one run), on null nodes of that tree (so a change to the nodes' side shows too)")
+    ap.add_argument("--baseline-workers", type=int, default=1, help="worker processes of the --baseline proxy")
     ap.add_argument("--step-ms", type=float, default=5.0, help="--pacing step: the null engines' decode step")
     ap.add_argument("--pacing", choices=("turn", "step", "burst"), default="turn",
                     help="both null decode engines make one token per turn of their event loop (turn: each "
@@ -383,7 +384,7 @@ def main() -> None:
         ours = [("pdcluster" if w == 1 else f"pdcluster-w{w}", w, ROOT) for w in args.workers]
         if args.baseline:  # its own null nodes: a change to the nodes' side is measured too
             base = Path(args.baseline).resolve()
-            ours.append(("baseline", 1, base))
+            ours.append(("baseline", args.baseline_workers, base))
             engines["baseline"], ports["baseline"] = null_nodes(base, "bench-baseline")
         for name, workers, tree in ours:  # one proxy per worker count (and tree), each tree on its null nodes
             port = free_port("127.0.0.1")
@@ -478,8 +479,9 @@ def main() -> None:
             result[name] = res
         print_table(result, fronts, args.concurrency)
         pairs = []  # (key, ours, theirs): ratios of medians, and the median of each repetition's ratio
-        if "baseline" in fronts and "pdcluster" in fronts:  # this tree's proxy against the other's
-            pairs.append(("ratio_req_s_vs_baseline", "pdcluster", "baseline"))
+        same = "pdcluster" if args.baseline_workers == 1 else f"pdcluster-w{args.baseline_workers}"
+        if "baseline" in fronts and same in fronts:  # this tree's proxy against the other's, as many workers
+            pairs.append(("ratio_req_s_vs_baseline", same, "baseline"))
         if "vllm-router" in fronts:  # each of ours against vllm-router, per concurrency
             pairs += [("ratio_req_s" if name == "pdcluster" else f"ratio_req_s_{name.split('-')[-1]}", name,
                        "vllm-router") for name in fronts if name not in ("vllm-router", "baseline")]
