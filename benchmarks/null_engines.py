@@ -79,7 +79,7 @@ def serve_null_grpc(redis_url: str, cluster: str, max_model_len: int, pacer: Pac
 
     class Decode(DecodeMux, pb_grpc.DecodeServiceServicer):
         def __init__(self) -> None:
-            self.streams: dict[int, list] = {}  # the running batch: key -> [its sink, tokens made, tokens wanted]
+            self.streams: dict[int, list] = {}  # the running batch: key -> [its job (a sink), made, wanted]
             self.more = asyncio.Event()
             self.keys = 0
             self.engine: asyncio.Task | None = None

@@ -30,10 +30,12 @@ from cluster.proto_gen import pdcluster_v1_pb2 as pb
 log = logging.getLogger("pdcluster.mux")
 
 MAX_REPLIES = 256  # replies per message: bounds a message (a prefill reply's KV handle can be large)
-# Turns of the event loop between the first reply queued and the write: an engine step's tokens reach
-# their calls' handlers in one turn and are relayed in the next, so the step's tokens of every stream
-# go in one message rather than in several (docs/benchmarks.md: fewer, larger messages cost both
-# ends less CPU per request).
+# Turns of the event loop between the first reply queued and the write: through handlers that relay
+# ("events"), an engine step's tokens reach the handlers in one turn and are queued in the next, so the
+# step's tokens of every stream go in one message rather than in several (docs/benchmarks.md: fewer,
+# larger messages cost both ends less CPU per request). Through sinks a step's events are queued at
+# once; the turns still gather the replies of calls that end or answer meanwhile. Kept at 2 for both:
+# the sink path was measured with it (docs/benchmarks.md, 2026-12-03).
 WRITE_AFTER_TURNS = 2
 
 
