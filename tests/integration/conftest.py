@@ -1,11 +1,15 @@
-"""Integration tests run real processes: none may outlive its test."""
+"""Integration tests run real processes: none may outlive its test. Also the proxy against fake nodes
+(``fake_cluster``, ``c``) for the ``test_proxy_fake_*`` modules."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
+from fake_cluster import Cluster, reset
+from fake_cluster import fake_cluster as start_fake_cluster
 from procs import rank_children
 
 
@@ -26,3 +30,17 @@ def no_leftover_processes() -> Iterator[None]:
     for p in left:
         p.kill()
     assert not left, f"test left processes behind: {[p.pid for p in left]}"
+
+
+@pytest.fixture(scope="module")
+def fake_cluster(tiny_model: Path) -> Iterator[Cluster]:
+    """A proxy against fake nodes for the whole module (``fake_cluster.py``)."""
+    with start_fake_cluster(tiny_model) as cluster:
+        yield cluster
+
+
+@pytest.fixture
+def c(fake_cluster: Cluster) -> Iterator[Cluster]:
+    """The module's fake cluster, reset for this test."""
+    with reset(fake_cluster) as cluster:
+        yield cluster
