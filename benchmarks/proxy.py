@@ -378,6 +378,10 @@ def main() -> None:
                 first.update(json.loads(n.stdout.readline()))
             return [psutil.Process(n.pid) for n in nulls], first
 
+        def nodes_of(front: str) -> str:
+            """Which null nodes serve the front end: vllm-router's, the baseline tree's, or ours."""
+            return front if front in ("vllm-router", "baseline") else "ours"
+
         engines: dict[str, list[psutil.Process]] = {"vllm-router": []}
         ports: dict[str, dict[str, int]] = {}  # of each cluster of null nodes
         engines["ours"], ports["ours"] = null_nodes(ROOT, "bench")
@@ -444,7 +448,7 @@ def main() -> None:
                     # trees still measured 0.91x for this tree's slot: compare trees both ways round.
                     for name in names[rep % len(names):] + names[:rep % len(names)]:
                         url, proc = fronts[name]
-                        nulls_of = engines[name if name in ("vllm-router", "baseline") else "ours"]
+                        nulls_of = engines[nodes_of(name)]
                         for c in args.concurrency:
                             c0, e0, l0 = cpu_seconds(proc), sum(map(cpu_seconds, nulls_of)), own_cpu_seconds()
                             if args.clients > 1:
@@ -460,10 +464,7 @@ def main() -> None:
                                   flush=True)
                 if 1 not in args.concurrency:
                     await call_legs(100)
-            direct = {name: legs["baseline" if name == "baseline" else "ours"] for name in fronts
-                      if name != "vllm-router"}
-            if "vllm-router" in fronts:
-                direct["vllm-router"] = http_legs
+            direct = {name: http_legs if name == "vllm-router" else legs[nodes_of(name)] for name in fronts}
             return {"per": per, "direct": direct}
 
         m = asyncio.run(measure())
