@@ -10,9 +10,11 @@ import grpc
 
 from cluster.proto_gen import pdcluster_v1_pb2 as pb
 from cluster.proto_gen import pdcluster_v1_pb2_grpc as pb_grpc
-from cluster.wire import sampling_from_pb
-from decode_node.worker import DecodeJob, DecodeWorker, KVLost, NodeStopping
+from cluster.wire import sampling_from_pb, top_from_pb
+from decode_node.replica import Job, NodeStopping
+from decode_node.worker import DecodeWorker
 from kv_transfer.handle import from_handle
+from kv_transfer.handoff import KVLost
 from kv_transfer.transport import TransferError
 from node_runtime.mux import CallContext, DecodeMux, Send
 from node_runtime.server import Lifecycle
@@ -141,12 +143,13 @@ class DecodeService(DecodeMux, pb_grpc.DecodeServiceServicer):
                                     f"first token {request.first_token.token_id} outside the vocabulary")
         elif any(not 0 <= t < self.vocab_size for t in request.prompt_token_ids):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt token ids outside the vocabulary")
-        job = DecodeJob(rid, list(request.prompt_token_ids), params, request.first_token, source,
-                        asyncio.get_running_loop(), sink)
-        self.worker.submit(job, request.dp_rank)
+        first = request.first_token
+        job = Job(rid, list(request.prompt_token_ids), params, source, first.token_id, first.logprob,
+                  top_from_pb(first))
+        self.worker.submit(job, request.dp_rank, asyncio.get_running_loop(), sink)
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
-        found = any(request.request_id in r.jobs for r in self.worker.replicas)
+        found = self.worker.has(request.request_id)
         self.worker.abort(request.request_id)
         return pb.AbortResponse(found=found)
 

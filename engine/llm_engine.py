@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -23,7 +22,7 @@ from engine.config import ModelConfig
 from engine.engine_config import EngineConfig
 from engine.executor import Executor, LocalExecutor
 from engine.model_runner import StepLogits
-from engine.overlap import Feed, advance, grow, next_decode_rows
+from engine.overlap import Feed, NextRows, advance, grow, next_decode_rows
 from engine.parallel.kv_layout import RankBlocks
 from engine.prefix_cache import PrefixCache
 from engine.sampler import PendingSamples, launch_sample, top_logprobs
@@ -46,6 +45,30 @@ class _Launched:
     sampled: list[Sequence] | None = None  # the rows sampled, in order
     samples: PendingSamples | None = None  # their samples, on their way to the host
     advanced: bool = False  # its rows count as computed already: a step was launched on its samples
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    """What a node publishes of one engine's state (``LLMEngine.load``)."""
+
+    waiting: int  # queued requests (a decode node's admitted requests waiting to join count here)
+    running: int
+    queued_prefill_tokens: int  # prompt tokens of waiting and running requests not computed yet
+    used_blocks: int
+    free_blocks: int  # cached blocks (prefix caching) count as free: they are evicted when needed
+    held: int  # finished requests whose KV is kept (``hold_kv``) until ``release``
+    cached_blocks: int = 0  # prefix caching: blocks kept for a later prompt with the same prefix
+    prefix_hit_blocks: int = 0  # prefix caching, since start: blocks found in the cache ...
+    prefix_query_blocks: int = 0  # ... of those looked up
+
+
+@dataclass(frozen=True)
+class HeldKV:
+    """Where a held request's KV is: per (pcp, pp) rank its blocks (``kv_transfer``'s input), and how
+    many logical blocks it has."""
+
+    ranks: list[RankBlocks]
+    num_blocks: int
 
 
 def resolve_max_model_len(config: EngineConfig, mc: ModelConfig) -> int:
@@ -158,42 +181,15 @@ class LLMEngine:
         self.scheduler.add(seq)
         return seq
 
-    def add_prefilled(
-        self,
-        prompt: list[int],
-        first_token: int,
-        params: SamplingParams,
-        fill: Callable[[list[int]], list[int]],
-        request_id: str | None = None,
-        first_logprob: float = float("nan"),
-    ) -> Sequence:
-        """Admit a request whose prompt KV was computed elsewhere (disaggregated decode), in one call.
-
-        Blocks for the prompt are allocated here and handed to ``fill(block_ids)``: the KV transfer,
-        which may place the prompt's blocks among them as it likes (``kv_transfer.planner.
-        arrange_destination``) and returns the block table, the block of each logical block in
-        order. With prefix caching, the prompt's leading blocks already cached here are shared and
-        ``fill`` gets only the blocks of the rest (logical blocks ``seq.prefix_hit_blocks`` on, in
-        its table). Only when it returns does the request join the running batch, with ``first_token``
-        as its first output; if it raises, the blocks are freed and the error propagates.
-        (``begin_prefilled`` / ``admit_prefilled`` are the same in two halves, for a fill that runs
-        while the engine keeps stepping.)
-        """
-        seq = self.begin_prefilled(prompt, params, request_id)
-        try:
-            hit = seq.prefix_hit_blocks
-            table = seq.block_ids[:hit] + fill(seq.block_ids[hit:])
-            self.admit_prefilled(seq, table, first_token, first_logprob)
-        except BaseException:
-            self.abort(seq.request_id)
-            raise
-        return seq
-
     def begin_prefilled(self, prompt: list[int], params: SamplingParams, request_id: str | None = None) -> Sequence:
-        """First half of ``add_prefilled``: validate and allocate the prompt's blocks (``seq.block_ids``).
+        """Admit a request whose prompt KV is computed elsewhere (disaggregated decode), first half:
+        validate and allocate the prompt's blocks (``seq.block_ids``), which the KV transfer fills while
+        the engine keeps stepping; ``admit_prefilled`` then queues it to join the running batch.
 
-        The request is not scheduled until ``admit_prefilled``; ``abort`` frees its blocks.
-        Raises ``MemoryError`` when the blocks are not free now.
+        With prefix caching, the prompt's leading blocks already cached here are shared and need no
+        transfer: ``seq.block_ids[:seq.prefix_hit_blocks]``. The request is not scheduled until
+        ``admit_prefilled``; ``abort`` frees its blocks. Raises ``MemoryError`` when the blocks are not
+        free now.
         """
         seq = self.add_request(prompt, params, request_id)
         self.scheduler.waiting.remove(seq)
@@ -217,7 +213,9 @@ class LLMEngine:
         first_logprob: float = float("nan"),
         first_top: dict[int, float] | None = None,
     ) -> bool:
-        """Second half: the blocks hold the prompt's KV in the order ``table``; with ``first_token`` as
+        """Second half of ``begin_prefilled``: the blocks hold the prompt's KV in the order ``table`` (the
+        transfer may place the prompt's blocks among them as it likes: ``kv_transfer.planner.
+        arrange_destination``); with ``first_token`` as
         its first output the request queues to join the running batch, which the scheduler lets it do
         within ``max_num_seqs`` (a decode node never runs more; the queued ones count as waiting).
         Returns True if that token already finished it."""
@@ -282,25 +280,10 @@ class LLMEngine:
         """Which (pcp, pp) rank holds which of the request's blocks, for which layers."""
         return self.executor.ownership(self._lookup(request_id).block_ids)
 
-    def read_kv(self, request_id: str, pcp: int | None = None) -> dict[int, torch.Tensor]:
-        """The request's cached latents per layer, [tokens computed, L+R] in position order.
-
-        Read back from the ranks that hold them (``pcp``: only that PCP rank's blocks; positions
-        it does not hold are NaN). For tests and debugging: it copies every block to the driver.
-        """
+    def held_kv(self, request_id: str) -> HeldKV:
+        """Where a request's KV is (one held after it finished, ``hold_kv``, or one in flight)."""
         seq = self._lookup(request_id)
-        bs = self.config.block_size
-        dim = self.model_config.kv_cache_dim
-        out: dict[int, torch.Tensor] = {}
-        for rb in self.executor.ownership(seq.block_ids):
-            if (pcp is not None and rb.pcp != pcp) or not rb.physical:
-                continue
-            for layer, blocks in self.executor.read_blocks(rb.pcp, rb.pp, rb.physical).items():
-                empty = torch.full((len(seq.block_ids) * bs, dim), float("nan"), dtype=blocks.dtype)
-                dst = out.setdefault(layer, empty)
-                for j, blk in zip(rb.logical, blocks):
-                    dst[j * bs : (j + 1) * bs] = blk
-        return {layer: t[: seq.num_computed] for layer, t in sorted(out.items())}
+        return HeldKV(self.executor.ownership(seq.block_ids), len(seq.block_ids))
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or self._launched is not None
@@ -309,21 +292,19 @@ class LLMEngine:
     def num_used_blocks(self) -> int:
         return self.scheduler.allocator.num_used
 
-    def prefix_cache_counts(self) -> dict[str, int]:
-        """Prefix caching's counters for the load a node publishes (zeros when it is off)."""
-        c = self.prefix_cache
-        if c is None:
-            return {"cached_blocks": 0, "prefix_hit_blocks": 0, "prefix_query_blocks": 0}
-        return {"cached_blocks": c.num_cached, "prefix_hit_blocks": c.hits, "prefix_query_blocks": c.queries}
+    def load(self) -> EngineLoad:
+        """The queues, blocks and prefix cache counters, for the load a node publishes."""
+        s, c = self.scheduler, self.prefix_cache
+        queued = sum(max(len(q.prompt_token_ids) - q.num_computed, 0) for q in list(s.waiting) + list(s.running))
+        counts = {} if c is None else {"cached_blocks": c.num_cached, "prefix_hit_blocks": c.hits,
+                                       "prefix_query_blocks": c.queries}
+        return EngineLoad(waiting=len(s.waiting), running=len(s.running), queued_prefill_tokens=queued,
+                          used_blocks=self.num_used_blocks, free_blocks=s.allocator.num_free, held=len(self.held),
+                          **counts)
 
     def take_kv_events(self) -> tuple[list[int], list[int]]:
         """Block hashes that joined and left the prefix cache since the last call (none when it is off)."""
         return self.prefix_cache.take_events() if self.prefix_cache is not None else ([], [])
-
-    def used_blocks_per_rank(self) -> list[int]:
-        """Used blocks per PCP rank (sharded layout); one entry otherwise."""
-        per_rank = getattr(self.scheduler.allocator, "used_per_rank", None)
-        return per_rank() if per_rank is not None else [self.num_used_blocks]
 
     def shutdown(self) -> None:
         self.executor.shutdown()
@@ -338,37 +319,58 @@ class LLMEngine:
     def launch_step(self) -> int:
         """Schedule a step and hand it to the executor (returns before it has run on rank processes).
 
-        Returns how many requests it scheduled: 0 when all that is left waits for blocks held
-        elsewhere (see ``_blocks_held_elsewhere``)."""
+        With a decode step left in flight by ``finish_step`` (``async_scheduling``), the next one is
+        launched on its samples if it can be (``_launch_overlapped``); otherwise that step is finished
+        first and the next is scheduled from the host's state (``_launch_scheduled``). Returns how many
+        requests it scheduled: 0 when all that is left waits for blocks held elsewhere (see
+        ``_blocks_held_elsewhere``)."""
         assert self._next is None, "launch_step() twice without finish_step()"
-        if self._launched is not None:  # overlap: a decode step is in flight
-            prev = self._launched
-            follow = next_decode_rows(self.scheduler, prev.scheduled) if self.overlap else None
-            if follow is not None and prev.samples is not None:
-                assert prev.sampled is not None
-                advance(prev.scheduled)
-                prev.advanced = True
-                step = grow(self.scheduler, follow)
-                where = {id(q): i for i, q in enumerate(prev.sampled)}
-                fed = len(follow.follow)  # the first rows; the joining requests' tokens are on the host
-                feed = Feed(prev.samples.tokens, list(range(fed)), [where[id(s.seq)] for s in step[:fed]])
-                try:
-                    self._next = self._launch(step, feed)
-                except BaseException:
-                    # Its requests are past a step whose samples are lost: the caller aborts them (LLM,
-                    # nodes); the older step must not be advanced again.
-                    self._launched = None
-                    raise
-                self.overlapped_steps += 1
-                return len(step)
+        prev = self._launched
+        if prev is not None:
+            launched = self._launch_overlapped(prev)
+            if launched:
+                return launched
             self._launched = None  # (first: a failure below must not leave it looking in flight)
             self._done += self._complete(prev, None)
+        return self._launch_scheduled()
+
+    def _launch_scheduled(self) -> int:
+        """A step as the scheduler picks it, every request's tokens on the host."""
         scheduled = self.scheduler.schedule()
         if not scheduled and self.scheduler.has_unfinished() and not self._blocks_held_elsewhere():
             raise RuntimeError("scheduler made no progress (KV cache too small for any waiting request)")
         if scheduled:
             self._launched = self._launch(scheduled)
         return len(scheduled)
+
+    def _launch_overlapped(self, prev: _Launched) -> int:
+        """The next decode step launched on ``prev``'s samples, still on the device (``engine.overlap``);
+        0 when it cannot follow ``prev`` that way."""
+        rows = self._next_rows(prev)
+        if rows is None:
+            return 0
+        assert prev.samples is not None and prev.sampled is not None
+        advance(prev.scheduled)
+        prev.advanced = True
+        step = grow(self.scheduler, rows)
+        where = {id(q): i for i, q in enumerate(prev.sampled)}
+        fed = len(rows.follow)  # the first rows; the joining requests' tokens are on the host
+        feed = Feed(prev.samples.tokens, list(range(fed)), [where[id(s.seq)] for s in step[:fed]])
+        try:
+            self._next = self._launch(step, feed)
+        except BaseException:
+            # Its requests are past a step whose samples are lost: the caller aborts them (LLM, nodes);
+            # the older step must not be advanced again.
+            self._launched = None
+            raise
+        self.overlapped_steps += 1
+        return len(step)
+
+    def _next_rows(self, step: _Launched) -> NextRows | None:
+        """The rows a decode step can run on ``step``'s samples (None: it cannot be overlapped)."""
+        if not self.overlap or step.samples is None:
+            return None
+        return next_decode_rows(self.scheduler, step.scheduled)
 
     def _launch(self, scheduled: list[Scheduled], feed: Feed | None = None) -> _Launched:
         step = _Launched(next(self._steps), scheduled)
@@ -415,8 +417,7 @@ class LLMEngine:
         step = self._launched
         if step is None:
             return finished
-        if self._next is None and self.overlap and step.samples is not None \
-                and next_decode_rows(self.scheduler, step.scheduled) is not None:
+        if self._next is None and self._next_rows(step) is not None:
             return finished  # the next launch_step runs on its samples, then this finishes
         newer, self._launched, self._next = self._next, self._next, None
         return finished + self._complete(step, newer)
@@ -527,15 +528,5 @@ class LLMEngine:
             return seq.text
         return self.tokenizer.decode(seq.output_token_ids, seq.params.skip_special_tokens)
 
-    def status(self) -> dict[str, int]:
-        return {
-            "waiting": len(self.scheduler.waiting),
-            "running": len(self.scheduler.running),
-            "used_blocks": self.num_used_blocks,
-            "free_blocks": self.scheduler.allocator.num_free,
-            "held": len(self.held),
-        }
 
-
-
-__all__ = ["LLMEngine", "SeqStatus"]
+__all__ = ["EngineLoad", "HeldKV", "LLMEngine", "SeqStatus"]

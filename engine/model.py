@@ -61,16 +61,6 @@ class DeepseekForCausalLM(nn.Module):
         cfg = self.cfg
         self.rope = RotaryEmbedding(cfg.rope, cfg.qk_rope_head_dim, cfg.max_position_embeddings, device)
 
-    def set_decode_form(self, form: str) -> None:
-        """'absorbed' (default) or 'decompressed' attention for decode rows."""
-        if form not in ("absorbed", "decompressed"):
-            raise ValueError(f"decode form must be 'absorbed' or 'decompressed', got {form!r}")
-        self.decode_form = form
-        for layer in self.model.layers.values():
-            attn = layer.self_attn
-            assert isinstance(attn, MLAttention)
-            attn.decode_form = form
-
     def forward(
         self, batch: ForwardBatch, kv_caches: dict[int, torch.Tensor], hidden: torch.Tensor | None = None
     ) -> torch.Tensor:

@@ -158,6 +158,17 @@ class TransferRecord:
         return self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
 
 
+Totals = tuple[int, int, float, dict[str, int]]  # done, bytes, seconds, failures by cause
+
+
+def add_totals(totals: list[Totals]) -> Totals:
+    """Several receivers' totals as one (a node's replicas)."""
+    fails: Counter[str] = Counter()
+    for _, _, _, f in totals:
+        fails.update(f)
+    return (sum(t[0] for t in totals), sum(t[1] for t in totals), sum(t[2] for t in totals), dict(fails))
+
+
 class TransferStats:
     """Totals and the most recent transfers, for the node's Stats."""
 
@@ -178,6 +189,11 @@ class TransferStats:
                 self.seconds += r.seconds
             else:
                 self.failures[r.cause or "unknown"] += 1
+
+    def totals(self) -> Totals:
+        """Transfers done, their bytes and seconds, and failures by cause."""
+        with self._lock:
+            return self.done, self.bytes, self.seconds, dict(self.failures)
 
     def last(self, request_id: str) -> TransferRecord | None:
         """The latest record of a request, if it is still among the recent ones."""
@@ -221,30 +237,27 @@ class KVReceiver:
             "pulled %s: %d bytes from %d sources in %d segments in %.3fs (%.1f GB/s)", request_id, nbytes, nsrc,
             len(plan.copies), took, nbytes / max(took, 1e-9) / 1e9)
 
-    def fill(
-        self, request_id: str, request: RequestKV, sources: dict[int, CacheLayout], timeout_s: float | None = None
-    ) -> Callable[[list[int]], list[int]]:
-        """The ``LLMEngine.add_prefilled`` callback for one request: given its allocated blocks,
-        arrange them (so copies coalesce), plan, pull, and return the block table.
+    def pull_into(
+        self, request_id: str, request: RequestKV, sources: dict[int, CacheLayout], block_ids: list[int],
+        limit_s: float | None = None,
+    ) -> list[int]:
+        """Pull one request's KV into ``block_ids`` (allocated for it: ``LLMEngine.begin_prefilled``) and
+        return its block table: the blocks are arranged so that copies coalesce, planned and pulled
+        within ``limit_s`` (default: the receiver's timeout; ``pull`` caps it there).
 
         Fewer blocks than the request has are for its trailing blocks: this side holds the leading
         ones already (its prefix cache hit), so only the rest is pulled, and the table is theirs."""
-        limit = self.timeout_s if timeout_s is None else timeout_s  # pull caps it at the receiver's timeout
-
-        def fill(block_ids: list[int]) -> list[int]:
-            wanted = request
-            have = request.num_blocks - len(block_ids)
-            if have > 0:
-                wanted = restrict(request.holders, list(range(have, request.num_blocks)))
-            if not wanted.num_blocks:
-                return []  # every block was here already
-            try:
-                table = arrange_destination(wanted, block_ids)
-                plan = plan_transfer(wanted, sources, self.dest, table)
-            except BaseException:
-                self.stats.add(TransferRecord(request_id, False, 0, 0.0, 0, "invalid"))
-                raise
-            self.pull(request_id, plan, sources, limit)
-            return table
-
-        return fill
+        wanted = request
+        have = request.num_blocks - len(block_ids)
+        if have > 0:
+            wanted = restrict(request.holders, list(range(have, request.num_blocks)))
+        if not wanted.num_blocks:
+            return []  # every block was here already
+        try:
+            table = arrange_destination(wanted, block_ids)
+            plan = plan_transfer(wanted, sources, self.dest, table)
+        except BaseException:
+            self.stats.add(TransferRecord(request_id, False, 0, 0.0, 0, "invalid"))
+            raise
+        self.pull(request_id, plan, sources, self.timeout_s if limit_s is None else limit_s)
+        return table

@@ -14,7 +14,8 @@ Request lifecycle here:
    the caller's thread (``KVSender.take``) and the blocks are freed between two steps.
 
 Every engine call happens on the engine thread (``node_runtime.engine_loop``); other threads send
-it the messages below. The sender side of the KV hand-off is ``kv_transfer.handoff.KVSender``.
+it ``node_runtime.commands`` (``Start`` with a ``PrefillJob``, ``Abort``, ``Release``, ``AbortAll``).
+The sender side of the KV hand-off is ``kv_transfer.handoff.KVSender``.
 """
 
 from __future__ import annotations
@@ -43,7 +44,9 @@ from kv_transfer.handoff import KVSender
 from kv_transfer.layout import CacheLayout
 from kv_transfer.protocol import choose_protocol
 from kv_transfer.transports.mooncake import MooncakeExporter
+from node_runtime.commands import Abort, AbortAll, Release, Start
 from node_runtime.engine_loop import EngineLoop
+from node_runtime.replica_load import replica_load
 
 log = logging.getLogger("pdcluster.prefill")
 
@@ -81,28 +84,6 @@ class PrefillJob:
         self.loop.call_soon_threadsafe(set_)
 
 
-# -- the engine thread's messages ------------------------------------------------------------------
-@dataclass(frozen=True)
-class Submit:
-    job: PrefillJob
-
-
-@dataclass(frozen=True)
-class Abort:
-    request_id: str
-    done: Callable[[bool], None] | None  # done(found), once the blocks are free
-
-
-@dataclass(frozen=True)
-class Release:
-    request_id: str  # its lease ended by ``release``: free its blocks
-
-
-@dataclass(frozen=True)
-class AbortAll:
-    why: str
-
-
 class PrefillWorker(EngineLoop):
     def __init__(self, config: NodeConfig, transfer_host: str) -> None:
         super().__init__("prefill-engine")
@@ -118,7 +99,7 @@ class PrefillWorker(EngineLoop):
         self.layouts: dict[int, CacheLayout] = {r: _layout(x) for r, x in self.llm.cache_exports.items()}
         self.engines: list[LLMEngine] = self.llm.engines
         self.max_model_len = self.engines[0].max_model_len
-        self.num_blocks = self.engines[0].scheduler.allocator.num_free
+        self.num_blocks = self.engines[0].load().free_blocks
         self.block_size = ec.block_size
         self.prefix_caching = ec.enable_prefix_caching
         self.address = ""  # set once the server listens (goes into KV handles)
@@ -132,7 +113,7 @@ class PrefillWorker(EngineLoop):
 
     # -- called from other threads -------------------------------------------------------------
     def submit(self, job: PrefillJob) -> None:
-        self.send(Submit(job))
+        self.send(Start(job))
 
     def abort(self, request_id: str, done: Callable[[bool], None] | None = None) -> None:
         """Free whatever the request holds (queued, prefilling, or held under a lease); ``done(found)``
@@ -176,7 +157,7 @@ class PrefillWorker(EngineLoop):
     # -- the engine thread ---------------------------------------------------------------------
     def handle(self, message: object) -> None:
         match message:
-            case Submit(job):
+            case Start(job):
                 self._start(job)
             case Abort(rid, done):
                 found = self._abort(rid)
@@ -265,11 +246,11 @@ class PrefillWorker(EngineLoop):
         if reason:
             eng.release(seq.request_id)
         else:
-            held = eng.held[seq.request_id]
+            held = eng.held_kv(seq.request_id)
             self.held_on[seq.request_id] = d
             self.leases.hold(seq.request_id)
             resp.kv.CopyFrom(to_handle(
-                eng.kv_ownership(seq.request_id), len(held.block_ids), self.layouts, node_id=self.config.node_id,
+                held.ranks, held.num_blocks, self.layouts, node_id=self.config.node_id,
                 address=self.address, dp_rank=d, block_size=self.block_size, lease_s=self.config.lease_s,
             ))
         self.answer(lambda: job.resolve(resp))
@@ -290,15 +271,7 @@ class PrefillWorker(EngineLoop):
         return True
 
     def publish(self) -> None:
-        out = []
-        for d, e in enumerate(self.engines):
-            s = e.scheduler
-            queued = sum(q.num_remaining for q in list(s.waiting) + list(s.running))
-            out.append(ReplicaLoad(dp_rank=d, queued_prefill_tokens=queued, waiting=len(s.waiting),
-                                   running=len(s.running), used_blocks=e.num_used_blocks,
-                                   free_blocks=s.allocator.num_free, **e.prefix_cache_counts()))
-        self._load = out
-
+        self._load = [replica_load(d, e.load()) for d, e in enumerate(self.engines)]
 
 def _layout(export: object) -> CacheLayout:
     if not isinstance(export, CacheLayout):

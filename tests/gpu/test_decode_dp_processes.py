@@ -72,12 +72,12 @@ def worker_for(model: Path, dp: int):  # noqa: ANN201
 
 
 async def decode(worker, prefill: Prefill, rid: str, prompt: list[int], dp_rank: int) -> tuple[list[int], int]:  # noqa: ANN001
-    from decode_node.worker import DecodeJob
+    from decode_node.replica import Job
 
     first, source = prefill.prefilled(rid, prompt)
     events: asyncio.Queue = asyncio.Queue()
-    job = DecodeJob(rid, prompt, PARAMS, first, source, asyncio.get_running_loop(), events.put_nowait)
-    worker.submit(job, dp_rank)
+    worker.submit(Job(rid, prompt, PARAMS, source, first.token_id), dp_rank, asyncio.get_running_loop(),
+                  events.put_nowait)
     out, admitted_on = [first.token_id], -1
     try:
         while True:
@@ -128,7 +128,7 @@ def test_dp2_processes_equal_dp1_and_colocated(tiny_model: Path) -> None:
                     assert all(len(t) == PARAMS.max_tokens for t, _ in results)
                     assert {on for _, on in results} == {0, 1}, "the burst used both replicas"
                     assert wait_free(worker)
-                    _, nbytes, _, _ = worker.processes.stats()
+                    _, nbytes, _, _ = worker.transfers()
                     assert nbytes > 0
             finally:
                 worker.shutdown()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from engine_helpers import set_decode_form
 
 from engine import LLM
 
@@ -40,7 +41,7 @@ def test_absorbed_equals_decompressed_on_gpu(tiny_model) -> None:
     for form in ("absorbed", "decompressed"):
         with LLM(str(tiny_model), dtype="float32", device="cuda", max_model_len=1024,
                  gpu_memory_utilization=0.3) as llm:
-            llm.engine.model.set_decode_form(form)
+            set_decode_form(llm.engine.model, form)
             outs[form] = llm.generate(_prompts(), sp)
     for a, b in zip(outs["absorbed"], outs["decompressed"]):
         assert a.token_ids == b.token_ids

@@ -9,6 +9,7 @@ greedy decoding still gives what one colocated engine gives for the whole prompt
 from __future__ import annotations
 
 import pytest
+from engine_helpers import add_prefilled, fill_from
 
 from engine import LLM, SamplingParams
 from kv_transfer.handoff import KVReceiver
@@ -42,8 +43,8 @@ def test_second_turn_pulls_only_its_new_blocks_and_decodes_as_colocated(tiny_mod
             while pe.has_unfinished():
                 pe.step()
             request = RequestKV(pe.kv_ownership(rid), len(pe.held[rid].block_ids))
-            fill = receiver.fill(rid, request, prefill.cache_exports)
-            dseq = de.add_prefilled(prompt, seq.output_token_ids[0], greedy, fill, request_id=rid)
+            fill = fill_from(receiver, rid, request, prefill.cache_exports)
+            dseq = add_prefilled(de, prompt, seq.output_token_ids[0], greedy, fill, request_id=rid)
             moved.append(receiver.stats.last(rid).bytes)
             hits.append(dseq.prefix_hit_blocks)
             assert pe.release(rid)
@@ -80,9 +81,9 @@ def test_a_prompt_held_whole_pulls_nothing(tiny_model) -> None:
             seq = pe.add_request(prompt, SamplingParams(max_tokens=1, temperature=0.0), request_id=rid, hold_kv=True)
             while pe.has_unfinished():
                 pe.step()
-            fill = receiver.fill(rid, RequestKV(pe.kv_ownership(rid), len(pe.held[rid].block_ids)),
+            fill = fill_from(receiver, rid, RequestKV(pe.kv_ownership(rid), len(pe.held[rid].block_ids)),
                                  prefill.cache_exports)
-            dseq = de.add_prefilled(prompt, seq.output_token_ids[0], greedy, fill, request_id=rid)
+            dseq = add_prefilled(de, prompt, seq.output_token_ids[0], greedy, fill, request_id=rid)
             assert pe.release(rid)
             while de.has_unfinished():
                 de.step()

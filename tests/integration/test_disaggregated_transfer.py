@@ -12,6 +12,7 @@ import time
 
 import pytest
 import torch
+from engine_helpers import add_prefilled, fill_from, read_kv
 
 from engine import LLM, SamplingParams
 from engine.sequence import Sequence
@@ -53,12 +54,12 @@ def test_pcp2_pp2_prefill_then_remote_decode_matches_colocated(tiny_model, layou
         pe, de = prefill.engine, decode.engine
         seq, request = _prefill_held(prefill)
         receiver = _receiver(decode, timeout_s=30)
-        fill = receiver.fill("r", request, prefill.cache_exports)
-        dseq = de.add_prefilled(PROMPT, seq.output_token_ids[0], greedy, fill, request_id="r")
+        fill = fill_from(receiver, "r", request, prefill.cache_exports)
+        dseq = add_prefilled(de, PROMPT, seq.output_token_ids[0], greedy, fill, request_id="r")
         record = receiver.stats.recent[-1]
         assert record.ok
         assert record.sources == 4  # every (pcp, pp) rank sends: shards fan in, replicas share the bytes
-        sent, got = pe.read_kv("r"), de.read_kv("r")
+        sent, got = read_kv(pe, "r"), read_kv(de, "r")
         assert sorted(sent) == sorted(got) == [0, 1, 2]
         for layer in sent:
             assert torch.equal(sent[layer], got[layer]), f"layer {layer} differs after the transfer"
@@ -78,11 +79,11 @@ def test_a_killed_prefill_rank_fails_the_pull_and_leaves_no_blocks(tiny_model) -
         pe, de = prefill.engine, decode.engine
         seq, request = _prefill_held(prefill)
         receiver = _receiver(decode, timeout_s=5.0)
-        fill = receiver.fill("r", request, prefill.cache_exports)
+        fill = fill_from(receiver, "r", request, prefill.cache_exports)
         os.kill(prefill.node.pids()[1], signal.SIGKILL)  # one shard's process dies before the pull
         t0 = time.monotonic()
         with pytest.raises(TransferError):
-            de.add_prefilled(PROMPT, seq.output_token_ids[0], SamplingParams(max_tokens=4), fill, request_id="r")
+            add_prefilled(de, PROMPT, seq.output_token_ids[0], SamplingParams(max_tokens=4), fill, request_id="r")
         assert time.monotonic() - t0 < 6
         assert de.num_used_blocks == 0 and not de.has_unfinished()
         assert sum(receiver.stats.failures.values()) == 1
@@ -108,7 +109,7 @@ def test_a_prefill_rank_killed_in_the_middle_of_a_large_pull(tmp_path) -> None:
         holders = [RankBlocks(dp=0, pcp=q, pp=0, rank=q, layers=range(0, 3), logical=list(range(q, nblk, 2)),
                               physical=list(range(half))) for q in (0, 1)]
         receiver = _receiver(decode, timeout_s=20.0)
-        fill = receiver.fill("big", RequestKV(holders, nblk), prefill.cache_exports)
+        fill = fill_from(receiver, "big", RequestKV(holders, nblk), prefill.cache_exports)
         de = decode.engine
         import threading
 
@@ -117,7 +118,7 @@ def test_a_prefill_rank_killed_in_the_middle_of_a_large_pull(tmp_path) -> None:
         killer.start()
         try:
             with pytest.raises(TransferError) as err:
-                de.add_prefilled([5] * (nblk * 16 - 8), 7, SamplingParams(max_tokens=2), fill, request_id="big")
+                add_prefilled(de, [5] * (nblk * 16 - 8), 7, SamplingParams(max_tokens=2), fill, request_id="big")
         finally:
             killer.cancel()
         took = time.monotonic() - t0

@@ -10,6 +10,7 @@ import math
 
 import pytest
 import torch
+from engine_helpers import read_kv, used_blocks_per_rank
 
 from engine import LLM, SamplingParams
 
@@ -24,10 +25,10 @@ def _prefill_held(llm: LLM) -> dict:
         eng.step()
     pcp = eng.config.pcp
     out = {
-        "kv": eng.read_kv("r"),
-        "per_rank": [eng.read_kv("r", pcp=p) for p in range(pcp)],
+        "kv": read_kv(eng, "r"),
+        "per_rank": [read_kv(eng, "r", pcp=p) for p in range(pcp)],
         "used": eng.num_used_blocks,
-        "used_per_rank": eng.used_blocks_per_rank(),
+        "used_per_rank": used_blocks_per_rank(eng),
         "ownership": eng.kv_ownership("r"),
         "blocks": len(eng.held["r"].block_ids),
     }

@@ -13,11 +13,13 @@ import pytest
 from cluster.config import NodeConfig
 from cluster.proto_gen import pdcluster_v1_pb2 as pb
 from cluster.wire import token_pb
+from decode_node.replica import Job
 from decode_node.service import coalesced
-from decode_node.worker import DecodeJob, DecodeWorker, KVLost
+from decode_node.worker import DecodeWorker
 from engine import LLM, SamplingParams
 from engine.engine_config import EngineConfig
 from kv_transfer.handle import from_handle, to_handle
+from kv_transfer.handoff import KVLost
 from kv_transfer.layout import describe_cache
 from kv_transfer.transport import TransferError
 from kv_transfer.transports.fake import Fabric
@@ -48,7 +50,7 @@ class Setup:
         cfg = NodeConfig(role="decode", node_id="d", engine=EngineConfig(model=str(model), num_kv_blocks=64, **KW),
                          transfer_timeout_s=timeout_s)
         self.worker = DecodeWorker(cfg, "127.0.0.1", transport=self.fabric.transport("decode"), confirm=self.confirm)
-        self.engine = self.worker.replicas[0].engine
+        self.engine = self.worker.replicas[0].replica.engine
 
     def confirm(self, address: str, rid: str) -> bool:
         """What PrefillService.Release does: free the held blocks; False if they were not held."""
@@ -70,9 +72,8 @@ class Setup:
         first, handle = self.prefilled(rid, prompt)
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
-        job = DecodeJob(rid, prompt, SamplingParams(max_tokens=6, temperature=0.0), first, from_handle(handle), loop,
-                        queue.put_nowait)
-        self.worker.submit(job, -1)
+        job = Job(rid, prompt, SamplingParams(max_tokens=6, temperature=0.0), from_handle(handle), first.token_id)
+        self.worker.submit(job, -1, loop, queue.put_nowait)
         if abort_after_s is not None:
             await asyncio.sleep(abort_after_s)
             self.worker.abort(rid)
@@ -130,7 +131,7 @@ def test_a_timed_out_pull_keeps_its_blocks_quarantined_then_frees_them(tiny_mode
         assert time.monotonic() - t0 < 2
         assert s.engine.num_used_blocks == 10  # 150 tokens in 16-token blocks, kept for one more timeout
         assert wait_used(s.engine, 0, timeout_s=2)
-        assert s.worker.stats.failures["timeout"] == 1
+        assert s.worker.transfers()[3]["timeout"] == 1  # failures by cause
     finally:
         s.close()
 
@@ -159,9 +160,9 @@ def test_kv_the_prefill_node_no_longer_held_is_not_decoded(tiny_model: Path) -> 
         async def run() -> list:
             loop = asyncio.get_running_loop()
             queue: asyncio.Queue = asyncio.Queue()
-            job = DecodeJob("a", PROMPTS[0], SamplingParams(max_tokens=6, temperature=0.0), first,
-                            from_handle(handle), loop, queue.put_nowait)
-            s.worker.submit(job, -1)
+            job = Job("a", PROMPTS[0], SamplingParams(max_tokens=6, temperature=0.0), from_handle(handle),
+                      first.token_id)
+            s.worker.submit(job, -1, loop, queue.put_nowait)
             return [await asyncio.wait_for(queue.get(), 20)]
 
         (err,) = asyncio.run(run())

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from engine_helpers import add_prefilled
 
 from engine import LLM, SamplingParams
 from engine.kv_cache import BlockAllocator
@@ -88,14 +89,14 @@ def test_add_prefilled_frees_its_blocks_unless_the_transfer_succeeds(tiny_model)
             raise RuntimeError("source gone")
 
         with pytest.raises(RuntimeError, match="source gone"):
-            eng.add_prefilled(prompt, 9, SamplingParams(max_tokens=4), broken, request_id="x")
+            add_prefilled(eng, prompt, 9, SamplingParams(max_tokens=4), broken, request_id="x")
         with pytest.raises(ValueError, match="block table"):
-            eng.add_prefilled(prompt, 9, SamplingParams(max_tokens=4), lambda ids: [ids[0]] * len(ids))
+            add_prefilled(eng, prompt, 9, SamplingParams(max_tokens=4), lambda ids: [ids[0]] * len(ids))
         assert eng.num_used_blocks == 0 and not eng.has_unfinished()
-        done = eng.add_prefilled(prompt, 9, SamplingParams(max_tokens=1), lambda ids: ids[::-1])
+        done = add_prefilled(eng, prompt, 9, SamplingParams(max_tokens=1), lambda ids: ids[::-1])
         assert done.finish_reason == "length" and done.output_token_ids == [9]
         assert eng.num_used_blocks == 0
-        seq = eng.add_prefilled(prompt, 9, SamplingParams(max_tokens=3, temperature=0.0), lambda ids: ids, "y")
+        seq = add_prefilled(eng, prompt, 9, SamplingParams(max_tokens=3, temperature=0.0), lambda ids: ids, "y")
         while eng.has_unfinished():
             eng.step()
         assert len(seq.output_token_ids) == 3 and seq.output_token_ids[0] == 9
@@ -122,7 +123,7 @@ def test_transferred_requests_never_exceed_max_num_seqs(tiny_model) -> None:
                     cache[ids] = src.cache_layers[layer][src.held[rid].block_ids]
                 return ids
 
-            seqs.append(eng.add_prefilled(p, held.output_token_ids[0], params, fill, request_id=f"d{i}"))
+            seqs.append(add_prefilled(eng, p, held.output_token_ids[0], params, fill, request_id=f"d{i}"))
             src.release(f"s{i}")
         assert len(eng.scheduler.waiting) == 3 and not eng.scheduler.running
         most = 0

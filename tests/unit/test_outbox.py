@@ -68,38 +68,47 @@ def test_to_loops_wakes_each_loop_once_and_keeps_each_streams_order() -> None:
             t.join(timeout=5)
 
 
-# -- the replica-process path: JobEvents on the node's side, the pipe's pickling fallback, failures ----
+# -- the node's side: events relayed from a replica process, the pipe's pickling fallback, failures ---
+def _worker(streams: dict) -> object:
+    """A DecodeWorker's relaying half over ``streams`` (all on replica 0), without replicas."""
+    import threading as th
+
+    from decode_node.worker import DecodeWorker, Stream
+
+    worker = object.__new__(DecodeWorker)
+    worker._lock = th.Lock()
+    worker._streams = {rid: Stream(rid, 0, s.loop, s.sink) for rid, s in streams.items()}
+    worker._per_replica = [len(streams)]
+    worker.failed = th.Event()
+    return worker
+
+
 def test_node_side_dispatch_fails_only_the_stream_whose_event_does_not_parse() -> None:
     import threading as th
-    from types import SimpleNamespace
 
     from cluster.proto_gen import pdcluster_v1_pb2 as pb
-    from decode_node.replica_process import JobEvents, ReplicaProcesses
+    from decode_node.replica_process import Events, ReplicaProcesses
 
     loop = asyncio.new_event_loop()
     runner = th.Thread(target=loop.run_forever, daemon=True)
     runner.start()
     try:
         jobs = {rid: _Stream(rid, loop, asyncio.Queue()) for rid in ("a", "b", "c")}
-        for j in jobs.values():
-            j.admitted = False  # type: ignore[attr-defined]
-        replica = SimpleNamespace(jobs=dict(jobs))
+        worker = _worker(jobs)
         procs = object.__new__(ReplicaProcesses)
-        procs.replicas = [replica]  # type: ignore[assignment]
-        procs.lock = th.RLock()
+        procs._relay = worker.relay  # type: ignore[attr-defined]
         admitted = pb.DecodeEvent(admitted=pb.Admitted(dp_rank=0)).SerializeToString()
-        procs._dispatch(0, JobEvents([("a", admitted), ("b", b"\xff\xff not a message"), ("c", None),
-                                      ("gone", None)]))
+        procs._dispatch(0, Events([("a", admitted), ("b", b"\xff\xff not a message"), ("c", None), ("gone", None)]))
 
         async def take(q: asyncio.Queue) -> object:
             return await q.get()
 
         got = {rid: asyncio.run_coroutine_threadsafe(take(j.events), loop).result(timeout=5)
                for rid, j in jobs.items()}
-        assert isinstance(got["a"], pb.DecodeEvent) and jobs["a"].admitted  # type: ignore[attr-defined]
+        assert isinstance(got["a"], pb.DecodeEvent) and got["a"].HasField("admitted")
         assert isinstance(got["b"], RuntimeError) and "did not parse" in str(got["b"])
         assert got["c"] is None
-        assert set(replica.jobs) == {"a"}  # b and c ended: out of the table
+        assert set(worker._streams) == {"a"} and worker.in_flight() == 1  # b and c ended: out of the table
     finally:
         loop.call_soon_threadsafe(loop.stop)
         runner.join(timeout=5)
@@ -115,7 +124,7 @@ def test_pipe_fallback_replaces_only_the_exceptions_that_do_not_pickle() -> None
     import pickle
     from types import SimpleNamespace
 
-    from decode_node.replica_process import JobEvents, _Link
+    from decode_node.replica_process import Events, _Link
 
     sent: list = []
 
@@ -127,7 +136,7 @@ def test_pipe_fallback_replaces_only_the_exceptions_that_do_not_pickle() -> None
     link.conn = SimpleNamespace(send=send)  # type: ignore[assignment]
     import threading as th
     link.lock = th.Lock()
-    link.send(JobEvents([("a", ValueError("bad request")), ("b", _Unpicklable()), ("c", b"ev"), ("d", None)]))
+    link.send(Events([("a", ValueError("bad request")), ("b", _Unpicklable()), ("c", b"ev"), ("d", None)]))
     (msg,) = sent
     items = dict(msg.items)
     assert isinstance(items["a"], ValueError) and str(items["a"]) == "bad request"  # kept: its status stays
@@ -138,16 +147,30 @@ def test_pipe_fallback_replaces_only_the_exceptions_that_do_not_pickle() -> None
 def test_a_failing_replica_hands_over_what_it_emitted_before_failing_its_requests() -> None:
     from types import SimpleNamespace
 
-    from decode_node.worker import Replica
+    from decode_node.replica import Replica
 
     order: list = []
+    owner = SimpleNamespace(fail=lambda why: order.append(("fail", why)))
     box = Outbox(lambda items: order.append(("events", [i for _, i in items])))
-    worker = SimpleNamespace(fail=lambda why: order.append(("fail", why)))
-    replica = SimpleNamespace(outbox=box, worker=worker, index=0, jobs={"r": "job-r"})
-    box.put("job-q", "q's last tokens")
-    box.put("job-q", None)
+    replica = SimpleNamespace(outbox=box, owner=owner, index=0, requests={"r": "request-r"})
+    box.put("q", "q's last tokens")
+    box.put("q", None)
     Replica.on_failure(replica, RuntimeError("boom"))  # type: ignore[arg-type]
     assert order[0] == ("events", ["q's last tokens", None])  # before the node hears of the failure
     assert order[1][0] == "fail"
-    assert order[2][0] == "events" and isinstance(order[2][1][0], RuntimeError)
-    assert replica.jobs == {}
+    assert replica.requests == {}
+
+    # The node then ends the failed replica's streams with an error (those of other replicas it leaves).
+    loop = asyncio.new_event_loop()
+    try:
+        streams = {rid: _Stream(rid, loop, asyncio.Queue()) for rid in ("r", "s")}
+        worker = _worker(streams)
+        worker._streams["s"].replica = 1
+        worker._per_replica.append(0)
+        worker.replica_failed(0, "replica 0: RuntimeError: boom")
+        loop.run_until_complete(asyncio.sleep(0))
+        assert isinstance(streams["r"].events.get_nowait(), RuntimeError)
+        assert streams["s"].events.empty() and set(worker._streams) == {"s"}
+        assert worker.failed.is_set() and "boom" in worker.failure
+    finally:
+        loop.close()

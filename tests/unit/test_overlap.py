@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from engine_helpers import add_prefilled
 
 from engine import LLM, SamplingParams
 from engine.llm_engine import LLMEngine
@@ -113,7 +114,7 @@ def _admit_while_decoding(tiny_model, overlap: bool) -> tuple[list[list[int]], i
                     t[blocks] = src[layer][held]
                 return blocks
 
-            seqs.append(de.add_prefilled(prompt, first.output_token_ids[0], sp, fill, request_id=f"r{i}"))
+            seqs.append(add_prefilled(de, prompt, first.output_token_ids[0], sp, fill, request_id=f"r{i}"))
             assert pe.release(f"r{i}")
             for _ in range(3):
                 de.step()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from engine_helpers import set_decode_form
 from transformers import AutoModelForCausalLM
 
 from engine import LLM, SamplingParams
@@ -55,11 +56,11 @@ def test_absorbed_decode_equals_decompressed_decode(pair) -> None:
     prompts = _prompts(2)
     sp = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=1)
     absorbed = llm.generate(prompts, sp)
-    llm.engine.model.set_decode_form("decompressed")
+    set_decode_form(llm.engine.model, "decompressed")
     try:
         decompressed = llm.generate(prompts, sp)
     finally:
-        llm.engine.model.set_decode_form("absorbed")
+        set_decode_form(llm.engine.model, "absorbed")
     for a, b in zip(absorbed, decompressed):
         assert a.token_ids == b.token_ids, name
         assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-4

@@ -7,6 +7,7 @@ the prefill side when its lease is confirmed, aborted or expires.
 from __future__ import annotations
 
 import pytest
+from engine_helpers import add_prefilled, fill_from
 
 from engine import LLM, SamplingParams
 from kv_transfer.handoff import KVReceiver, KVSender
@@ -37,12 +38,12 @@ def pair(tiny_model):
         leases.hold("r")
         request = RequestKV(pe.kv_ownership("r"), len(pe.held["r"].block_ids))
         receiver = KVReceiver(t, dst, timeout_s=0.5)
-        fill = receiver.fill("r", request, {0: src})
+        fill = fill_from(receiver, "r", request, {0: src})
         yield pe, de, fabric, leases, receiver, fill, seq.output_token_ids[0], now
 
 
 def _admit(de, first, fill):
-    return de.add_prefilled(PROMPT, first, SamplingParams(max_tokens=4, temperature=0.0), fill, request_id="r")
+    return add_prefilled(de, PROMPT, first, SamplingParams(max_tokens=4, temperature=0.0), fill, request_id="r")
 
 
 def test_success_records_the_transfer_and_confirm_frees_the_sender(pair) -> None:

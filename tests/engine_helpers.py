@@ -1,0 +1,82 @@
+"""What tests ask of an engine that serving never does: a disaggregated admission in one call, the KV
+read back from the ranks that hold it, used blocks per PCP rank, the decode attention's form.
+
+Nodes admit a transferred request in two halves (``LLMEngine.begin_prefilled`` and
+``admit_prefilled``: the pull runs between them while the engine keeps stepping); ``add_prefilled``
+is the same in one call, for tests that pull on the engine's thread.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from engine.llm_engine import LLMEngine
+from engine.mla import MLAttention
+from engine.sampling_params import SamplingParams
+from engine.sequence import Sequence
+from kv_transfer.handoff import KVReceiver
+from kv_transfer.layout import CacheLayout, RequestKV
+
+Fill = Callable[[list[int]], list[int]]  # the request's blocks (those not cached here) -> its block table
+
+
+def fill_from(receiver: KVReceiver, request_id: str, request: RequestKV, sources: dict[int, CacheLayout],
+              limit_s: float | None = None) -> Fill:
+    """A ``Fill`` that pulls the request's KV through ``receiver`` (``KVReceiver.pull_into``)."""
+    return lambda block_ids: receiver.pull_into(request_id, request, sources, block_ids, limit_s)
+
+
+def add_prefilled(engine: LLMEngine, prompt: list[int], first_token: int, params: SamplingParams, fill: Fill,
+                  request_id: str | None = None, first_logprob: float = float("nan")) -> Sequence:
+    """Admit a request whose prompt KV was computed elsewhere, in one call: its blocks are allocated,
+    ``fill`` gets those not cached here (logical blocks ``seq.prefix_hit_blocks`` on) and returns their
+    table, and the request joins the running batch with ``first_token`` as its first output. If ``fill``
+    raises, the blocks are freed and the error propagates."""
+    seq = engine.begin_prefilled(prompt, params, request_id)
+    try:
+        hit = seq.prefix_hit_blocks
+        table = seq.block_ids[:hit] + fill(seq.block_ids[hit:])
+        engine.admit_prefilled(seq, table, first_token, first_logprob)
+    except BaseException:
+        engine.abort(seq.request_id)
+        raise
+    return seq
+
+
+def read_kv(engine: LLMEngine, request_id: str, pcp: int | None = None) -> dict[int, torch.Tensor]:
+    """A request's cached latents per layer, [tokens computed, L+R] in position order, read back from the
+    ranks that hold them (``pcp``: only that PCP rank's blocks; positions it does not hold are NaN). It
+    copies every block to the driver."""
+    seq = engine._lookup(request_id)
+    bs = engine.config.block_size
+    dim = engine.model_config.kv_cache_dim
+    out: dict[int, torch.Tensor] = {}
+    for rb in engine.executor.ownership(seq.block_ids):
+        if (pcp is not None and rb.pcp != pcp) or not rb.physical:
+            continue
+        for layer, blocks in engine.executor.read_blocks(rb.pcp, rb.pp, rb.physical).items():
+            empty = torch.full((len(seq.block_ids) * bs, dim), float("nan"), dtype=blocks.dtype)
+            dst = out.setdefault(layer, empty)
+            for j, blk in zip(rb.logical, blocks):
+                dst[j * bs : (j + 1) * bs] = blk
+    return {layer: t[: seq.num_computed] for layer, t in sorted(out.items())}
+
+
+def used_blocks_per_rank(engine: LLMEngine) -> list[int]:
+    """Used blocks per PCP rank (sharded layout); one entry otherwise."""
+    per_rank = getattr(engine.scheduler.allocator, "used_per_rank", None)
+    return per_rank() if per_rank is not None else [engine.num_used_blocks]
+
+
+def set_decode_form(model: torch.nn.Module, form: str) -> None:
+    """'absorbed' (what serving runs) or 'decompressed' attention for decode rows: the tests check the
+    absorbed math against the prefill path this way. Decode CUDA graphs replay only the absorbed form."""
+    if form not in ("absorbed", "decompressed"):
+        raise ValueError(f"decode form must be 'absorbed' or 'decompressed', got {form!r}")
+    model.decode_form = form
+    for layer in model.model.layers.values():
+        attn = layer.self_attn
+        assert isinstance(attn, MLAttention)
+        attn.decode_form = form
