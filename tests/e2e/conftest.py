@@ -28,11 +28,14 @@ def cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory,
         "prefill": [{"dp": 1, "pcp": 2, "kv_layout": "sharded", "max_model_len": 1024,
                      "max_num_batched_tokens": 256, "num_kv_blocks": 256, "lease_s": 10,
                      "enable_prefix_caching": True}],
-        # decode-0's two replicas run as processes (GPU nodes' default), decode-1's one as a thread;
-        # decode-0 caches prefixes (a conversation's next turn pulls only its new blocks), decode-1 not
+        # The decode nodes run what GPU nodes run by default: overlapped decode steps (async_scheduling,
+        # forced on here: a CPU's default is off), and decode-0's two replicas as processes; decode-1's one
+        # runs as a thread (the CPU default). decode-0 caches prefixes (a conversation's next turn pulls
+        # only its new blocks), decode-1 not.
         "decode": [{"dp": 2, "max_model_len": 1024, "num_kv_blocks": 256, "dp_processes": "on",
-                    "enable_prefix_caching": True},
-                   {"dp": 1, "max_model_len": 1024, "num_kv_blocks": 256, "enable_prefix_caching": False}],
+                    "async_scheduling": True, "enable_prefix_caching": True},
+                   {"dp": 1, "max_model_len": 1024, "num_kv_blocks": 256, "async_scheduling": True,
+                    "enable_prefix_caching": False}],
     })
     with running_cluster(topo, run_dir, tiny_model, cluster_run_dirs) as c:
         yield c

@@ -28,7 +28,9 @@ def local_cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory,
         "model": str(tiny_model), "served_model_name": MODEL, "registry": {"cluster": f"local-{run_dir.name}"},
         "proxy": {"port": 0, "admin_key": ADMIN_KEY, "local_prefill_max_tokens": 32},
         "prefill": [{"max_model_len": 1024, "num_kv_blocks": 128, "lease_s": 10}],
-        "decode": [{"max_model_len": 1024, "num_kv_blocks": 256, "enable_prefix_caching": True}],  # local prefills
+        # local prefills, on a replica process with overlapped decode steps (what GPU nodes run by default)
+        "decode": [{"max_model_len": 1024, "num_kv_blocks": 256, "enable_prefix_caching": True,
+                    "dp_processes": "on", "async_scheduling": True}],
     })
     with running_cluster(topo, run_dir, tiny_model, cluster_run_dirs) as c:
         yield c

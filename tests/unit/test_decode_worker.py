@@ -37,7 +37,7 @@ def want(tiny_model: Path) -> list[list[int]]:
 class Setup:
     """An in-process prefill engine and a decode worker on one fake fabric."""
 
-    def __init__(self, model: Path, timeout_s: float, lease_s: float = 30.0) -> None:
+    def __init__(self, model: Path, timeout_s: float, lease_s: float = 30.0, overlap: bool | None = None) -> None:
         self.fabric = Fabric()
         self.lease_s = lease_s
         self.lock = threading.Lock()  # the prefill engine is used from the test and the pull threads
@@ -47,8 +47,8 @@ class Setup:
         src = self.fabric.transport("prefill")
         self.layout = describe_cache("prefill", pe.executor.cache.layers)
         src.register(self.layout)
-        cfg = NodeConfig(role="decode", node_id="d", engine=EngineConfig(model=str(model), num_kv_blocks=64, **KW),
-                         transfer_timeout_s=timeout_s)
+        engine = EngineConfig(model=str(model), num_kv_blocks=64, async_scheduling=overlap, **KW)
+        cfg = NodeConfig(role="decode", node_id="d", engine=engine, transfer_timeout_s=timeout_s)
         self.worker = DecodeWorker(cfg, "127.0.0.1", transport=self.fabric.transport("decode"), confirm=self.confirm)
         self.engine = self.worker.replicas[0].replica.engine
 
@@ -104,8 +104,10 @@ def wait_used(engine, n: int, timeout_s: float = 5.0) -> bool:
     return engine.num_used_blocks == n
 
 
-def test_two_requests_decode_together_and_equal_colocated(tiny_model: Path, want) -> None:
-    s = Setup(tiny_model, timeout_s=10)
+# Overlapped steps (async_scheduling) are what GPU nodes run by default; a CPU's default is off.
+@pytest.mark.parametrize("overlap", [False, True], ids=["steps", "overlapped"])
+def test_two_requests_decode_together_and_equal_colocated(tiny_model: Path, want, overlap: bool) -> None:
+    s = Setup(tiny_model, timeout_s=10, overlap=overlap)
     try:
         async def both() -> list[list]:
             return await asyncio.gather(s.decode("a", PROMPTS[0]), s.decode("b", PROMPTS[1]))
@@ -117,6 +119,7 @@ def test_two_requests_decode_together_and_equal_colocated(tiny_model: Path, want
             assert prompt_events[-2].tokens.finish_reason == "length"
         assert wait_used(s.engine, 0)
         assert sorted(s.confirmed) == ["a", "b"] and s.prefill.engine.num_used_blocks == 0
+        assert (s.engine.overlapped_steps > 0) == overlap
     finally:
         s.close()
 
