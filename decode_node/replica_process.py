@@ -10,8 +10,9 @@ Pipe protocol (pickled; ``engine.parallel.rank_group``): the node sends the repl
 (``node_runtime.commands``: ``Start`` with a ``Job``, ``Abort``, ``AbortAll``) and ``Stop``; a
 replica sends ``ReplicaUp`` once its engine is ready, then ``Events`` (what one iteration of its
 engine loop emitted: (request id, event) pairs, each event a serialized ``DecodeEvent``, an
-exception, or None at the end), ``LoadReport`` when its load or transfer totals change (or its
-prefix cache does: its KV events), and ``ReplicaFailed`` if its engine fails.
+exception, or None at the end), and ``LoadReport`` when its load or transfer totals change (or its
+prefix cache does: its KV events). A replica whose engine fails ends as any failed rank does: its
+process raises, the rank launcher sends ``RankError`` and the node's reader gets ``RankFailure``.
 """
 
 from __future__ import annotations
@@ -61,11 +62,6 @@ class LoadReport:
 
 
 @dataclass(frozen=True)
-class ReplicaFailed:
-    why: str
-
-
-@dataclass(frozen=True)
 class ReplicaSpec:
     index: int
     config: EngineConfig  # this replica's (dp=1, its own device)
@@ -83,6 +79,7 @@ class _Link:
         self.conn = ctx.conn
         self.lock = threading.Lock()  # the engine thread and the main loop both send
         self.confirmer = PrefillConfirmer()
+        self.failure: str | None = None  # the engine failed: the process ends (``serve_replica``)
 
     def send(self, msg: object) -> None:
         with self.lock:
@@ -103,7 +100,7 @@ class _Link:
                           for rid, item in items]))
 
     def fail(self, why: str) -> None:
-        self.send(ReplicaFailed(why))
+        self.failure = why
 
     def confirm(self, prefill_address: str, request_id: str) -> bool:
         return self.confirmer(prefill_address, request_id)
@@ -141,6 +138,8 @@ def serve_replica(ctx: RankContext) -> None:
                         return
                     case _:
                         raise TypeError(f"unknown message {msg!r}")
+            if link.failure is not None:  # after the events it emitted before it failed (on the pipe already)
+                raise RuntimeError(link.failure)
             report = LoadReport(replica.load, replica.stats.totals())
             events = replica.take_kv_events()
             if report != last or events[0] or events[1]:
@@ -196,7 +195,7 @@ class ProcessReplica:
 
 
 Relay = Callable[[int, list[tuple[str, Event]]], None]  # (replica, its events): onto the requests' streams
-Fail = Callable[[int | None, str], None]  # (the replica that failed, or None: any of them; why)
+Fail = Callable[[int | None, str], None]  # (the replica that failed, None: the pipes cannot tell which; why)
 
 
 class ReplicaProcesses:
@@ -257,8 +256,6 @@ class ReplicaProcesses:
                 self._relay(d, [(rid, _parse(item)) for rid, item in items])
             case LoadReport():
                 self.replicas[d].report(msg)
-            case ReplicaFailed(why):
-                self._fail(d, why)
             case _:
                 log.warning("replica %d sent an unknown message %r", d, msg)
 
