@@ -32,6 +32,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from cluster import envs, tls
 from cluster.auth import TokenCheck
 from cluster.config import NodeConfig
+from cluster.grpc_options import SERVER_OPTIONS
 from cluster.net import is_loopback
 from cluster.nodes import KVEvents, NodeInfo, ReplicaLoad
 from cluster.proto_gen import pdcluster_v1_pb2 as pb
@@ -40,13 +41,6 @@ from engine import envs as engine_envs
 T = TypeVar("T")
 
 log = logging.getLogger("pdcluster.node")
-
-# KV handles of long prompts on many ranks exceed gRPC's 4 MiB default.
-GRPC_OPTIONS = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]
-# Servers accept the proxy's keepalive pings (every 30 s) on calls that send nothing for a while
-# (a long prefill), instead of answering them with GOAWAY "too_many_pings".
-SERVER_OPTIONS = GRPC_OPTIONS + [("grpc.http2.min_ping_interval_without_data_ms", 10_000),
-                                 ("grpc.keepalive_permit_without_calls", 1)]
 
 
 class NodeWorker(Protocol):
