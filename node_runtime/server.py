@@ -50,6 +50,7 @@ class NodeWorker(Protocol):
     num_blocks: int  # KV blocks of one replica
     block_size: int
     prefix_caching: bool  # whether its engine really caches prefixes (vLLM may turn it off)
+    kv_protocol: str  # the Mooncake protocol its KV moves with (``auto`` resolved): decode and prefill must match
     address: str  # set by ``serve`` once the server listens: the address peers dial
 
     def load(self) -> list[ReplicaLoad]: ...
@@ -169,7 +170,7 @@ def node_info(config: NodeConfig, served: str, worker: NodeWorker) -> NodeInfo:
                     max_model_len=worker.max_model_len, dp=ec.dp, pcp=ec.pcp, pp=ec.pp,
                     kv_layout=_kv_layout(config),
                     block_size=worker.block_size, num_blocks=worker.num_blocks, started_at=time.time(),
-                    engine=config.engine_backend, kv_protocol=getattr(worker, "kv_protocol", "tcp"),
+                    engine=config.engine_backend, kv_protocol=worker.kv_protocol,
                     local_prefill=config.role == "decode" and config.engine_backend == "native",
                     prefix_caching=worker.prefix_caching)
 
