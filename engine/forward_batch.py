@@ -8,12 +8,10 @@ cached context merged with the new tokens by log-sum-exp).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
-if TYPE_CHECKING:
-    from engine.parallel.step_plan import PCPStep
+from engine.parallel.pcp_step import PCPStep
 
 
 @dataclass
@@ -38,7 +36,7 @@ class ForwardBatch:
     # [B] int32 or None: decode rows that share a block table in aligned groups (a graph's prefill rows;
     # engine.mla_decode's ``grouped``)
     decode_grouped: torch.Tensor | None = None
-    # Set on a rank of a parallel replica: this rank's share of the step (engine.parallel.step_plan).
+    # Set on a rank of a parallel replica: this rank's share of the step (engine.parallel.pcp_step).
     pcp: PCPStep | None = None
 
     @property

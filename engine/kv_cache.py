@@ -96,6 +96,3 @@ class KVCache:
             i: torch.zeros(total, block_size, cfg.kv_cache_dim, dtype=dtype, device=device) for i in layers
         }
         self.allocator = BlockAllocator(num_blocks)
-
-    def blocks_needed(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)

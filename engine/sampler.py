@@ -138,7 +138,8 @@ def launch_sample(logits: torch.Tensor, seqs: list[Sequence], default_generator:
         where = torch.tensor(banned, device=dev)
         chosen_logits[where[:, 0], where[:, 1]] = float("-inf")
     if any(seq.grammar is not None for seq in seqs):
-        chosen_logits = mask_logits(chosen_logits.clone() if chosen_logits is logits else chosen_logits, seqs)
+        chosen_logits = mask_logits(chosen_logits.clone() if chosen_logits is logits else chosen_logits,
+                                    [seq.grammar for seq in seqs])
     tokens = chosen_logits.argmax(dim=-1)
     random_rows = [i for i, seq in enumerate(seqs) if not seq.params.greedy]
     if random_rows:

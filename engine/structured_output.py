@@ -24,7 +24,6 @@ if TYPE_CHECKING:  # the proxy imports this module (to check constraints): neith
     import llguidance
     import torch
 
-    from engine.sequence import Sequence
     from engine.tokenizer import Tokenizer
 
 MAX_CHOICES = 256  # strings in one ``choice``
@@ -187,10 +186,10 @@ def _executor() -> llguidance.LLExecutor:
     return _EXECUTOR
 
 
-def mask_logits(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-    """logits [N, V] -> the same tensor with, in each row whose request has a grammar, every token the
-    grammar does not allow next at -inf."""
-    rows = [(i, s.grammar) for i, s in enumerate(seqs) if s.grammar is not None]
+def mask_logits(logits: torch.Tensor, grammars: list[Grammar | None]) -> torch.Tensor:
+    """logits [N, V] -> the same tensor with, in each row whose request has a grammar (``grammars[i]``,
+    None for an unconstrained row), every token the grammar does not allow next at -inf."""
+    rows = [(i, g) for i, g in enumerate(grammars) if g is not None]
     return mask_rows(logits, [i for i, _ in rows], [g for _, g in rows]) if rows else logits
 
 

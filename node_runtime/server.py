@@ -32,6 +32,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from cluster import envs, tls
 from cluster.auth import TokenCheck
 from cluster.config import NodeConfig
+from cluster.grpc_options import SERVER_OPTIONS
 from cluster.net import is_loopback
 from cluster.nodes import KVEvents, NodeInfo, ReplicaLoad
 from cluster.proto_gen import pdcluster_v1_pb2 as pb
@@ -41,13 +42,6 @@ T = TypeVar("T")
 
 log = logging.getLogger("pdcluster.node")
 
-# KV handles of long prompts on many ranks exceed gRPC's 4 MiB default.
-GRPC_OPTIONS = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]
-# Servers accept the proxy's keepalive pings (every 30 s) on calls that send nothing for a while
-# (a long prefill), instead of answering them with GOAWAY "too_many_pings".
-SERVER_OPTIONS = GRPC_OPTIONS + [("grpc.http2.min_ping_interval_without_data_ms", 10_000),
-                                 ("grpc.keepalive_permit_without_calls", 1)]
-
 
 class NodeWorker(Protocol):
     failed: threading.Event  # set when the engine can no longer serve (a rank died)
@@ -56,6 +50,7 @@ class NodeWorker(Protocol):
     num_blocks: int  # KV blocks of one replica
     block_size: int
     prefix_caching: bool  # whether its engine really caches prefixes (vLLM may turn it off)
+    kv_protocol: str  # the Mooncake protocol its KV moves with (``auto`` resolved): decode and prefill must match
     address: str  # set by ``serve`` once the server listens: the address peers dial
 
     def load(self) -> list[ReplicaLoad]: ...
@@ -175,7 +170,7 @@ def node_info(config: NodeConfig, served: str, worker: NodeWorker) -> NodeInfo:
                     max_model_len=worker.max_model_len, dp=ec.dp, pcp=ec.pcp, pp=ec.pp,
                     kv_layout=_kv_layout(config),
                     block_size=worker.block_size, num_blocks=worker.num_blocks, started_at=time.time(),
-                    engine=config.engine_backend, kv_protocol=getattr(worker, "kv_protocol", "tcp"),
+                    engine=config.engine_backend, kv_protocol=worker.kv_protocol,
                     local_prefill=config.role == "decode" and config.engine_backend == "native",
                     prefix_caching=worker.prefix_caching)
 

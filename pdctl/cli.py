@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
@@ -126,49 +127,109 @@ def up(
     """Start a local cluster (Redis, prefill and decode nodes, proxy); returns once it is healthy."""
     from pdctl import launcher
 
-    flags = {
-        "--model": model, "--served-model-name": served_model_name, "--proxy-host": proxy_host,
-        "--proxy-port": proxy_port, "--prefill-nodes": prefill_nodes, "--prefill-dp": prefill_dp,
-        "--prefill-pcp": prefill_pcp, "--prefill-pp": prefill_pp, "--kv-layout": kv_layout,
-        "--kv-interleave": kv_interleave, "--prefill-tp": prefill_tp, "--prefill-dcp": prefill_dcp,
-        "--decode-nodes": decode_nodes, "--decode-dp": decode_dp, "--decode-tp": decode_tp, "--decode-dcp": decode_dcp,
-        "--dtype": dtype, "--device": device, "--max-model-len": max_model_len, "--registry-url": registry_url,
-        "--redis-port": redis_port, "--cluster": cluster, "--api-key": api_key, "--admin-key": admin_key,
-        "--engine": engine, "--vllm-python": vllm_python, "--load-format": load_format,
-        "--gpu-memory-utilization": gpu_memory_utilization, "--prefill-gpus": prefill_gpus,
-        "--decode-gpus": decode_gpus, "--proxy-workers": proxy_workers,
-    }
-    given = [name for name, value in flags.items() if value is not None]
+    flags = _TopologyFlags(
+        model=model, served_model_name=served_model_name, proxy_host=proxy_host, proxy_port=proxy_port,
+        prefill_nodes=prefill_nodes, prefill_dp=prefill_dp, prefill_pcp=prefill_pcp, prefill_pp=prefill_pp,
+        kv_layout=kv_layout, kv_interleave=kv_interleave, prefill_tp=prefill_tp, prefill_dcp=prefill_dcp,
+        decode_nodes=decode_nodes, decode_dp=decode_dp, decode_tp=decode_tp, decode_dcp=decode_dcp, dtype=dtype,
+        device=device, max_model_len=max_model_len, registry_url=registry_url, redis_port=redis_port,
+        cluster=cluster, api_key=api_key, admin_key=admin_key, engine=engine, vllm_python=vllm_python,
+        load_format=load_format, gpu_memory_utilization=gpu_memory_utilization, prefill_gpus=prefill_gpus,
+        decode_gpus=decode_gpus, proxy_workers=proxy_workers,
+    )
+    topology = _up_topology(topology_file, flags)
+    state = _start(topology, run_dir or launcher.default_run_dir(topology.cluster), timeout_s)
+    default_dir = Path(state.run_dir) == launcher.default_run_dir(state.cluster).resolve()
+    console.print(f"[green]cluster {escape(state.cluster)} is up[/green]: proxy [bold]{state.proxy_url}[/bold]")
+    console.print(f"  registry {state.registry_url}; logs in {Path(state.run_dir) / 'logs'}", highlight=False,
+                  soft_wrap=True)
+    console.print("  stop it with: pdctl down" + ("" if default_dir else f" --run-dir {state.run_dir}"),
+                  highlight=False, soft_wrap=True)
+
+
+@dataclass(frozen=True)
+class _TopologyFlags:
+    """``pdctl up``'s topology flags (None: not given), in the order its errors name them."""
+
+    model: Path | None
+    served_model_name: str | None
+    proxy_host: str | None
+    proxy_port: int | None
+    prefill_nodes: int | None
+    prefill_dp: int | None
+    prefill_pcp: int | None
+    prefill_pp: int | None
+    kv_layout: str | None
+    kv_interleave: int | None
+    prefill_tp: int | None
+    prefill_dcp: int | None
+    decode_nodes: int | None
+    decode_dp: int | None
+    decode_tp: int | None
+    decode_dcp: int | None
+    dtype: str | None
+    device: str | None
+    max_model_len: int | None
+    registry_url: str | None
+    redis_port: int | None
+    cluster: str | None
+    api_key: str | None
+    admin_key: str | None
+    engine: str | None
+    vllm_python: str | None
+    load_format: str | None
+    gpu_memory_utilization: float | None
+    prefill_gpus: str | None
+    decode_gpus: str | None
+    proxy_workers: int | None
+
+    def given(self) -> list[str]:
+        """The flags given (``--prefill-pcp``...)."""
+        return ["--" + f.name.replace("_", "-") for f in fields(self) if getattr(self, f.name) is not None]
+
+    def topology(self) -> Topology:
+        """The topology the flags describe (ValueError for a bad value, or without --model); what they leave
+        out keeps its default."""
+        if self.model is None:
+            raise ValueError("give --model DIR (and optionally topology flags), or --topology FILE")
+        placement = _given(dtype=self.dtype, device=self.device, max_model_len=self.max_model_len,
+                           load_format=self.load_format, gpu_memory_utilization=self.gpu_memory_utilization)
+        n_prefill = 1 if self.prefill_nodes is None else self.prefill_nodes
+        n_decode = self.decode_nodes or 1
+        prefill_keys = _given(dp=self.prefill_dp, pcp=self.prefill_pcp, pp=self.prefill_pp, kv_layout=self.kv_layout,
+                              kv_interleave=self.kv_interleave, tp=self.prefill_tp, dcp=self.prefill_dcp)
+        decode_keys = _given(dp=self.decode_dp, tp=self.decode_tp, dcp=self.decode_dcp)
+        prefill = tuple(PrefillSpec(**prefill_keys, **placement, **_given(gpus=g))
+                        for g in _gpu_slices(self.prefill_gpus, n_prefill, "--prefill-gpus"))
+        decode = tuple(DecodeSpec(**decode_keys, **placement, **_given(gpus=g))
+                       for g in _gpu_slices(self.decode_gpus, n_decode, "--decode-gpus"))
+        return Topology(
+            model=str(self.model), prefill=prefill, decode=decode,
+            served_model_name=self.served_model_name,
+            proxy=ProxySpec(**_given(host=self.proxy_host, port=self.proxy_port, api_key=self.api_key,
+                                     admin_key=self.admin_key, workers=self.proxy_workers)),
+            registry=RegistrySpec(**_given(url=self.registry_url, port=self.redis_port, cluster=self.cluster)),
+            **_given(engine=self.engine, vllm_python=self.vllm_python),
+        )
+
+
+def _up_topology(topology_file: Path | None, flags: _TopologyFlags) -> Topology:
+    """The cluster ``pdctl up`` starts: the topology file's, or the flags'; a bad one ends the command."""
+    given = flags.given()
     try:
         if topology_file is not None:
             if given:
                 _fail(f"--topology describes the whole cluster: drop {', '.join(given)} (or put them in the file)")
-            topology = load_topology(topology_file)
-        elif model is None:
-            _fail("give --model DIR (and optionally topology flags), or --topology FILE", code=2)
-        else:
-            placement = _given(dtype=dtype, device=device, max_model_len=max_model_len, load_format=load_format,
-                               gpu_memory_utilization=gpu_memory_utilization)
-            n_prefill = 1 if prefill_nodes is None else prefill_nodes
-            n_decode = decode_nodes or 1
-            prefill_keys = _given(dp=prefill_dp, pcp=prefill_pcp, pp=prefill_pp, kv_layout=kv_layout,
-                                  kv_interleave=kv_interleave, tp=prefill_tp, dcp=prefill_dcp)
-            decode_keys = _given(dp=decode_dp, tp=decode_tp, dcp=decode_dcp)
-            prefill = tuple(PrefillSpec(**prefill_keys, **placement, **_given(gpus=g))
-                            for g in _gpu_slices(prefill_gpus, n_prefill, "--prefill-gpus"))
-            decode = tuple(DecodeSpec(**decode_keys, **placement, **_given(gpus=g))
-                           for g in _gpu_slices(decode_gpus, n_decode, "--decode-gpus"))
-            topology = Topology(
-                model=str(model), prefill=prefill, decode=decode,
-                served_model_name=served_model_name,
-                proxy=ProxySpec(**_given(host=proxy_host, port=proxy_port, api_key=api_key, admin_key=admin_key,
-                                         workers=proxy_workers)),
-                registry=RegistrySpec(**_given(url=registry_url, port=redis_port, cluster=cluster)),
-                **_given(engine=engine, vllm_python=vllm_python),
-            )
+            return load_topology(topology_file)
+        return flags.topology()
     except ValueError as e:
         _fail(str(e), code=2)
-    run_dir = run_dir or launcher.default_run_dir(topology.cluster)
+
+
+def _start(topology: Topology, run_dir: Path, timeout_s: float) -> RunState:
+    """``launcher.up`` with its progress on the console; a launch that fails ends the command."""
+    from pdctl import launcher
+
     with console.status("starting the cluster") as status:
         def progress(message: str) -> None:
             if not message.startswith("waiting"):
@@ -176,15 +237,9 @@ def up(
             status.update(message)
 
         try:
-            state = launcher.up(topology, run_dir, timeout_s=timeout_s, progress=progress)
+            return launcher.up(topology, run_dir, timeout_s=timeout_s, progress=progress)
         except launcher.LaunchError as e:
             _fail(str(e))
-    default_dir = Path(state.run_dir) == launcher.default_run_dir(state.cluster).resolve()
-    console.print(f"[green]cluster {escape(state.cluster)} is up[/green]: proxy [bold]{state.proxy_url}[/bold]")
-    console.print(f"  registry {state.registry_url}; logs in {Path(state.run_dir) / 'logs'}", highlight=False,
-                  soft_wrap=True)
-    console.print("  stop it with: pdctl down" + ("" if default_dir else f" --run-dir {state.run_dir}"),
-                  highlight=False, soft_wrap=True)
 
 
 def _gpu_slices(gpus: str | None, nodes: int, flag: str) -> list[str | None]:

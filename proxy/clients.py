@@ -13,6 +13,7 @@ import grpc
 
 from cluster import tls
 from cluster.auth import call_metadata
+from cluster.grpc_options import CHANNEL_OPTIONS
 from cluster.proto_gen import pdcluster_v1_pb2 as pb
 from cluster.proto_gen import pdcluster_v1_pb2_grpc as pb_grpc
 from proxy.mux import DECODE, PREFILL, MuxStream
@@ -20,17 +21,6 @@ from proxy.mux import DECODE, PREFILL, MuxStream
 log = logging.getLogger(__name__)
 
 ABORT_TIMEOUT_S = 5.0
-
-_CHANNEL_OPTIONS = [
-    # A KV handle of a long prompt lists thousands of blocks per rank: leave room above gRPC's 4 MB.
-    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
-    ("grpc.max_send_message_length", 64 * 1024 * 1024),
-    # Notice a silently dead peer (no RST, e.g. a lost host) on long idle decode streams.
-    ("grpc.keepalive_time_ms", 30_000),
-    ("grpc.keepalive_timeout_ms", 10_000),
-    ("grpc.keepalive_permit_without_calls", 0),
-]
-
 
 class NodeClients:
     """The nodes' multiplexed streams and the prefill service's stub, over cached channels."""
@@ -43,7 +33,7 @@ class NodeClients:
     def channel(self, address: str) -> grpc.aio.Channel:
         ch = self._channels.get(address)
         if ch is None:
-            ch = self._channels[address] = tls.aio_channel(address, options=_CHANNEL_OPTIONS)  # TLS when configured
+            ch = self._channels[address] = tls.aio_channel(address, options=CHANNEL_OPTIONS)  # TLS when configured
         return ch
 
     def prefill(self, address: str) -> pb_grpc.PrefillServiceStub:

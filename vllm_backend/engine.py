@@ -30,6 +30,7 @@ from cluster.net import free_port_outside_ephemeral
 from cluster.nodes import ReplicaLoad
 from cluster.proto_gen import pdcluster_v1_pb2 as pb
 from cluster.wire import structured_from_pb
+from kv_transfer.protocol import choose_protocol
 from vllm_backend.kv_events import VllmKVEvents, endpoint_for
 
 log = logging.getLogger("pdcluster.vllm")
@@ -40,9 +41,28 @@ CONNECTOR_MODULE = "vllm_backend.connector"
 ROLES = {"prefill": "kv_producer", "decode": "kv_consumer"}
 
 
-def engine_args(config: NodeConfig, transfer_host: str, kv_events_endpoint: str | None = None) -> Any:
-    """vLLM ``AsyncEngineArgs`` for this node's role, with our connector. Prefix caching follows
-    ``enable_prefix_caching``; with ``kv_events_endpoint`` the engine publishes its KV events there."""
+def kv_protocol(config: NodeConfig, transfer_host: str) -> str:
+    """The Mooncake protocol the node's connector moves KV with: ``--kv-protocol``, with ``auto`` chosen by
+    the native nodes' rule (``kv_transfer.protocol``), so both engines' nodes of one host agree on it. The
+    connector's workers make the same ``MooncakeTransport`` as native nodes, with this protocol."""
+    return choose_protocol(config.kv_protocol, config.engine.torch_device().type == "cuda", transfer_host)
+
+
+def connector_extra(config: NodeConfig, transfer_host: str, side_channel_port: int, protocol: str) -> dict[str, Any]:
+    """The connector's ``kv_connector_extra_config`` (``connector_meta.ConnectorSettings``) for this node."""
+    extra: dict[str, Any] = {"side_channel_host": transfer_host, "side_channel_port": side_channel_port,
+                             "mooncake_host": transfer_host, "mooncake_protocol": protocol}
+    if config.role == "prefill":
+        extra["lease_s"] = config.lease_s
+    else:
+        extra["transfer_timeout_s"] = config.transfer_timeout_s
+    return extra
+
+
+def engine_args(config: NodeConfig, transfer_host: str, protocol: str, kv_events_endpoint: str | None = None) -> Any:
+    """vLLM ``AsyncEngineArgs`` for this node's role, with our connector moving KV over Mooncake's
+    ``protocol``. Prefix caching follows ``enable_prefix_caching``; with ``kv_events_endpoint`` the engine
+    publishes its KV events there."""
     from vllm.config import KVEventsConfig
     from vllm.engine.arg_utils import AsyncEngineArgs
 
@@ -54,17 +74,11 @@ def engine_args(config: NodeConfig, transfer_host: str, kv_events_endpoint: str 
     # bound ~30 s later by vLLM's engine core: a port outside the kernel's ephemeral range (a port-0 one
     # was taken in between once, by another process's listener)
     side = free_port_outside_ephemeral(transfer_host)
-    extra: dict[str, Any] = {"side_channel_host": transfer_host, "side_channel_port": side,
-                             "mooncake_host": transfer_host}
-    if config.role == "prefill":
-        extra["lease_s"] = config.lease_s
-    else:
-        extra["transfer_timeout_s"] = config.transfer_timeout_s
     on_cpu = ec.torch_device().type == "cpu"
     if on_cpu:
         envs.set_vllm_cpu_defaults()
     kv = {"kv_connector": CONNECTOR, "kv_connector_module_path": CONNECTOR_MODULE, "kv_role": ROLES[config.role],
-          "kv_connector_extra_config": extra}
+          "kv_connector_extra_config": connector_extra(config, transfer_host, side, protocol)}
     interleave = ec.kv_interleave or ec.block_size
     # vLLM's own rules for the layout (a bad shape fails here, with its reason, not in vLLM's workers).
     layout = VllmKVLayout(tp=config.tp, pcp=ec.pcp, dcp=config.dcp, pp=ec.pp, interleave=interleave,
@@ -202,10 +216,11 @@ class VllmWorker:
     ``load``/``in_flight`` run on the heartbeat thread, so they read only plain counters.
     """
 
-    def __init__(self, engine: Any, config: NodeConfig, loop: asyncio.AbstractEventLoop,
+    def __init__(self, engine: Any, config: NodeConfig, loop: asyncio.AbstractEventLoop, kv_protocol: str,
                  kv_events: VllmKVEvents | None = None) -> None:
         self.engine = engine
         self.config = config
+        self.kv_protocol = kv_protocol  # the connector's Mooncake protocol, published for the router's pairing
         self.kv_events = kv_events  # the engine's prefix cache, in our block hashes (prefix caching on)
         self.loop = loop
         self.failed = threading.Event()
@@ -227,9 +242,11 @@ class VllmWorker:
         from vllm.v1.engine.async_llm import AsyncLLM
 
         endpoint = endpoint_for(config.node_id) if config.engine.enable_prefix_caching else None
-        args = engine_args(config, transfer_host, endpoint)
-        engine = AsyncLLM.from_engine_args(args)
-        return cls(engine, config, asyncio.get_running_loop(), VllmKVEvents(endpoint) if endpoint else None)
+        protocol = kv_protocol(config, transfer_host)
+        log.info("KV transport: Mooncake %s on %s (the connector's workers)", protocol, transfer_host)
+        engine = AsyncLLM.from_engine_args(engine_args(config, transfer_host, protocol, endpoint))
+        return cls(engine, config, asyncio.get_running_loop(), protocol,
+                   VllmKVEvents(endpoint) if endpoint else None)
 
     def check(self) -> None:
         if not self.failed.is_set() and getattr(self.engine, "errored", False):

@@ -32,6 +32,13 @@ class WorkerInfo:
 Handler = Callable[[dict[str, Any]], dict[str, Any]]
 
 
+class _Server(socketserver.ThreadingTCPServer):
+    # SO_REUSEADDR: a restarted node binds its side-channel port again while the old one's connections
+    # are still in TIME_WAIT. Set on this class, not on socketserver's: other servers keep their default.
+    allow_reuse_address = True
+    daemon_threads = True  # a connection's thread never holds the process open
+
+
 class SideChannelServer:
     """Serves ``handler`` on ``host:port`` (port 0: a free one) from a daemon thread."""
 
@@ -45,9 +52,7 @@ class SideChannelServer:
                     answer = {"error": f"{type(e).__name__}: {e}"}
                 self.wfile.write(json.dumps(answer).encode() + b"\n")
 
-        socketserver.ThreadingTCPServer.allow_reuse_address = True
-        self._server = socketserver.ThreadingTCPServer((host, port), _Req)
-        self._server.daemon_threads = True
+        self._server = _Server((host, port), _Req)
         self.host, self.port = host, self._server.server_address[1]
         self._thread = threading.Thread(target=self._server.serve_forever, name="pd-side-channel", daemon=True)
         self._thread.start()

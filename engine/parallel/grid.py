@@ -36,10 +36,6 @@ class ParallelConfig:
     def world_size(self) -> int:
         return self.dp * self.pp * self.pcp * self.tp
 
-    @property
-    def replica_size(self) -> int:
-        return self.pp * self.pcp * self.tp
-
     def rank(self, dp: int, pp: int, pcp: int, tp: int = 0) -> int:
         return ((dp * self.pp + pp) * self.pcp + pcp) * self.tp + tp
 

@@ -1,4 +1,4 @@
-"""MLA attention on one rank of a PCP group (the step's layout comes from ``step_plan.PCPStep``).
+"""MLA attention on one rank of a PCP group (the step's layout comes from ``pcp_step.PCPStep``).
 
 Per layer:
 
@@ -18,17 +18,41 @@ Every collective's sizes follow from the plan, so all ranks of the group call th
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from engine.attention_ops import attention_lse, merge_attention
+from engine.config import ModelConfig
 from engine.forward_batch import ForwardBatch, gather_latents
 from engine.parallel.collectives import PendingGather, gather_padded, start_gather
 from engine.parallel.pcp_attention import causal_squares, finish_runs
 
-if TYPE_CHECKING:
-    from engine.mla import MLAttention
+
+class LatentAttention(Protocol):
+    """What this path uses of the attention layer it computes for: ``engine.mla.MLAttention``, which calls
+    ``pcp_attention`` with itself (declared here, so that the layer's module imports this one and not
+    the other way round)."""
+
+    cfg: ModelConfig
+    num_heads: int
+    scale: float
+
+    def expand_kv(
+        self, kv_c: torch.Tensor, k_pe: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Latent [K, L] + rope key [K, R] -> per-head k [K, H, nope+rope], v [K, H, v] (into ``out``)."""
+        ...
+
+    def absorbed_attention(
+        self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor, want_lse: bool = True
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """MQA over latents kv [B, T, L+R] where ``mask`` [B, T] -> (latent out [B, H, L] fp32, lse [B, H])."""
+        ...
+
+    def expand_latent_out(self, out_lat: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Latent attention output [B, H, L] -> per-head values [B, H, v]."""
+        ...
 
 
 def start_new_kv_gather(latent: torch.Tensor, batch: ForwardBatch) -> PendingGather | None:
@@ -39,7 +63,7 @@ def start_new_kv_gather(latent: torch.Tensor, batch: ForwardBatch) -> PendingGat
 
 
 def pcp_attention(
-    attn: MLAttention,
+    attn: LatentAttention,
     q_nope: torch.Tensor,
     q_pe: torch.Tensor,
     latent: torch.Tensor,
@@ -118,7 +142,7 @@ def _gaps(runs: list[tuple[int, int]], end: int) -> list[tuple[int, int]]:
 
 
 def _decode(
-    attn: MLAttention,
+    attn: LatentAttention,
     q_nope: torch.Tensor,
     q_pe: torch.Tensor,
     batch: ForwardBatch,

@@ -11,7 +11,7 @@ collective's sizes without exchanging them.
 from __future__ import annotations
 
 import array
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -20,6 +20,7 @@ from engine.forward_batch import ForwardBatch
 from engine.parallel.collectives import padded_index
 from engine.parallel.grid import ParallelConfig
 from engine.parallel.pcp_split import zigzag_runs
+from engine.parallel.pcp_step import PCPStep, SegmentView
 
 
 @dataclass
@@ -51,46 +52,6 @@ class StepPlan:
                 seen_prefill = True
             elif seen_prefill:
                 raise ValueError("decode rows must precede prefill rows in a step plan")
-
-    @property
-    def num_logits(self) -> int:
-        return sum(r.logits[1] for r in self.rows if r.logits is not None)
-
-
-@dataclass
-class SegmentView:
-    """One prefill request as seen by one PCP rank."""
-
-    local_rows: slice  # its rows among this rank's local rows
-    runs: list[tuple[int, int]]  # which of its new tokens those rows are (ascending zigzag runs)
-    new: slice  # its tokens in the step-order tensor of all new prefill tokens
-    ctx: slice  # its cached context in the step-order context tensor (empty slice: none)
-
-
-@dataclass
-class PCPStep:
-    """Everything the PCP attention path needs for one step on one rank (tensors on its device)."""
-
-    size: int
-    rank: int
-    group: dist.ProcessGroup | None
-    sharded: bool  # KV sharded over the PCP group with size > 1
-    num_decode: int
-    dec_write_rows: torch.Tensor  # local decode rows whose new KV this rank stores
-    dec_write_slots: torch.Tensor
-    dec_mask: torch.Tensor  # [B, max_len] bool: cached positions this rank holds, per decode row
-    segments: list[SegmentView]
-    num_new: int  # new prefill tokens in the step, all ranks
-    new_counts: list[int]  # local prefill rows per PCP rank
-    new_index: torch.Tensor  # step-order new token -> row of the padded all-gather
-    new_write_src: torch.Tensor  # step-order new tokens this rank stores ...
-    new_write_slots: torch.Tensor  # ... and where
-    num_ctx: int
-    ctx_counts: list[int]  # sharded: context tokens each rank reads and contributes
-    ctx_read_slots: torch.Tensor  # slots this rank reads (sharded: the ones it holds; replicated: all)
-    ctx_index: torch.Tensor | None  # sharded: step-order context token -> row of the padded all-gather
-    logits_counts: list[int] = field(default_factory=list)
-    logits_index: torch.Tensor | None = None  # plan-order logits row -> row of the padded all-gather
 
 
 def int_tensor(values: list[int]) -> torch.Tensor:
@@ -128,43 +89,74 @@ def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
 
 
-def build_rank_batch(
-    plan: StepPlan,
-    par: ParallelConfig,
-    pcp_rank: int,
-    block_size: int,
-    device: torch.device,
-    group: dist.ProcessGroup | None = None,
-) -> ForwardBatch:
-    """This PCP rank's rows of ``plan`` as a ForwardBatch carrying its :class:`PCPStep`."""
-    P, r, bs = par.pcp, pcp_rank, block_size
-    sharded = par.kv_layout == "sharded" and P > 1
-    inter = par.interleave(bs)
+@dataclass(frozen=True)
+class _Holders:
+    """Which PCP ranks hold a position's KV: sharded, rank ``(pos // interleave) % pcp``; replicated, all."""
 
-    def held(pos: torch.Tensor, rank: int) -> torch.Tensor:
-        return (pos // inter) % P == rank if sharded else torch.ones_like(pos, dtype=torch.bool)
+    pcp: int
+    interleave: int
+    sharded: bool
 
-    decodes = [row for row in plan.rows if row.num_new == 1]
-    prefills = [row for row in plan.rows if row.num_new > 1]
+    def held(self, pos: torch.Tensor, rank: int) -> torch.Tensor:
+        """[N] bool: which of the positions ``pos`` [N] ``rank`` holds."""
+        return (pos // self.interleave) % self.pcp == rank if self.sharded else torch.ones_like(pos, dtype=torch.bool)
+
+
+@dataclass
+class _DecodeRows:
+    """The step's decode rows on one rank (tensors on the host)."""
+
+    lens: torch.Tensor  # [B] cached tokens incl. this step's
+    tables: torch.Tensor  # [B, W] this rank's physical block ids (0 where it holds none)
+    max_len: int
+    mask: torch.Tensor  # [B, max_len] bool: cached positions this rank holds
+    write_rows: torch.Tensor  # decode rows whose new KV this rank stores ...
+    write_slots: torch.Tensor  # ... and where
+
+
+def _decode_rows(decodes: list[PlanRow], tables: list[torch.Tensor], own: _Holders, r: int, bs: int) -> _DecodeRows:
+    """Decode rows (``tables``: each one's local block ids): computed on every PCP rank; each holder stores
+    the new token and attends its part."""
     nd = len(decodes)
-    local = [_local_ids(int_tensor(row.block_ids), par, r) for row in plan.rows]
-    ids: list[torch.Tensor] = [row.token_ids for row in decodes]
-    positions: list[torch.Tensor] = [torch.tensor([row.start]) for row in decodes]
-
-    # Decode rows: computed on every PCP rank; each holder stores the new token and attends its part.
-    dec_lens = torch.tensor([row.start + 1 for row in decodes], dtype=torch.long)
+    lens = torch.tensor([row.start + 1 for row in decodes], dtype=torch.long)
     width = max((len(row.block_ids) for row in decodes), default=0)
-    dec_tables = torch.zeros(nd, width, dtype=torch.long)
+    padded = torch.zeros(nd, width, dtype=torch.long)
     for d in range(nd):
-        dec_tables[d, : local[d].numel()] = local[d].clamp_min(0)
-    max_len = int(dec_lens.max()) if nd else 0
+        padded[d, : tables[d].numel()] = tables[d].clamp_min(0)
+    max_len = int(lens.max()) if nd else 0
     pos = torch.arange(max_len)
-    dec_mask = (pos[None, :] < dec_lens[:, None]) & held(pos, r)[None, :]
+    mask = (pos[None, :] < lens[:, None]) & own.held(pos, r)[None, :]
     starts = torch.tensor([row.start for row in decodes], dtype=torch.long)
-    dec_write_rows = torch.nonzero(held(starts, r)).flatten() if nd else torch.zeros(0, dtype=torch.long)
-    dec_write_slots = _cat([_slots(local[d], starts[d : d + 1], bs) for d in dec_write_rows.tolist()])
+    write_rows = torch.nonzero(own.held(starts, r)).flatten() if nd else torch.zeros(0, dtype=torch.long)
+    write_slots = _cat([_slots(tables[d], starts[d : d + 1], bs) for d in write_rows.tolist()])
+    return _DecodeRows(lens, padded, max_len, mask, write_rows, write_slots)
 
-    # Prefill segments: zigzag rows per rank; every rank's share is needed for the gather indices.
+
+@dataclass
+class _PrefillRows:
+    """The step's prefill segments on one rank (tensors on the host)."""
+
+    zig: list[list[torch.Tensor]]  # [rank][segment]: the segment's new tokens that rank computes
+    ids: list[torch.Tensor]  # this rank's rows' token ids ...
+    positions: list[torch.Tensor]  # ... and positions, in row order
+    segments: list[SegmentView]
+    num_new: int  # new prefill tokens in the step, all ranks
+    new_counts: list[int]
+    new_index: torch.Tensor
+    write_src: torch.Tensor
+    write_slots: torch.Tensor
+    num_ctx: int
+    ctx_counts: list[int]
+    read_slots: torch.Tensor
+    ctx_index: torch.Tensor | None
+
+
+def _prefill_rows(
+    prefills: list[PlanRow], tables: list[torch.Tensor], first_row: int, own: _Holders, r: int, bs: int
+) -> _PrefillRows:
+    """Prefill segments (``tables``: each one's local block ids; their rows start at ``first_row``): zigzag
+    rows per rank; every rank's share is needed for the gather indices."""
+    P = own.pcp
     runs = [[zigzag_runs(row.num_new, P, q) for row in prefills] for q in range(P)]
     zig = [[_cat([torch.arange(a, b) for a, b in rs]) for rs in per_rank] for per_rank in runs]
     new_off, ctx_off, n_new, n_ctx = [], [], 0, 0
@@ -177,14 +169,16 @@ def build_rank_batch(
     new_index = padded_index(
         [_cat([new_off[s] + zig[q][s] for s in range(len(prefills))]) for q in range(P)], new_counts, n_new
     )
+    ids: list[torch.Tensor] = []
+    positions: list[torch.Tensor] = []
     segments: list[SegmentView] = []
     write_src: list[torch.Tensor] = []
     write_slots: list[torch.Tensor] = []
     read_slots: list[torch.Tensor] = []
     ctx_parts_by_rank: list[list[torch.Tensor]] = [[] for _ in range(P)]
-    row0 = nd
+    row0 = first_row
     for s, row in enumerate(prefills):
-        table = local[nd + s]
+        table = tables[s]
         mine = zig[r][s]
         ids.extend(row.token_ids[a:b] for a, b in runs[r][s])
         positions.append(row.start + mine)
@@ -198,30 +192,40 @@ def build_rank_batch(
         )
         row0 += mine.numel()
         new_pos = row.start + torch.arange(row.num_new)
-        keep = held(new_pos, r)
+        keep = own.held(new_pos, r)
         write_src.append(new_off[s] + torch.nonzero(keep).flatten())
         write_slots.append(_slots(table, new_pos[keep], bs))
         ctx_pos = torch.arange(row.start)
-        if sharded:
+        if own.sharded:
             for q in range(P):
-                ctx_parts_by_rank[q].append(ctx_off[s] + ctx_pos[held(ctx_pos, q)])
-            read_slots.append(_slots(table, ctx_pos[held(ctx_pos, r)], bs))
+                ctx_parts_by_rank[q].append(ctx_off[s] + ctx_pos[own.held(ctx_pos, q)])
+            read_slots.append(_slots(table, ctx_pos[own.held(ctx_pos, r)], bs))
         else:
             read_slots.append(_slots(table, ctx_pos, bs))
     ctx_counts = [sum(int(t.numel()) for t in parts) for parts in ctx_parts_by_rank]
-    ctx_index = padded_index([_cat(p) for p in ctx_parts_by_rank], ctx_counts, n_ctx) if sharded else None
+    ctx_index = padded_index([_cat(p) for p in ctx_parts_by_rank], ctx_counts, n_ctx) if own.sharded else None
+    return _PrefillRows(zig, ids, positions, segments, n_new, new_counts, new_index, _cat(write_src),
+                        _cat(write_slots), n_ctx, ctx_counts, _cat(read_slots), ctx_index)
 
-    # Logits rows: decode rows from PCP rank 0, prefill rows from the rank that computed them.
+
+def _logits_rows(
+    rows: list[PlanRow], nd: int, zig: list[list[torch.Tensor]], r: int
+) -> tuple[torch.Tensor, list[int], torch.Tensor]:
+    """Logits rows: decode rows from PCP rank 0, prefill rows from the rank that computed them (``zig``, per
+    rank and segment) -> (this rank's rows that feed the logits, rows per rank, plan-order logits row -> row
+    of the padded all-gather)."""
+    P = len(zig)
+    num_prefills = len(rows) - nd
     per_rank_out: list[list[torch.Tensor]] = [[] for _ in range(P)]
     my_rows: list[torch.Tensor] = []
     out_off = 0
-    seg_start = [[0] * len(prefills) for _ in range(P)]
+    seg_start = [[0] * num_prefills for _ in range(P)]
     for q in range(P):
         acc = 0
-        for s in range(len(prefills)):
+        for s in range(num_prefills):
             seg_start[q][s] = acc
             acc += int(zig[q][s].numel())
-    for i, row in enumerate(plan.rows):
+    for i, row in enumerate(rows):
         if row.logits is None:
             continue
         first, k = row.logits
@@ -239,24 +243,48 @@ def build_rank_batch(
                     my_rows.append(nd + seg_start[q][s] + sel)
         out_off += k
     logits_counts = [sum(int(t.numel()) for t in parts) for parts in per_rank_out]
-    logits_index = padded_index([_cat(p) for p in per_rank_out], logits_counts, out_off)
+    return _cat(my_rows), logits_counts, padded_index([_cat(p) for p in per_rank_out], logits_counts, out_off)
+
+
+def build_rank_batch(
+    plan: StepPlan,
+    par: ParallelConfig,
+    pcp_rank: int,
+    block_size: int,
+    device: torch.device,
+    group: dist.ProcessGroup | None = None,
+) -> ForwardBatch:
+    """This PCP rank's rows of ``plan`` as a ForwardBatch carrying its :class:`PCPStep`: decode rows first
+    (``_decode_rows``), then its zigzag rows of each prefill (``_prefill_rows``), and the rows feeding the
+    logits (``_logits_rows``), moved to ``device`` in one copy."""
+    P, r, bs = par.pcp, pcp_rank, block_size
+    own = _Holders(P, par.interleave(bs), par.kv_layout == "sharded" and P > 1)
+    decodes = [row for row in plan.rows if row.num_new == 1]
+    prefills = [row for row in plan.rows if row.num_new > 1]
+    nd = len(decodes)
+    local = [_local_ids(int_tensor(row.block_ids), par, r) for row in plan.rows]
+    dec = _decode_rows(decodes, local[:nd], own, r, bs)
+    pre = _prefill_rows(prefills, local[nd:], nd, own, r, bs)
+    logits_rows, logits_counts, logits_index = _logits_rows(plan.rows, nd, pre.zig, r)
 
     host = {
-        "dec_write_rows": dec_write_rows, "dec_write_slots": dec_write_slots, "new_index": new_index,
-        "new_write_src": _cat(write_src), "new_write_slots": _cat(write_slots), "ctx_read_slots": _cat(read_slots),
-        "ctx_index": ctx_index if ctx_index is not None else torch.zeros(0, dtype=torch.long),
-        "logits_index": logits_index, "input_ids": _cat(ids), "positions": _cat(positions),
-        "dec_tables": dec_tables, "dec_lens": dec_lens, "logits_rows": _cat(my_rows),
+        "dec_write_rows": dec.write_rows, "dec_write_slots": dec.write_slots, "new_index": pre.new_index,
+        "new_write_src": pre.write_src, "new_write_slots": pre.write_slots, "ctx_read_slots": pre.read_slots,
+        "ctx_index": pre.ctx_index if pre.ctx_index is not None else torch.zeros(0, dtype=torch.long),
+        "logits_index": logits_index,
+        "input_ids": _cat([row.token_ids for row in decodes] + pre.ids),
+        "positions": _cat([torch.tensor([row.start]) for row in decodes] + pre.positions),
+        "dec_tables": dec.tables, "dec_lens": dec.lens, "logits_rows": logits_rows,
     }
     on_dev = dict(zip(host, _to_device([t.long() for t in host.values()], device)))
     step = PCPStep(
-        size=P, rank=r, group=group, sharded=sharded, num_decode=nd,
+        size=P, rank=r, group=group, sharded=own.sharded, num_decode=nd,
         dec_write_rows=on_dev["dec_write_rows"], dec_write_slots=on_dev["dec_write_slots"],
-        dec_mask=dec_mask.to(device),
-        segments=segments, num_new=n_new, new_counts=new_counts, new_index=on_dev["new_index"],
+        dec_mask=dec.mask.to(device),
+        segments=pre.segments, num_new=pre.num_new, new_counts=pre.new_counts, new_index=on_dev["new_index"],
         new_write_src=on_dev["new_write_src"], new_write_slots=on_dev["new_write_slots"],
-        num_ctx=n_ctx, ctx_counts=ctx_counts, ctx_read_slots=on_dev["ctx_read_slots"],
-        ctx_index=on_dev["ctx_index"] if ctx_index is not None else None,
+        num_ctx=pre.num_ctx, ctx_counts=pre.ctx_counts, ctx_read_slots=on_dev["ctx_read_slots"],
+        ctx_index=on_dev["ctx_index"] if pre.ctx_index is not None else None,
         logits_counts=logits_counts, logits_index=on_dev["logits_index"],
     )
     empty = torch.zeros(0, dtype=torch.long, device=device)
@@ -267,7 +295,7 @@ def build_rank_batch(
         num_decode=nd,
         decode_block_tables=on_dev["dec_tables"],
         decode_seq_lens=on_dev["dec_lens"],
-        decode_max_len=max_len,
+        decode_max_len=dec.max_len,
         prefills=[],
         logits_rows=on_dev["logits_rows"],
         pcp=step,

@@ -1,9 +1,10 @@
-"""Spawned child processes of the test process."""
+"""Spawned child processes of the test process, and waiting for what they do."""
 
 from __future__ import annotations
 
 import subprocess
 import time
+from collections.abc import Callable
 
 import psutil
 
@@ -31,3 +32,12 @@ def wait_registered(proc: subprocess.Popen, registry: Registry, timeout_s: float
         assert time.monotonic() < deadline, "the node did not register"
         time.sleep(0.2)
     return registry.nodes()[0]
+
+
+def wait_until(predicate: Callable[[], bool], timeout_s: float, what: str, interval_s: float = 0.05) -> None:
+    """Return as soon as ``predicate()`` holds (polled every ``interval_s``); fail naming ``what`` was awaited
+    if it does not within ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"waited {timeout_s:.1f} s for {what}"
+        time.sleep(interval_s)

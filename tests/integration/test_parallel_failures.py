@@ -10,6 +10,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from procs import wait_until
 from safetensors.torch import load_file, save_file
 
 from engine import LLM, SamplingParams
@@ -44,10 +45,12 @@ def test_killed_rank_mid_generation_fails_the_node_within_10s(tiny_model, victim
 
     t = threading.Thread(target=generate)
     t.start()
-    deadline = time.monotonic() + 30
-    while not llm.engine.has_unfinished() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    time.sleep(0.5)  # inside the decode loop
+
+    def decoding() -> bool:  # every prompt prefilled and a decode step done: inside the decode loop
+        running = list(llm.engine.scheduler.running)
+        return len(running) == len(PROMPTS) and all(len(s.output_token_ids) >= 2 for s in running)
+
+    wait_until(lambda: decoding() or not t.is_alive(), 30, "generation to reach the decode loop")
     assert t.is_alive(), "generation ended before the rank could be killed"
     os.kill(pids[victim], signal.SIGKILL)
     killed_at = time.monotonic()
@@ -58,9 +61,7 @@ def test_killed_rank_mid_generation_fails_the_node_within_10s(tiny_model, victim
     assert isinstance(err, RankFailure)
     assert f"rank {victim}" in str(err)
     assert when - killed_at < 10
-    while not _gone(pids) and time.monotonic() < killed_at + 10:
-        time.sleep(0.05)
-    assert _gone(pids), "other ranks still running 10 s after the crash"
+    wait_until(lambda: _gone(pids), killed_at + 10 - time.monotonic(), "the other ranks to stop, 10 s from the crash")
     assert llm.engine.num_used_blocks == 0  # the failed requests were aborted on the driver
     with pytest.raises(RankFailure):
         llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2))

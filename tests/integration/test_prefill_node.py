@@ -9,14 +9,13 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from procs import wait_registered
+from procs import wait_registered, wait_until
 
 from cluster.config import RegistryConfig
 from cluster.proto_gen import pdcluster_v1_pb2 as pb
@@ -105,18 +104,19 @@ def test_held_kv_is_freed_by_release_abort_or_lease_expiry(node) -> None:
     assert a.finish_reason == "" and a.kv.num_blocks == 7 and len(a.kv.sources) == 1
     assert used(stub) == 7
     assert stub.Release(pb.ReleaseRequest(request_id="a"), timeout=10).found  # the decode side confirmed
-    deadline = time.monotonic() + 5
-    while used(stub) and time.monotonic() < deadline:  # answered at once, freed between two steps
-        time.sleep(0.05)
-    assert used(stub) == 0
+    # answered at once, the blocks freed between two steps
+    wait_until(lambda: used(stub) == 0, 5, "the released blocks to be freed")
     prefill(stub, "b")
     stub.Abort(pb.AbortRequest(request_id="b"), timeout=10)
     assert used(stub) == 0
     prefill(stub, "c")  # nobody confirms: the 3 s lease frees it
     assert used(stub) == 7
-    time.sleep(3.5)
-    stats = stub.Stats(pb.StatsRequest(), timeout=10)
-    assert sum(r.used_blocks for r in stats.replicas) == 0 and stats.transfers.leases_expired == 1
+
+    def expired() -> bool:
+        stats = stub.Stats(pb.StatsRequest(), timeout=10)
+        return sum(r.used_blocks for r in stats.replicas) == 0 and stats.transfers.leases_expired == 1
+
+    wait_until(expired, 3 + 10, "the unconfirmed lease to expire and its blocks to be freed")
     assert not stub.Release(pb.ReleaseRequest(request_id="c"), timeout=10).found
 
 
@@ -162,7 +162,12 @@ def test_a_full_cache_of_held_kv_makes_new_prefills_wait_not_fail(node) -> None:
         prefill(stub, rid, prompt=[k + 2] + PROMPT[1:])
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         waiting = pool.submit(prefill, stub, "late", prompt=[500] + PROMPT[1:])
-        time.sleep(0.5)
+
+        def queued() -> bool:  # the load is published after a step, so a step found no room for it
+            (replica,) = stub.Stats(pb.StatsRequest(), timeout=10).replicas
+            return replica.waiting == 1 and replica.held == len(held)
+
+        wait_until(queued, 30, "the late prefill to wait in the node's queue")
         assert not waiting.done()  # no room: it waits for a held request to go
         assert stub.Release(pb.ReleaseRequest(request_id=held[0]), timeout=10).found
         assert waiting.result(timeout=30).kv.num_blocks == 7

@@ -114,3 +114,141 @@ def test_the_check_finds_upward_sideways_and_entry_imports() -> None:
         "engine/model.py", "kv_transfer/x.py", "prefill_node/worker.py", "proxy/app.py", "proxy/router.py",
     ], found
     assert all(v.split(":")[0] != "decode_node/__main__.py" for v in found)
+
+
+# No import cycle inside a package: the modules of one package (a top-level folder, its subfolders
+# included) import one another along a partial order, so each reads without the ones that read it.
+# As above, every import counts (lazy, ``TYPE_CHECKING``, ``from pkg import module``), and relative
+# ones are resolved. Importing ``a.b.c`` counts as an edge to ``a.b.c`` only, not to the ``__init__``
+# of ``a`` and ``a.b`` that Python runs first: those hold no code of their own here.
+
+
+def module_name(path: str) -> str:
+    """The module a file relative to the root defines (``engine/parallel/__init__.py`` -> ``engine.parallel``)."""
+    return path.removesuffix(".py").removesuffix("/__init__").replace("/", ".")
+
+
+def imported_targets(path: str, source: str) -> list[tuple[int, str]]:
+    """(line, absolute name) of every import in the file ``path``, relative ones resolved; ``from X import
+    name`` gives ``X.name`` (a module, or a name defined in the module ``X``)."""
+    package = module_name(path).split(".")
+    if not path.endswith("/__init__.py"):
+        package = package[:-1]  # a module's relative imports start from its package
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = package[: len(package) - node.level + 1] if node.level else []
+            module = ".".join(base + ([node.module] if node.module else []))
+            out += [(node.lineno, f"{module}.{a.name}") for a in node.names]
+    return out
+
+
+def import_graph(files: dict[str, str]) -> dict[str, dict[str, int]]:
+    """module -> {module of the same package it imports: the first line that does}, among ``files``."""
+    modules = {module_name(p): p for p in files}
+    graph: dict[str, dict[str, int]] = {m: {} for m in modules}
+    for module, path in modules.items():
+        for line, target in imported_targets(path, files[path]):
+            # the most specific module named: engine.x.Y for a class Y of engine.x is engine.x
+            while target and target not in modules:
+                target = target.rpartition(".")[0]
+            if target and target != module and target.split(".")[0] == module.split(".")[0]:
+                graph[module].setdefault(target, line)
+    return graph
+
+
+def _cycle_through(graph: dict[str, dict[str, int]], start: str, within: set[str]) -> list[str]:
+    """The shortest path start -> ... -> start inside ``within`` (breadth first)."""
+    came_from: dict[str, str] = {}
+    frontier = [start]
+    while frontier:
+        nxt = []
+        for m in frontier:
+            for t in sorted(graph[m]):
+                if t == start:
+                    path = [m]
+                    while path[-1] != start:
+                        path.append(came_from[path[-1]])
+                    return [start, *reversed(path[:-1]), start]
+                if t in within and t not in came_from:
+                    came_from[t] = m
+                    nxt.append(t)
+        frontier = nxt
+    raise AssertionError(f"{start} is on no cycle")
+
+
+def import_cycles(files: dict[str, str]) -> list[str]:
+    """One cycle per group of modules that import one another (a strongly connected component of the import
+    graph), as ``a (line) -> b (line) -> a``: each arrow's line is where its left-hand module imports the next."""
+    graph = import_graph(files)
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    groups: list[set[str]] = []
+
+    def visit(m: str) -> None:  # Tarjan's algorithm
+        index[m] = low[m] = len(index)
+        stack.append(m)
+        on_stack.add(m)
+        for t in graph[m]:
+            if t not in index:
+                visit(t)
+                low[m] = min(low[m], low[t])
+            elif t in on_stack:
+                low[m] = min(low[m], index[t])
+        if low[m] == index[m]:
+            group = set()
+            while True:
+                t = stack.pop()
+                on_stack.discard(t)
+                group.add(t)
+                if t == m:
+                    break
+            if len(group) > 1:
+                groups.append(group)
+
+    for m in sorted(graph):
+        if m not in index:
+            visit(m)
+    cycles = []
+    for group in sorted(groups, key=min):
+        path = _cycle_through(graph, min(group), group)
+        cycle = " -> ".join(f"{a} ({graph[a][b]})" for a, b in zip(path, path[1:])) + f" -> {path[0]}"
+        others = sorted(group - set(path))  # on other cycles through these (shown once this one is gone)
+        cycles.append(cycle + (f", with {', '.join(others)}" if others else ""))
+    return cycles
+
+
+def test_no_import_cycle_inside_a_package() -> None:
+    files = _sources()
+    assert import_cycles(files) == []
+
+
+def test_the_check_finds_import_cycles() -> None:
+    files = {
+        # engine: a -> b lazily (inside a function), b -> a at the top: a cycle
+        "engine/a.py": "def f():\n    from engine.b import B\n",
+        "engine/b.py": "from engine.a import f\n",
+        # three modules through a TYPE_CHECKING import and a `from pkg import module`
+        "engine/parallel/p.py": "import typing\nif typing.TYPE_CHECKING:\n    from engine.parallel.q import Q\n",
+        "engine/parallel/q.py": "from engine.parallel import r\n",
+        "engine/parallel/r.py": "import engine.parallel.p\n",
+        # relative imports, resolved: s -> t (`from . import t`), t -> s (`from .s import S`)
+        "kv_transfer/sub/__init__.py": "",
+        "kv_transfer/sub/s.py": "from . import t\n",
+        "kv_transfer/sub/t.py": "from .s import S\nfrom ..layout import L\n",
+        "kv_transfer/layout.py": "import os\n",
+        # no cycle: an import of another package's module back (a layering matter), a chain, a self-import
+        "cluster/x.py": "from engine.a import f\nfrom cluster.y import Y\n",
+        "cluster/y.py": "import cluster.z\nfrom cluster import y\n",
+        "cluster/z.py": "from kv_transfer.sub import s\n",
+    }
+    assert import_cycles(files) == [
+        "engine.a (2) -> engine.b (1) -> engine.a",
+        "engine.parallel.p (3) -> engine.parallel.q (1) -> engine.parallel.r (1) -> engine.parallel.p",
+        "kv_transfer.sub.s (1) -> kv_transfer.sub.t (1) -> kv_transfer.sub.s",
+    ]
+    assert import_graph(files)["kv_transfer.sub.t"] == {"kv_transfer.sub.s": 1, "kv_transfer.layout": 2}
