@@ -81,3 +81,8 @@ def token_pb(token_id: int, logprob: float | None = None, top: dict[int, float] 
     lp = math.nan if logprob is None else float(logprob)
     return pb.Token(token_id=token_id, logprob=lp,
                     top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in (top or {}).items()])
+
+
+def top_from_pb(t: pb.Token) -> dict[int, float] | None:
+    """A token's top logprobs as the engine takes them (None when it carries none)."""
+    return {x.token_id: x.logprob for x in t.top} or None

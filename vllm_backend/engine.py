@@ -42,9 +42,12 @@ ROLES = {"prefill": "kv_producer", "decode": "kv_consumer"}
 
 
 def kv_protocol(config: NodeConfig, transfer_host: str) -> str:
-    """The Mooncake protocol the node's connector moves KV with: ``--kv-protocol``, with ``auto`` chosen by
-    the native nodes' rule (``kv_transfer.protocol``), so both engines' nodes of one host agree on it. The
-    connector's workers make the same ``MooncakeTransport`` as native nodes, with this protocol."""
+    """The Mooncake protocol the node's connector moves KV with: ``--kv-protocol`` as given, checked by the
+    native nodes' rule (``kv_transfer.protocol``); ``auto`` is tcp, the only protocol vLLM nodes have been
+    run with (vLLM for CUDA does not install on the GPU machine: docs/vllm.md). A native node pairs with
+    this one only on the same protocol (the router's ``can_read``)."""
+    if config.kv_protocol == "auto":
+        return "tcp"
     return choose_protocol(config.kv_protocol, config.engine.torch_device().type == "cuda", transfer_host)
 
 

@@ -44,11 +44,12 @@ def test_a_vllm_node_hands_its_protocol_to_the_connector(monkeypatch: pytest.Mon
     monkeypatch.setattr(protocol, "rdma_devices", lambda: [])
     for requested in ("tcp", "rdma", "nvlink_intra"):  # given: passed through as it is
         assert kv_protocol(_vllm_node(role, requested), "127.0.0.1") == requested
-    assert kv_protocol(_vllm_node(role, "auto"), "127.0.0.1") == "tcp"  # auto: the native nodes' rule
-    assert kv_protocol(_vllm_node(role, "auto", device="cuda:0"), "127.0.0.1") == "nvlink_intra"
-    assert kv_protocol(_vllm_node(role, "auto", device="cuda:0"), "10.1.2.3") == "tcp"
+    # auto: tcp, the only protocol vLLM nodes have run with (on GPUs too, and with RDMA devices)
+    assert kv_protocol(_vllm_node(role, "auto"), "127.0.0.1") == "tcp"
+    assert kv_protocol(_vllm_node(role, "auto", device="cuda:0"), "127.0.0.1") == "tcp"
     monkeypatch.setattr(protocol, "rdma_devices", lambda: ["mlx5_0"])
-    assert kv_protocol(_vllm_node(role, "auto"), "10.1.2.3") == "rdma"
+    assert kv_protocol(_vllm_node(role, "auto"), "10.1.2.3") == "tcp"
+    assert kv_protocol(_vllm_node(role, "rdma"), "10.1.2.3") == "rdma"
 
     extra = connector_extra(_vllm_node(role, "rdma"), "10.1.2.3", 5701, "rdma")
     assert extra["mooncake_protocol"] == "rdma" and extra["mooncake_host"] == "10.1.2.3"
