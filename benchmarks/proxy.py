@@ -170,11 +170,11 @@ def body_for(args: argparse.Namespace) -> dict:
 
 async def direct_grpc(ports: dict, args: argparse.Namespace, n: int) -> Run:
     """The two null legs called directly (our nodes' gRPC, over the multiplexed streams the proxy
-    uses: ``proxy.mux``), at concurrency 1."""
+    uses: ``proxy.link.mux_client``), at concurrency 1."""
     import grpc
 
     from cluster.proto_gen import pdcluster_v1_pb2 as pb
-    from proxy import mux
+    from proxy.link import mux_client as mux
 
     prompt = body_for(args)["prompt"]
     async with grpc.aio.insecure_channel(f"127.0.0.1:{ports['prefill']}") as pc, \

@@ -1,7 +1,16 @@
-"""The proxy: OpenAI-compatible HTTP front end of the cluster.
+"""The proxy: OpenAI-compatible HTTP front end of the cluster, in rooms.
 
-A request is validated and tokenized here (``protocol``), routed to a prefill replica and a decode
-rank (``router``), prefilled and then decoded over gRPC (``pipeline``, ``clients``), and its token
-ids are turned back into text (``detok``) and OpenAI's JSON or SSE shapes (``responses``,
-``serving``). ``app.create_app`` assembles the FastAPI application; ``python -m proxy`` runs it.
+A request is validated and tokenized in ``api`` (``api.protocol``, ``api.serving``), routed to a
+prefill replica and a decode rank by ``routing`` (``routing.router``), prefilled and then decoded
+over gRPC by ``pipeline`` through the node ``link`` (``link.clients``, ``link.mux_client``), and its
+token ids are turned back into text and OpenAI's JSON or SSE shapes in ``api`` (``api.detok``,
+``api.responses``). ``app.create_app`` assembles the FastAPI application; ``python -m proxy`` runs it.
+
+The rooms, bottom to top (``tests/unit/test_layers.py`` checks that no import runs up or sideways):
+
+    routing/  link/  errors  metrics  affinity   the ground: each imports no other room
+    pipeline                                     one request's trip over routing and the link
+    api/  admin                                  the OpenAI surface; the operators' admin API
+    app                                          the application, assembled from the rooms
+    __main__                                     ``python -m proxy``: nothing imports it
 """

@@ -1,4 +1,4 @@
-"""Multiplexed calls (``node_runtime.mux`` on a real grpc.aio server, ``proxy.mux`` as its client):
+"""Multiplexed calls (``node_runtime.mux`` on a real grpc.aio server, ``proxy.link.mux_client`` as its client):
 each call behaves as the same call on its own, however many share the stream."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pytest
 from cluster.proto_gen import pdcluster_v1_pb2 as pb
 from cluster.proto_gen import pdcluster_v1_pb2_grpc as pb_grpc
 from node_runtime.mux import DecodeMux, PrefillMux, merged
-from proxy import mux
+from proxy.link import mux_client as mux
 
 
 def _tokens(rid: str, ids: list[int], finish: str = "") -> tuple[str, str, pb.DecodeEvent]:

@@ -15,7 +15,7 @@ from dataclasses import replace
 from typing import Protocol
 
 from cluster.nodes import KVEvents, NodeState
-from proxy.breaker import Breakers
+from proxy.routing.breaker import Breakers
 
 
 class NodeSource(Protocol):
