@@ -7,7 +7,8 @@ token ids are turned back into text and OpenAI's JSON or SSE shapes in ``api`` (
 ``api.responses``). ``app.create_app`` assembles the FastAPI application; ``python -m proxy`` runs it
 in worker processes (``workers``).
 
-The rooms, bottom to top (a room imports only its own modules and the rooms below it):
+The rooms, bottom to top: a room imports only its own modules and the rooms below it, never one beside
+it (``PROXY_ROOMS`` in ``tests/unit/test_layers.py`` checks every import).
 
     routing/  link/  errors  metrics  cli  affinity   the ground: each imports no other room
     pipeline                                          one request's trip over routing and the link
