@@ -14,7 +14,7 @@ from cluster.wire import sampling_from_pb
 from decode_node.worker import DecodeJob, DecodeWorker, KVLost, NodeStopping
 from kv_transfer.handle import from_handle
 from kv_transfer.transport import TransferError
-from node_runtime.mux import CallContext, DecodeMux, Send
+from node_runtime.mux_server import CallContext, DecodeMux, Send
 from node_runtime.server import Lifecycle
 
 log = logging.getLogger("pdcluster.decode")

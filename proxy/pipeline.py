@@ -241,7 +241,7 @@ class Pipeline:
         t0 = time.perf_counter()
         try:
             reply = await mux_client.prefill(legs.clients.prefill_stream(route.prefill.address), prefill,
-                                      legs.prefill_timeout_s)
+                                             legs.prefill_timeout_s)
             legs.metrics.observe(legs.metrics.prefill_rpc_s, time.perf_counter() - t0)
             legs.metrics.observe(legs.metrics.prefill_queue_s, reply.queue_s)
             legs.metrics.observe(legs.metrics.prefill_s, reply.prefill_s)

@@ -13,9 +13,10 @@ import grpc
 
 from cluster import tls
 from cluster.auth import call_metadata
+from cluster.mux_wire import DECODE, PREFILL
 from cluster.proto_gen import pdcluster_v1_pb2 as pb
 from cluster.proto_gen import pdcluster_v1_pb2_grpc as pb_grpc
-from proxy.link.mux_client import DECODE, PREFILL, MuxStream
+from proxy.link.mux_client import MuxStream
 
 log = logging.getLogger(__name__)
 
