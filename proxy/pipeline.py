@@ -21,7 +21,7 @@ Lifecycle (every exit path goes through ``Generation.close``, which is idempoten
    gone, stop string found by the proxy), cancel the Decode stream (which aborts the request on
    the decode node) and ``Abort`` on the prefill node, in the background.
 
-A node that refuses a connection (UNAVAILABLE) opens its circuit breaker at once (``breaker``),
+A node that refuses a connection (UNAVAILABLE) opens its circuit breaker at once (``routing.breaker``),
 so new requests avoid it before its registry heartbeat expires, until a health probe finds it
 serving; other faults of a node (deadlines, internal errors, a stalled stream) open it after a few
 in a row. A decode node that fails that way
