@@ -58,7 +58,7 @@ def serve_null_grpc(redis_url: str, cluster: str, max_model_len: int, pacer: Pac
     from cluster.registry import Registry
     from decode_node.outbox import deliver
     from decode_node.service import call_sink
-    from node_runtime.mux import DecodeMux, PrefillMux
+    from node_runtime.mux_server import DecodeMux, PrefillMux
     from node_runtime.server import run_loop
 
     def token_event(i: int, n: int) -> pb.DecodeEvent:

@@ -170,27 +170,28 @@ def body_for(args: argparse.Namespace) -> dict:
 
 async def direct_grpc(ports: dict, args: argparse.Namespace, n: int) -> Run:
     """The two null legs called directly (our nodes' gRPC, over the multiplexed streams the proxy
-    uses: ``proxy.mux``), at concurrency 1."""
+    uses: ``proxy.link.mux_client``), at concurrency 1."""
     import grpc
 
+    from cluster import mux_wire
     from cluster.proto_gen import pdcluster_v1_pb2 as pb
-    from proxy import mux
+    from proxy.link import mux_client
 
     prompt = body_for(args)["prompt"]
     async with grpc.aio.insecure_channel(f"127.0.0.1:{ports['prefill']}") as pc, \
             grpc.aio.insecure_channel(f"127.0.0.1:{ports['decode']}") as dc:
-        prefill = mux.MuxStream(pc, mux.PREFILL)
-        decode = mux.MuxStream(dc, mux.DECODE)
+        prefill = mux_client.MuxStream(pc, mux_wire.PREFILL)
+        decode = mux_client.MuxStream(dc, mux_wire.DECODE)
         sampling = pb.SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
         run = Run()
         for k in range(n + 5):
             t0 = time.perf_counter()
-            reply = await mux.prefill(prefill, pb.PrefillRequest(request_id=f"d{k}", token_ids=prompt,
-                                                                  sampling=sampling), 10.0)
+            reply = await mux_client.prefill(prefill, pb.PrefillRequest(request_id=f"d{k}", token_ids=prompt,
+                                                                         sampling=sampling), 10.0)
             first = time.perf_counter()
-            call = mux.DecodeCall(decode, pb.DecodeRequest(request_id=f"d{k}", prompt_token_ids=prompt,
-                                                           sampling=sampling, first_token=reply.first_token,
-                                                           kv=reply.kv))
+            call = mux_client.DecodeCall(decode, pb.DecodeRequest(request_id=f"d{k}", prompt_token_ids=prompt,
+                                                                  sampling=sampling, first_token=reply.first_token,
+                                                                  kv=reply.kv))
             while await call.read(10.0) is not grpc.aio.EOF:
                 pass
             if k >= 5:

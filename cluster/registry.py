@@ -319,7 +319,7 @@ class RegistryView:
 
         While Redis is unreachable no heartbeat can arrive, so the TTL counts to the last refresh
         instead of now: the nodes healthy then stay so (their own health probes are the proxy's
-        business, ``proxy.breaker``), rather than all turning unhealthy after the TTL. When Redis
+        business, ``proxy.routing.breaker``), rather than all turning unhealthy after the TTL. When Redis
         is back (perhaps restarted, empty), those nodes stay for one TTL while they re-register.
         """
         nodes, now, refreshed_mono = self._published

@@ -16,7 +16,7 @@ from decode_node.worker import DecodeWorker
 from kv_transfer.handle import from_handle
 from kv_transfer.handoff import KVLost
 from kv_transfer.transport import TransferError
-from node_runtime.mux import CallContext, DecodeMux, Send
+from node_runtime.mux_server import CallContext, DecodeMux, Send
 from node_runtime.server import Lifecycle
 
 log = logging.getLogger("pdcluster.decode")
@@ -95,7 +95,7 @@ class DecodeService(DecodeMux, pb_grpc.DecodeServiceServicer):
                 self.worker.abort(request.request_id)
 
     async def decode_into(self, request: pb.DecodeRequest, context: CallContext, send: Send) -> None:
-        """``Decode`` for a multiplexed call (``node_runtime.mux``): each event goes to ``send`` from the
+        """``Decode`` for a multiplexed call (``node_runtime.mux_server``): each event goes to ``send`` from the
         callback that delivers an engine step's events (``decode_node.outbox``), and this task wakes
         only at the end: no task switch per stream and step."""
         sink, done = call_sink(send)

@@ -3,7 +3,7 @@
 ``block_hash(parent, tokens)`` is blake2b over the hash of the block before (or a fixed root for the
 first) and the block's token ids, so equal hashes mean equal prefixes up to and including the block.
 The engine's prefix cache names its blocks by it (``engine.prefix_cache``) and the proxy computes the
-same hashes to guess which prefill replica has a prompt's prefix (``proxy.prefix_index``). Pure
+same hashes to guess which prefill replica has a prompt's prefix (``proxy.routing.prefix_index``). Pure
 Python: importing it loads no torch.
 """
 

@@ -18,7 +18,7 @@ position j is only ever reused at position j, where the sharded layout places th
   ``MAX_PENDING_EVENTS``, the oldest dropped), for a node to publish as KV events.
 
 The hashes (``engine.block_hash``) are stable across processes, so the proxy computes the same
-ones to guess where a prompt's prefix is cached (``proxy.prefix_index``).
+ones to guess where a prompt's prefix is cached (``proxy.routing.prefix_index``).
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ import grpc
 from cluster.proto_gen import pdcluster_v1_pb2 as pb
 from cluster.proto_gen import pdcluster_v1_pb2_grpc as pb_grpc
 from cluster.wire import sampling_from_pb
-from node_runtime.mux import PrefillMux
+from node_runtime.mux_server import PrefillMux
 from node_runtime.server import Lifecycle
 from prefill_node.worker import Aborted, NodeFailed, PrefillJob, PrefillWorker
 

@@ -16,9 +16,9 @@ from fastapi import APIRouter, Depends, Query
 from fastapi.responses import JSONResponse
 
 from cluster.nodes import NodeState
-from proxy.discovery import NodeView
 from proxy.errors import APIError
-from proxy.router import CachedTokens, Router
+from proxy.routing.discovery import NodeView
+from proxy.routing.router import CachedTokens, Router
 
 log = logging.getLogger(__name__)
 

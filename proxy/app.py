@@ -27,17 +27,17 @@ from fastapi.responses import JSONResponse, Response
 from cluster.config import ProxyConfig
 from engine.tokenizer import Tokenizer
 from proxy.admin import admin_router
-from proxy.breaker import STATE_VALUE, Breakers, Prober
-from proxy.clients import NodeClients
-from proxy.discovery import NodeSource, NodeView, available, context_limit
+from proxy.api.hot_path import GenerationEndpoints, ProxyApp
+from proxy.api.ratelimit import RateLimiter
+from proxy.api.serving import Serving
 from proxy.errors import APIError, install_error_handlers
-from proxy.hot_path import GenerationEndpoints, ProxyApp
-from proxy.kv_events import follow_kv_events
+from proxy.link.clients import NodeClients
 from proxy.metrics import FLUSH_S, ProxyMetrics, RequestCounter
 from proxy.pipeline import Pipeline
-from proxy.ratelimit import RateLimiter
-from proxy.router import Router
-from proxy.serving import Serving
+from proxy.routing.breaker import STATE_VALUE, Breakers, Prober
+from proxy.routing.discovery import NodeSource, NodeView, available, context_limit
+from proxy.routing.kv_events import follow_kv_events
+from proxy.routing.router import Router
 
 log = logging.getLogger(__name__)
 

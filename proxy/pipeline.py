@@ -21,7 +21,7 @@ Lifecycle (every exit path goes through ``Generation.close``, which is idempoten
    gone, stop string found by the proxy), cancel the Decode stream (which aborts the request on
    the decode node) and ``Abort`` on the prefill node, in the background.
 
-A node that refuses a connection (UNAVAILABLE) opens its circuit breaker at once (``breaker``),
+A node that refuses a connection (UNAVAILABLE) opens its circuit breaker at once (``routing.breaker``),
 so new requests avoid it before its registry heartbeat expires, until a health probe finds it
 serving; other faults of a node (deadlines, internal errors, a stalled stream) open it after a few
 in a row. A decode node that fails that way
@@ -45,13 +45,13 @@ import grpc
 from cluster.nodes import NodeState
 from cluster.proto_gen import pdcluster_v1_pb2 as pb
 from engine.block_hash import prompt_block_hashes
-from proxy import mux
-from proxy.clients import NodeClients
-from proxy.discovery import NodeView
 from proxy.errors import APIError, rpc_error
+from proxy.link import mux_client
+from proxy.link.clients import NodeClients
 from proxy.metrics import ProxyMetrics
-from proxy.prefix_index import PrefixIndex
-from proxy.router import CachedTokens, LocalLoad, NoRoute, Route, Router
+from proxy.routing.discovery import NodeView
+from proxy.routing.prefix_index import PrefixIndex
+from proxy.routing.router import CachedTokens, LocalLoad, NoRoute, Route, Router
 
 log = logging.getLogger(__name__)
 
@@ -240,8 +240,8 @@ class Pipeline:
                                     dp_rank=route.prefill.dp_rank)
         t0 = time.perf_counter()
         try:
-            reply = await mux.prefill(legs.clients.prefill_stream(route.prefill.address), prefill,
-                                      legs.prefill_timeout_s)
+            reply = await mux_client.prefill(legs.clients.prefill_stream(route.prefill.address), prefill,
+                                             legs.prefill_timeout_s)
             legs.metrics.observe(legs.metrics.prefill_rpc_s, time.perf_counter() - t0)
             legs.metrics.observe(legs.metrics.prefill_queue_s, reply.queue_s)
             legs.metrics.observe(legs.metrics.prefill_s, reply.prefill_s)
@@ -341,7 +341,7 @@ class Generation:
         if self._finished:
             self.admitted.set()
         self._last_token_at = time.perf_counter()
-        self._call: mux.DecodeCall | None = None
+        self._call: mux_client.DecodeCall | None = None
         self._opened_at = time.perf_counter()
         self._first_event_seen = False
         self._events = 0  # decode events received
@@ -362,7 +362,7 @@ class Generation:
             decode.kv.CopyFrom(reply.kv)
         elif reply.WhichOneof("kv_source") == "vllm_kv_params_json":
             decode.vllm_kv_params_json = reply.vllm_kv_params_json
-        self._call = mux.DecodeCall(self._legs.clients.decode_stream(self.route.decode.address), decode)
+        self._call = mux_client.DecodeCall(self._legs.clients.decode_stream(self.route.decode.address), decode)
         self._opened_at = time.perf_counter()
         self._first_event_seen = False
 

@@ -35,14 +35,14 @@ from kv_transfer.handle import from_handle
 from kv_transfer.handoff import KVLost
 from node_runtime import server as node_runtime
 from node_runtime.confirm import PrefillConfirmer
-from node_runtime.mux import DecodeMux
+from node_runtime.mux_server import DecodeEventsMux
 from vllm_backend import handle_params
 from vllm_backend.engine import VllmWorker, finish_reason, sampling_to_vllm, tokens_pb
 
 log = logging.getLogger("pdcluster.decode")
 
 
-class VllmDecodeService(DecodeMux, pb_grpc.DecodeServiceServicer):
+class VllmDecodeService(DecodeEventsMux, pb_grpc.DecodeServiceServicer):
     def __init__(self, worker: VllmWorker, node_id: str, state: node_runtime.Lifecycle,
                  confirm: PrefillConfirmer) -> None:
         self.worker = worker

@@ -19,7 +19,7 @@ from cluster.config import NodeConfig
 from cluster.proto_gen import pdcluster_v1_pb2 as pb
 from cluster.proto_gen import pdcluster_v1_pb2_grpc as pb_grpc
 from node_runtime import server as node_runtime
-from node_runtime.mux import PrefillMux
+from node_runtime.mux_server import PrefillMux
 from vllm_backend.engine import VllmWorker, finish_reason, prompt_tokens_pb, sampling_to_vllm, tokens_pb
 
 log = logging.getLogger("pdcluster.prefill")

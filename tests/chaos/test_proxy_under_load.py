@@ -26,7 +26,7 @@ from cluster.net import free_port
 from cluster.registry import Registry
 from engine.tokenizer import Tokenizer
 from pdctl.redis_server import start_redis
-from proxy.protocol import ChatCompletionRequest, CompletionRequest
+from proxy.api.protocol import ChatCompletionRequest, CompletionRequest
 
 MODEL = "tiny-load"
 STREAMS = 1000

@@ -17,7 +17,7 @@ from proxy_fakes import FakeDecode, FakeNodes, FakePrefill, Script, node_state, 
 
 from cluster.config import ProxyConfig
 from engine.tokenizer import Tokenizer
-from proxy.discovery import StaticNodeSource
+from proxy.routing.discovery import StaticNodeSource
 
 MODEL = "tiny-test"
 MAX_MODEL_LEN = 512

@@ -36,7 +36,7 @@ from cluster.nodes import NodeInfo, NodeState, ReplicaLoad
 from cluster.proto_gen import pdcluster_v1_pb2 as pb
 from cluster.proto_gen import pdcluster_v1_pb2_grpc as pb_grpc
 from cluster.registry import Registry
-from node_runtime.mux import DecodeMux, PrefillMux
+from node_runtime.mux_server import DecodeEventsMux, PrefillMux
 from proxy.app import create_app, model_limits
 
 T = TypeVar("T")
@@ -120,7 +120,7 @@ class FakePrefill(PrefillMux, pb_grpc.PrefillServiceServicer):
         return pb.AbortResponse(found=found)
 
 
-class FakeDecode(DecodeMux, pb_grpc.DecodeServiceServicer):
+class FakeDecode(DecodeEventsMux, pb_grpc.DecodeServiceServicer):
     def __init__(self, node_id: str, script: Script) -> None:
         self.node_id = node_id
         self.address = ""

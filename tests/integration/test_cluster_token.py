@@ -19,7 +19,7 @@ from cluster.proto_gen import pdcluster_v1_pb2 as pb
 from cluster.proto_gen import pdcluster_v1_pb2_grpc as pb_grpc
 from engine.tokenizer import Tokenizer
 from node_runtime.confirm import PrefillConfirmer
-from proxy.discovery import StaticNodeSource
+from proxy.routing.discovery import StaticNodeSource
 
 TOKEN = "s3cret-token"
 

@@ -30,7 +30,7 @@ from proxy_fakes import (
 from cluster.config import ProxyConfig
 from cluster.nodes import ReplicaLoad
 from engine.tokenizer import Tokenizer
-from proxy.discovery import StaticNodeSource
+from proxy.routing.discovery import StaticNodeSource
 
 MODEL = "tiny-test"
 BODY = {"model": MODEL, "prompt": "x", "max_tokens": 6}

@@ -151,7 +151,7 @@ def test_several_workers_share_the_port_the_metrics_and_the_drain_flags(
         workers = [w for w in psutil.Process(proc.pid).children(recursive=True)
                    if "spawn_main" in " ".join(w.cmdline())]
         assert len(workers) == 2
-        for w in workers:  # the tokenizer without torch (proxy.__main__.without_torch)
+        for w in workers:  # the tokenizer without torch (proxy.workers.without_torch)
             assert not any("libtorch" in m.path for m in w.memory_maps()), "a proxy worker loaded torch"
         if len(os.sched_getaffinity(0)) >= 2:  # each on a core of its own (proxy.affinity)
             cores = [w.cpu_affinity() for w in workers]

@@ -1,5 +1,5 @@
 """Prefix-aware routing: with prefill nodes that cache prefixes, the proxy sends a prompt where its
-prefix was prefilled before (its own record, ``proxy.prefix_index``), and spreads other prompts."""
+prefix was prefilled before (its own record, ``proxy.routing.prefix_index``), and spreads other prompts."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from proxy_fakes import FakeDecode, FakeNodes, FakePrefill, Script, node_state, 
 
 from cluster.config import ProxyConfig
 from engine.tokenizer import Tokenizer
-from proxy.discovery import StaticNodeSource
+from proxy.routing.discovery import StaticNodeSource
 
 SYSTEM = [(i * 7 + 3) % 900 + 2 for i in range(160)]  # 10 full blocks of 16 shared by the prompts below
 

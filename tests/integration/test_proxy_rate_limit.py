@@ -10,7 +10,7 @@ from proxy_fakes import FakeDecode, FakeNodes, FakePrefill, Script, node_state, 
 
 from cluster.config import ProxyConfig
 from engine.tokenizer import Tokenizer
-from proxy.discovery import StaticNodeSource
+from proxy.routing.discovery import StaticNodeSource
 
 
 def test_past_the_burst_a_caller_gets_429_with_retry_after(tiny_model: Path) -> None:

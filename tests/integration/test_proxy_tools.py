@@ -12,8 +12,8 @@ from proxy_fakes import FakeDecode, FakeNodes, FakePrefill, Script, node_state, 
 
 from cluster.config import ProxyConfig
 from engine.tokenizer import Tokenizer
-from proxy.discovery import StaticNodeSource
-from proxy.tool_calls import CALL_BEGIN, CALL_END, CALLS_BEGIN, CALLS_END, SEP, forced_prefix
+from proxy.api.tool_calls import CALL_BEGIN, CALL_END, CALLS_BEGIN, CALLS_END, SEP, forced_prefix
+from proxy.routing.discovery import StaticNodeSource
 
 MODEL = "tiny-tools"
 ANSWER = (f"Let me look.{CALLS_BEGIN}{CALL_BEGIN}function{SEP}get_weather\n```json\n"

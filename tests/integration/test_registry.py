@@ -227,7 +227,7 @@ def test_view_survives_redis_going_away(tmp_path) -> None:
         assert view.last_error is not None and "registry" in view.last_error
         assert ids(view.snapshot()) == ["prefill-0"]  # the last list is kept ...
         # ... and its nodes stay as healthy as at the last refresh, past the TTL: no heartbeat can arrive
-        # while Redis is away (the proxy probes the nodes itself meanwhile, proxy.breaker).
+        # while Redis is away (the proxy probes the nodes itself meanwhile, proxy.routing.breaker).
         assert not view.wait_for(lambda nodes: not nodes[0].healthy, timeout_s=config.ttl_s + 1.0)
         # Redis restarts empty: the node is kept (healthy) for one TTL while it would re-register ...
         server = start_redis(port=server.port)
@@ -266,8 +266,8 @@ def test_kv_events_reach_a_subscriber_and_follow_into_the_prefix_index(registry:
     import asyncio
 
     from cluster.nodes import KVEvents
-    from proxy.kv_events import follow_kv_events
-    from proxy.prefix_index import PrefixIndex
+    from proxy.routing.kv_events import follow_kv_events
+    from proxy.routing.prefix_index import PrefixIndex
 
     stream = registry.kv_event_stream()
     registry.publish_kv_events([KVEvents("prefill-0", 1, 100.0, stored=(11, 12, 13)),

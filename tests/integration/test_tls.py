@@ -29,7 +29,7 @@ from cluster.proto_gen import pdcluster_v1_pb2_grpc as pb_grpc
 from cluster.registry import Registry
 from node_runtime.confirm import PrefillConfirmer
 from pdctl.redis_server import start_redis
-from proxy.clients import NodeClients
+from proxy.link.clients import NodeClients
 
 TOKEN = "tls-test-token"
 PROMPT = [(i * 5 + 3) % 1000 + 2 for i in range(40)]

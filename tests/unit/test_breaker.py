@@ -10,7 +10,17 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from proxy.breaker import CLOSED, HALF_OPEN, NO_ANSWER, NOT_SERVING, OPEN, REFUSED, SERVING, Breakers, check_health
+from proxy.routing.breaker import (
+    CLOSED,
+    HALF_OPEN,
+    NO_ANSWER,
+    NOT_SERVING,
+    OPEN,
+    REFUSED,
+    SERVING,
+    Breakers,
+    check_health,
+)
 
 
 def test_consecutive_failures_open_a_breaker_and_a_success_in_between_resets_the_count() -> None:

@@ -8,7 +8,7 @@ import asyncio
 import pytest
 from starlette.requests import Request
 
-from proxy.sse import ClientDisconnected, ClientWatch, EventStreamResponse
+from proxy.api.sse import ClientDisconnected, ClientWatch, EventStreamResponse
 
 
 class Connection:

@@ -244,7 +244,8 @@ def test_topology_round_trips_through_its_yaml_form(monkeypatch) -> None:
 
 
 def test_pdctl_and_the_proxy_do_not_load_torch() -> None:
-    code = ("import sys, pdctl.cli, pdctl.launcher, proxy.__main__ as p; from pdctl.topology import PrefillSpec; "
+    code = ("import sys, pdctl.cli, pdctl.launcher, proxy.__main__, proxy.cli as p; "
+            "from pdctl.topology import PrefillSpec; "
             "PrefillSpec(cpu_threads=2); p.parse_args(['--model', 'm']); assert 'torch' not in sys.modules")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr

@@ -78,7 +78,7 @@ def test_every_process_starts_with_flags_its_parser_accepts(overlay: str, tiny_m
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     """The args with the ConfigMap's values and a pod's own put in (the model: the test's tiny one)."""
     from node_runtime import cli
-    from proxy.__main__ import parse_args
+    from proxy.cli import parse_args
 
     docs = render(overlay)
     (config,) = by_kind(docs, "ConfigMap").values()
@@ -103,7 +103,7 @@ def test_every_process_starts_with_flags_its_parser_accepts(overlay: str, tiny_m
 
 def test_the_by_hand_commands_of_the_multi_host_guide_parse(tiny_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from node_runtime import cli
-    from proxy.__main__ import parse_args
+    from proxy.cli import parse_args
 
     text = DOC.read_text().replace("\\\n", " ")
     commands = [shlex.split(line.strip()) for line in text.splitlines() if line.strip().startswith("python -m ")]

@@ -252,3 +252,92 @@ def test_the_check_finds_import_cycles() -> None:
         "kv_transfer.sub.s (1) -> kv_transfer.sub.t (1) -> kv_transfer.sub.s",
     ]
     assert import_graph(files)["kv_transfer.sub.t"] == {"kv_transfer.sub.s": 1, "kv_transfer.layout": 2}
+
+
+# Inside the proxy, its rooms (a subpackage, or a module at the top of proxy/; ``proxy/__init__.py`` draws
+# them) stand on floors, bottom to top: a room imports only its own modules and the rooms of lower floors,
+# never one beside it or above it. The ground floor imports no other room: routing and the node link are
+# peers, and what the pipeline and the api share (the error every answer carries, the metrics) lies there.
+PROXY_ROOMS = {
+    "proxy.routing": 0, "proxy.link": 0, "proxy.errors": 0, "proxy.metrics": 0, "proxy.cli": 0, "proxy.affinity": 0,
+    "proxy.pipeline": 1,  # one request's trip over routing and the link
+    "proxy.api": 2, "proxy.admin": 2,  # the OpenAI surface; the operators' admin API
+    "proxy.app": 3,  # the application, assembled from the rooms
+    "proxy.workers": 4,  # the worker processes, each building its app
+}
+PROXY_ENTRY = "proxy.__main__"  # above every room (it may import any), and nothing imports it
+
+
+def _room(module: str) -> str | None:
+    """The proxy room that holds ``module`` (``proxy.api.serving`` -> ``proxy.api``), or None."""
+    return next((r for r in PROXY_ROOMS if module == r or module.startswith(r + ".")), None)
+
+
+def _absolute_imports(module: str, source: str, is_package: bool) -> list[tuple[int, str]]:
+    """``imported_modules``, and the relative imports too, resolved against ``module``: inside the proxy a
+    relative import can leave its room."""
+    out = imported_modules(source)
+    home = module.split(".") if is_package else module.split(".")[:-1]  # the package ``module`` is in
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and node.level:
+            base = ".".join(home[: len(home) - node.level + 1] + ([node.module] if node.module else []))
+            out.append((node.lineno, base))
+            out += [(node.lineno, f"{base}.{a.name}") for a in node.names]
+    return out
+
+
+def room_violations(files: dict[str, str]) -> list[str]:
+    """Among the proxy's ``files`` (path -> source; other packages' are ignored): imports that run up to a
+    higher floor, sideways to another room of the same floor, or to the entry point; modules in no room."""
+    bad = []
+    for path, source in sorted(files.items()):
+        if not path.startswith("proxy/"):
+            continue
+        is_package = path.endswith("/__init__.py")
+        module = path.removesuffix(".py").removesuffix("/__init__").replace("/", ".")
+        if module in ("proxy", PROXY_ENTRY):
+            continue  # the package's face, and the entry point
+        mine = _room(module)
+        if mine is None:
+            bad.append(f"{path} is in no room of the proxy (PROXY_ROOMS)")
+            continue
+        for line, target in _absolute_imports(module, source, is_package):
+            theirs = _room(target)
+            if target == PROXY_ENTRY or target.startswith(PROXY_ENTRY + "."):
+                bad.append(f"{path}:{line} imports the entry point {target}")
+            elif theirs is not None and theirs != mine and PROXY_ROOMS[theirs] >= PROXY_ROOMS[mine]:
+                way = "up" if PROXY_ROOMS[theirs] > PROXY_ROOMS[mine] else "sideways"
+                bad.append(f"{path}:{line} ({mine}, floor {PROXY_ROOMS[mine]}) imports {target} "
+                           f"({theirs}, floor {PROXY_ROOMS[theirs]}): {way}")
+    return bad
+
+
+def test_no_import_inside_the_proxy_runs_up_or_sideways_between_rooms() -> None:
+    files = {path: source for path, source in _sources().items() if path.startswith("proxy/")}
+    rooms = {_room(path.removesuffix(".py").replace("/", ".")) for path in files}
+    assert rooms - {None} == set(PROXY_ROOMS), "a room of PROXY_ROOMS has no module"
+    assert room_violations(files) == []
+
+
+def test_the_room_check_finds_upward_sideways_and_entry_imports() -> None:
+    files = {
+        "proxy/routing/router.py": "from proxy.link.clients import NodeClients\n",  # sideways: ground peers
+        "proxy/link/mux_client.py": "def f():\n    from proxy.pipeline import Pipeline\n",  # up, lazily
+        "proxy/pipeline.py": "from proxy.api import responses\n",  # up: the api stands on the pipeline
+        "proxy/api/serving.py": "from ..admin import admin_router\n",  # sideways, relatively
+        "proxy/metrics.py": "from proxy import __main__\n",  # the entry point
+        "proxy/stray.py": "",  # in no room
+        "proxy/api/choices.py": "from proxy.api.detok import OutputText\nfrom proxy.pipeline import Pipeline\n"
+                                "from proxy.errors import APIError\nfrom cluster.nodes import NodeState\n",
+        "proxy/api/__init__.py": "from . import serving\n",  # its own room
+        "proxy/app.py": "from proxy.api.serving import Serving\nfrom proxy.routing.router import Router\n",
+        "proxy/__main__.py": "from proxy.workers import serve\n",  # the entry point may import any room
+        "engine/model.py": "from proxy.api import serving\n",  # not the proxy's: the package check's business
+    }
+    found = room_violations(files)
+    assert sorted({v.split(":")[0].split(" ")[0] for v in found}) == [
+        "proxy/api/serving.py", "proxy/link/mux_client.py", "proxy/metrics.py", "proxy/pipeline.py",
+        "proxy/routing/router.py", "proxy/stray.py",
+    ], found
+    assert any("sideways" in v for v in found if v.startswith("proxy/api/serving.py:1"))
+    assert any(": up" in v for v in found if v.startswith("proxy/link/mux_client.py:2"))

@@ -1,5 +1,6 @@
-"""Multiplexed calls (``node_runtime.mux`` on a real grpc.aio server, ``proxy.mux`` as its client):
-each call behaves as the same call on its own, however many share the stream."""
+"""Multiplexed calls (``node_runtime.mux_server`` on a real grpc.aio server, ``proxy.link.mux_client`` as
+its client, ``cluster.mux_wire`` between them): each call behaves as the same call on its own, however many
+share the stream."""
 
 from __future__ import annotations
 
@@ -10,10 +11,12 @@ from typing import Any
 import grpc
 import pytest
 
+from cluster import mux_wire
+from cluster.mux_wire import merged
 from cluster.proto_gen import pdcluster_v1_pb2 as pb
 from cluster.proto_gen import pdcluster_v1_pb2_grpc as pb_grpc
-from node_runtime.mux import DecodeMux, PrefillMux, merged
-from proxy import mux
+from node_runtime.mux_server import DecodeEventsMux, DecodeMux, Form, PrefillMux
+from proxy.link import mux_client
 
 
 def _tokens(rid: str, ids: list[int], finish: str = "") -> tuple[str, str, pb.DecodeEvent]:
@@ -48,7 +51,7 @@ class Prefill(PrefillMux, pb_grpc.PrefillServiceServicer):
         return pb.PrefillResponse(request_id=request.request_id, first_token=pb.Token(token_id=len(request.token_ids)))
 
 
-class Decode(DecodeMux, pb_grpc.DecodeServiceServicer):
+class Decode(DecodeEventsMux, pb_grpc.DecodeServiceServicer):
     def __init__(self) -> None:
         self.cancelled: list[str] = []
 
@@ -81,7 +84,7 @@ async def _serve() -> tuple[grpc.aio.Server, Prefill, Decode, int]:
     return server, prefill, decode, port
 
 
-async def _read_all(call: mux.DecodeCall) -> list[int]:
+async def _read_all(call: mux_client.DecodeCall) -> list[int]:
     ids = []
     while (event := await call.read(5.0)) is not grpc.aio.EOF:
         ids += [t.token_id for t in event.tokens.tokens]
@@ -92,22 +95,22 @@ def test_many_calls_share_one_stream_each_as_on_its_own() -> None:
     async def main() -> None:
         server, prefill_servicer, decode_servicer, port = await _serve()
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
-            p = mux.MuxStream(ch, mux.PREFILL)
-            d = mux.MuxStream(ch, mux.DECODE)
+            p = mux_client.MuxStream(ch, mux_wire.PREFILL)
+            d = mux_client.MuxStream(ch, mux_wire.DECODE)
             # prefill: answers out of order, by their own delays; a bad one and a buggy one fail alone
-            replies = await asyncio.gather(*(mux.prefill(p, pb.PrefillRequest(request_id=f"p{i}",
-                                                                              token_ids=[20 - i] * (i + 1)), 5.0)
+            replies = await asyncio.gather(*(mux_client.prefill(p, pb.PrefillRequest(request_id=f"p{i}",
+                                                                                     token_ids=[20 - i] * (i + 1)), 5.0)
                                              for i in range(10)))
             assert [r.first_token.token_id for r in replies] == list(range(1, 11))
             with pytest.raises(grpc.aio.AioRpcError) as e:
-                await mux.prefill(p, pb.PrefillRequest(request_id="bad"), 5.0)
+                await mux_client.prefill(p, pb.PrefillRequest(request_id="bad"), 5.0)
             assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "empty" in e.value.details()
             with pytest.raises(grpc.aio.AioRpcError) as e:
-                await mux.prefill(p, pb.PrefillRequest(request_id="bug", token_ids=[0]), 5.0)
+                await mux_client.prefill(p, pb.PrefillRequest(request_id="bug", token_ids=[0]), 5.0)
             assert e.value.code() == grpc.StatusCode.UNKNOWN and "a bug" in e.value.details()
             # a deadline: DEADLINE_EXCEEDED here, the call cancelled on the node
             with pytest.raises(grpc.aio.AioRpcError) as e:
-                await mux.prefill(p, pb.PrefillRequest(request_id="slow", token_ids=[3000]), 0.05)
+                await mux_client.prefill(p, pb.PrefillRequest(request_id="slow", token_ids=[3000]), 0.05)
             assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
             for _ in range(100):
                 if "slow" in prefill_servicer.cancelled:
@@ -116,11 +119,11 @@ def test_many_calls_share_one_stream_each_as_on_its_own() -> None:
             assert prefill_servicer.cancelled == ["slow"]
 
             # decode: concurrent streams get their own events, in order; an abort ends one stream only
-            calls = [mux.DecodeCall(d, pb.DecodeRequest(request_id=f"d{i}", sampling=pb.SamplingParams(
+            calls = [mux_client.DecodeCall(d, pb.DecodeRequest(request_id=f"d{i}", sampling=pb.SamplingParams(
                 max_tokens=5 + i))) for i in range(8)]
-            failing = mux.DecodeCall(d, pb.DecodeRequest(request_id="f", first_token=pb.Token(token_id=99),
-                                                         sampling=pb.SamplingParams(max_tokens=9)))
-            refused = mux.DecodeCall(d, pb.DecodeRequest(request_id="r"))
+            failing = mux_client.DecodeCall(d, pb.DecodeRequest(request_id="f", first_token=pb.Token(token_id=99),
+                                                                sampling=pb.SamplingParams(max_tokens=9)))
+            refused = mux_client.DecodeCall(d, pb.DecodeRequest(request_id="r"))
             outs = await asyncio.gather(*(_read_all(c) for c in calls))
             assert outs == [list(range(5 + i)) for i in range(8)]
             with pytest.raises(grpc.aio.AioRpcError) as e:
@@ -131,7 +134,8 @@ def test_many_calls_share_one_stream_each_as_on_its_own() -> None:
             assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
             # cancel: the node's handler is cancelled (it frees the request); the stream goes on
-            long = mux.DecodeCall(d, pb.DecodeRequest(request_id="long", sampling=pb.SamplingParams(max_tokens=10**6)))
+            long = mux_client.DecodeCall(d, pb.DecodeRequest(request_id="long",
+                                                             sampling=pb.SamplingParams(max_tokens=10**6)))
             assert (await long.read(5.0)).WhichOneof("event") == "admitted"
             long.cancel()
             for _ in range(100):
@@ -139,19 +143,20 @@ def test_many_calls_share_one_stream_each_as_on_its_own() -> None:
                     break
                 await asyncio.sleep(0.01)
             assert decode_servicer.cancelled == ["long"]
-            again = mux.DecodeCall(d, pb.DecodeRequest(request_id="long", sampling=pb.SamplingParams(max_tokens=3)))
+            again = mux_client.DecodeCall(d, pb.DecodeRequest(request_id="long",
+                                                              sampling=pb.SamplingParams(max_tokens=3)))
             assert await _read_all(again) == [0, 1, 2]  # the id is free again
             # a read with nothing coming times out
-            stalled = mux.DecodeCall(d, pb.DecodeRequest(request_id="s", first_token=pb.Token(token_id=98),
-                                                         sampling=pb.SamplingParams(max_tokens=5)))
+            stalled = mux_client.DecodeCall(d, pb.DecodeRequest(request_id="s", first_token=pb.Token(token_id=98),
+                                                                sampling=pb.SamplingParams(max_tokens=5)))
             assert (await stalled.read(5.0)).WhichOneof("event") == "admitted"
             t0 = time.monotonic()
             with pytest.raises(TimeoutError):
                 await stalled.read(0.2)
             assert 0.2 <= time.monotonic() - t0 < 0.4
             # A short read while a long one waits is not held to the long one's timer.
-            patient = mux.DecodeCall(d, pb.DecodeRequest(request_id="p", first_token=pb.Token(token_id=98),
-                                                         sampling=pb.SamplingParams(max_tokens=5)))
+            patient = mux_client.DecodeCall(d, pb.DecodeRequest(request_id="p", first_token=pb.Token(token_id=98),
+                                                                sampling=pb.SamplingParams(max_tokens=5)))
             assert (await patient.read(5.0)).WhichOneof("event") == "admitted"
             long_wait = asyncio.ensure_future(patient.read(60.0))
             await asyncio.sleep(0.01)
@@ -167,7 +172,7 @@ def test_many_calls_share_one_stream_each_as_on_its_own() -> None:
             assert not d.broken and not p.broken
 
             # the node goes away: every call still on the stream fails UNAVAILABLE, none hangs
-            pending = [mux.DecodeCall(d, pb.DecodeRequest(request_id=f"x{i}", sampling=pb.SamplingParams(
+            pending = [mux_client.DecodeCall(d, pb.DecodeRequest(request_id=f"x{i}", sampling=pb.SamplingParams(
                 max_tokens=10**6))) for i in range(3)]
             for c in pending:
                 await c.read(5.0)
@@ -187,13 +192,15 @@ def test_a_call_cancelled_before_it_is_written_never_reaches_the_node() -> None:
     async def main() -> None:
         server, _, decode_servicer, port = await _serve()
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
-            d = mux.MuxStream(ch, mux.DECODE)
-            early = mux.DecodeCall(d, pb.DecodeRequest(request_id="early", sampling=pb.SamplingParams(
+            d = mux_client.MuxStream(ch, mux_wire.DECODE)
+            early = mux_client.DecodeCall(d, pb.DecodeRequest(request_id="early", sampling=pb.SamplingParams(
                 max_tokens=10**6)))
             early.cancel()  # before the writer's turn
-            after = mux.DecodeCall(d, pb.DecodeRequest(request_id="after", sampling=pb.SamplingParams(max_tokens=3)))
+            after = mux_client.DecodeCall(d, pb.DecodeRequest(request_id="after",
+                                                              sampling=pb.SamplingParams(max_tokens=3)))
             assert await _read_all(after) == [0, 1, 2]
-            again = mux.DecodeCall(d, pb.DecodeRequest(request_id="early", sampling=pb.SamplingParams(max_tokens=2)))
+            again = mux_client.DecodeCall(d, pb.DecodeRequest(request_id="early",
+                                                              sampling=pb.SamplingParams(max_tokens=2)))
             assert await _read_all(again) == [0, 1]  # the node never had "early" running: the id was free
             assert decode_servicer.cancelled == []
         await server.stop(grace=None)
@@ -204,7 +211,7 @@ def test_a_call_cancelled_before_it_is_written_never_reaches_the_node() -> None:
 def test_a_failed_reader_ends_the_stream_with_its_error_despite_replies_behind_it() -> None:
     """The calls stream failing while handlers still queue replies: the node's stream ends with the
     reader's error rather than writing on forever."""
-    from node_runtime.mux import CallContext, serve
+    from node_runtime.mux_server import CallContext, serve
 
     async def main() -> None:
         async def calls() -> Any:
@@ -218,7 +225,7 @@ def test_a_failed_reader_ends_the_stream_with_its_error_despite_replies_behind_i
                 await asyncio.sleep(0)
 
         with pytest.raises(RuntimeError, match="stream broke"):
-            async for _ in serve(calls(), handler, "events"):
+            async for _ in serve(calls(), handler, Form.EVENTS):
                 pass
 
     asyncio.run(asyncio.wait_for(main(), 10))
@@ -231,7 +238,8 @@ def test_the_stream_writes_the_bytes_of_the_generated_message() -> None:
     prefills = [pb.PrefillRequest(request_id=f"p{i}", token_ids=list(range(n)), sampling=sampling, dp_rank=i % 2)
                 for i, n in enumerate((1, 100, 3000))]
     decodes = [pb.DecodeRequest(request_id="d", prompt_token_ids=[5] * 70000, first_token=pb.Token(token_id=7))]
-    for service, calls_type, calls in ((mux.PREFILL, pb.PrefillCalls, prefills), (mux.DECODE, pb.DecodeCalls, decodes)):
+    for service, calls_type, calls in ((mux_wire.PREFILL, pb.PrefillCalls, prefills),
+                                       (mux_wire.DECODE, pb.DecodeCalls, decodes)):
         for some, cancels in ((calls, []), (calls, ["x", "y"]), ([], ["z"]), ([], [])):
             raw = service.encode(some, cancels)
             assert raw == calls_type(calls=some, cancel=cancels).SerializeToString()
@@ -239,10 +247,10 @@ def test_the_stream_writes_the_bytes_of_the_generated_message() -> None:
 
 
 def test_sink_calls_send_their_events_then_their_status_and_nothing_once_cancelled() -> None:
-    """``decode_into``-style handlers ("sink"): events sent from outside the handler's task reach the
+    """``decode_into``-style handlers (``Form.SINK``): events sent from outside the handler's task reach the
     stream in order before the call's status; an aborted call ends with its status; a cancelled call's
     later events are dropped (its handler freed the request, as a cancelled ``Decode`` does)."""
-    from node_runtime.mux import CallAborted, CallContext, serve
+    from node_runtime.mux_server import CallAborted, CallContext, serve
 
     async def main() -> list[tuple[str, str, Any]]:
         sends: dict[str, Any] = {}
@@ -270,7 +278,7 @@ def test_sink_calls_send_their_events_then_their_status_and_nothing_once_cancell
                 raise failure
 
         got: list[tuple[str, str, Any]] = []
-        async for message in serve(calls(), handler, "sink"):
+        async for message in serve(calls(), handler, Form.SINK):
             for r in message.replies:
                 kind = r.WhichOneof("reply")
                 got.append((r.request_id, kind, [t.token_id for t in r.event.tokens.tokens] if kind == "event"
@@ -283,3 +291,36 @@ def test_sink_calls_send_their_events_then_their_status_and_nothing_once_cancell
     assert [g for g in got if g[0] == "bad"] == [("bad", "event", [1]), ("bad", "event", [9]),
                                                  ("bad", "status", grpc.StatusCode.FAILED_PRECONDITION.value[0])]
     assert [g for g in got if g[0] == "gone"] == [("gone", "event", [1])]
+
+
+def test_each_decode_mixin_runs_the_handler_it_declares() -> None:
+    """``DecodeMux`` runs the servicer's ``decode_into`` (``Form.SINK``), ``DecodeEventsMux`` its ``Decode``
+    (``Form.EVENTS``), whatever else the servicer has: the mixin says which, nothing is looked up."""
+
+    class Both:
+        async def Decode(self, request: pb.DecodeRequest, context: Any) -> Any:  # noqa: N802
+            yield pb.DecodeEvent(tokens=pb.Tokens(tokens=[pb.Token(token_id=1)], finish_reason="stop"))
+
+        async def decode_into(self, request: pb.DecodeRequest, context: Any, send: Any) -> None:
+            send(pb.DecodeEvent(tokens=pb.Tokens(tokens=[pb.Token(token_id=2)], finish_reason="stop")))
+
+    class Sink(DecodeMux, Both, pb_grpc.DecodeServiceServicer):
+        pass
+
+    class Events(DecodeEventsMux, Both, pb_grpc.DecodeServiceServicer):
+        pass
+
+    async def first_token(servicer: Any) -> list[int]:
+        server = grpc.aio.server()
+        pb_grpc.add_DecodeServiceServicer_to_server(servicer, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+            d = mux_client.MuxStream(ch, mux_wire.DECODE)
+            ids = await _read_all(mux_client.DecodeCall(d, pb.DecodeRequest(request_id="a")))
+            d.close()
+        await server.stop(grace=None)
+        return ids
+
+    assert asyncio.run(first_token(Sink())) == [2]
+    assert asyncio.run(first_token(Events())) == [1]

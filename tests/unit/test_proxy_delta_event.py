@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from cluster.proto_gen import pdcluster_v1_pb2 as pb
-from proxy.responses import ChatFormat, CompletionFormat, TokenTexts, sse
-from proxy.tool_calls import ToolCallStream
+from proxy.api.responses import ChatFormat, CompletionFormat, TokenTexts, sse
+from proxy.api.tool_calls import ToolCallStream
 
 TEXTS = ["", " hello", 'quote " and back\\slash', "line\nbreak\ttab", "\x00\x1f control", "é 漢字 🙂",
          "\u2028\u2029", "</script>", "x" * 3000]

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from engine.tokenizer import Tokenizer
-from proxy.detok import IncrementalDetokenizer, OutputText
-from proxy.responses import TokenTexts
+from proxy.api.detok import IncrementalDetokenizer, OutputText
+from proxy.api.responses import TokenTexts
 
 TEXT = "Prefill héllo wörld, 日本語 🎉🎉 done. The cache moves fast!"
 

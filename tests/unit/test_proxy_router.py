@@ -7,7 +7,7 @@ import time
 import pytest
 
 from cluster.nodes import NodeInfo, NodeState, ReplicaLoad
-from proxy.router import (
+from proxy.routing.router import (
     LONG_PROMPT_TOKENS,
     NoRoute,
     Router,
@@ -268,7 +268,7 @@ def test_excluded_decode_ranks_are_never_chosen() -> None:
 
 
 def test_a_prefill_replica_with_the_prompts_prefix_cached_costs_only_the_rest() -> None:
-    from proxy.prefix_index import PrefixIndex
+    from proxy.routing.prefix_index import PrefixIndex
 
     nodes = [node("p0"), node("p1"), DECODE]
     router = Router(MODEL)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from proxy.ratelimit import RateLimiter
+from proxy.api.ratelimit import RateLimiter
 
 
 def test_a_burst_then_the_rate_and_the_wait_until_the_next_request() -> None:

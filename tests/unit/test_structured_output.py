@@ -170,7 +170,7 @@ def test_the_constraint_crosses_the_wire_unchanged() -> None:
 
 def test_the_proxy_checks_constraints_without_importing_torch() -> None:
     """The proxy compiles constraints to refuse bad ones; that must not pull torch into it (startup, RSS)."""
-    code = ("import sys; from proxy.app import create_app; from proxy.protocol import CompletionRequest; "
+    code = ("import sys; from proxy.app import create_app; from proxy.api.protocol import CompletionRequest; "
             "CompletionRequest(prompt='x', guided_json={'type': 'object'}).sampling(4); "
             "assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import random
 
-from proxy.tool_calls import (
+from proxy.api.tool_calls import (
     CALL_BEGIN,
     CALL_END,
     CALLS_BEGIN,

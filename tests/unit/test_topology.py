@@ -163,7 +163,7 @@ def test_cluster_commands_order_and_ids() -> None:
 def test_command_lines_parse_with_the_real_parsers(tmp_path) -> None:
     """The contract with the node and proxy entry points: what we start, they accept."""
     node_cli = pytest.importorskip("node_runtime.cli")
-    proxy_main = pytest.importorskip("proxy.__main__")
+    proxy_cli = pytest.importorskip("proxy.cli")
     (tmp_path / "tiny").mkdir()
     (tmp_path / "tiny" / "config.json").write_text("{}")
     t = load_topology(write(tmp_path, EXAMPLE))
@@ -173,7 +173,7 @@ def test_command_lines_parse_with_the_real_parsers(tmp_path) -> None:
             with pytest.MonkeyPatch.context() as mp:
                 for k, v in spec.env:
                     mp.setenv(k, v)
-                config, _ = proxy_main.parse_args(args)
+                config, _ = proxy_cli.parse_args(args)
             assert (config.port, config.admin_key, config.registry.cluster) == (8100, "sesame", "demo")
         else:
             node, served = node_cli.parse(spec.name.split("-")[0], args)
@@ -268,14 +268,14 @@ def test_vllm_node_device_range(monkeypatch) -> None:
 
 def test_the_proxy_refuses_an_open_admin_api_off_loopback(monkeypatch, capsys) -> None:
     """/admin without a key is allowed on loopback only, unless --insecure-admin says so."""
-    proxy_main = pytest.importorskip("proxy.__main__")
+    proxy_cli = pytest.importorskip("proxy.cli")
     monkeypatch.delenv("PDCLUSTER_ADMIN_KEY", raising=False)
     base = ["--model", "/m"]
-    assert proxy_main.parse_args(base)[0].host == "127.0.0.1"  # the default: no key needed
+    assert proxy_cli.parse_args(base)[0].host == "127.0.0.1"  # the default: no key needed
     with pytest.raises(SystemExit):
-        proxy_main.parse_args([*base, "--host", "0.0.0.0"])
+        proxy_cli.parse_args([*base, "--host", "0.0.0.0"])
     assert "--admin-key" in capsys.readouterr().err
-    assert proxy_main.parse_args([*base, "--host", "0.0.0.0", "--insecure-admin"])[0].insecure_admin
-    assert proxy_main.parse_args([*base, "--host", "0.0.0.0", "--admin-key", "k"])[0].admin_key == "k"
+    assert proxy_cli.parse_args([*base, "--host", "0.0.0.0", "--insecure-admin"])[0].insecure_admin
+    assert proxy_cli.parse_args([*base, "--host", "0.0.0.0", "--admin-key", "k"])[0].admin_key == "k"
     monkeypatch.setenv("PDCLUSTER_ADMIN_KEY", "env-key")
-    assert proxy_main.parse_args([*base, "--host", "0.0.0.0"])[0].admin_key == "env-key"
+    assert proxy_cli.parse_args([*base, "--host", "0.0.0.0"])[0].admin_key == "env-key"

@@ -1,8 +1,8 @@
 """Where the proxy learns about nodes: a ``NodeSource`` and the proxy's own view on top of it.
 
 In production the source is the Redis registry (its cached ``RegistryView`` for reads, the
-``Registry`` for drain flags; ``proxy.__main__`` wires them); tests pass a ``StaticNodeSource``.
-``NodeView`` adds what the registry cannot give at once: a drain flag set through this proxy
+``Registry`` for drain flags: ``RegistrySource``, which ``proxy.workers`` wires); tests pass a
+``StaticNodeSource``. ``NodeView`` adds what the registry cannot give at once: a drain flag set through this proxy
 applies to the very next request, not after the next refresh.
 """
 
@@ -12,10 +12,10 @@ import asyncio
 import time
 from collections.abc import Iterable
 from dataclasses import replace
-from typing import Protocol
+from typing import Any, Protocol
 
 from cluster.nodes import KVEvents, NodeState
-from proxy.breaker import Breakers
+from proxy.routing.breaker import Breakers
 
 
 class NodeSource(Protocol):
@@ -46,6 +46,26 @@ class KVEventFeed(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+class RegistrySource:
+    """The registry as a ``NodeSource``: reads from the cached view, drain flags through Redis."""
+
+    def __init__(self, view: Any, registry: Any) -> None:
+        self._view = view
+        self._registry = registry
+
+    def snapshot(self) -> list[NodeState]:
+        return self._view.snapshot()
+
+    def set_draining(self, node_id: str, draining: bool) -> bool:
+        return self._registry.set_draining(node_id, draining)
+
+    def registry_error(self) -> str | None:
+        return self._view.last_error
+
+    def kv_event_stream(self) -> Any:
+        return self._registry.kv_event_stream()
 
 
 class StaticNodeSource:

@@ -24,16 +24,16 @@ from pydantic import BaseModel, ValidationError
 from cluster.nodes import NodeState
 from cluster.proto_gen import pdcluster_v1_pb2 as pb
 from engine.tokenizer import Tokenizer
-from proxy.choices import Child, Choices
-from proxy.detok import OutputText
-from proxy.discovery import NodeView, context_limit
+from proxy.api.choices import Child, Choices
+from proxy.api.detok import OutputText
+from proxy.api.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from proxy.api.responses import ChatFormat, CompletionFormat, Format, TokenTexts, sse, usage
+from proxy.api.sse import ClientDisconnected, ClientWatch, EventStreamResponse, until_disconnected
+from proxy.api.tool_calls import MARKERS, ToolCallStream, forced_prefix
 from proxy.errors import APIError, bad_request, error_body, validation_error
 from proxy.metrics import ProxyMetrics
 from proxy.pipeline import Generation, GenerationError, GenerationRequest, Pipeline
-from proxy.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
-from proxy.responses import ChatFormat, CompletionFormat, Format, TokenTexts, sse, usage
-from proxy.sse import ClientDisconnected, ClientWatch, EventStreamResponse, until_disconnected
-from proxy.tool_calls import MARKERS, ToolCallStream, forced_prefix
+from proxy.routing.discovery import NodeView, context_limit
 
 log = logging.getLogger(__name__)
 
@@ -176,7 +176,7 @@ class Serving:
     async def _several(self, request: Request, req: CompletionRequest | ChatCompletionRequest,
                        prompts: list[list[int]], endpoint: str, id_prefix: str, prompt_param: str,
                        arrival: float, echo: list[str] | None = None, tools: str | None = None) -> Response:
-        """``n`` > 1 samples and several prompts: one choice each (``proxy.choices``)."""
+        """``n`` > 1 samples and several prompts: one choice each (``proxy.api.choices``)."""
         nodes = self.view.snapshot()
         n = req.n or 1
         request_id = f"{id_prefix}-{_new_id()}"

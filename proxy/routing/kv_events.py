@@ -3,7 +3,7 @@
 Nodes with prefix caching publish, with each heartbeat, the block hashes their replicas' caches
 stored and evicted (``cluster.nodes.KVEvents`` on the registry's pub/sub). ``follow_kv_events``
 reads them in the background for as long as the proxy runs and applies them to the prefix index
-(``proxy.prefix_index``), so every proxy and every worker of one sees what the nodes hold, whoever
+(``proxy.routing.prefix_index``), so every proxy and every worker of one sees what the nodes hold, whoever
 sent the prompts, and forgets what they evicted. Redis away: it retries with backoff; events missed
 meanwhile only make the index a worse guess.
 """
@@ -15,8 +15,8 @@ import logging
 from collections.abc import Callable
 
 from cluster.nodes import KVEvents
-from proxy.discovery import KVEventFeed
-from proxy.prefix_index import PrefixIndex
+from proxy.routing.discovery import KVEventFeed
+from proxy.routing.prefix_index import PrefixIndex
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ from typing import Any, Protocol
 import orjson
 
 from cluster.proto_gen import pdcluster_v1_pb2 as pb
-from proxy.tool_calls import ToolCall, ToolCallStream
+from proxy.api.tool_calls import ToolCall, ToolCallStream
 
 # JSON has no -inf: a token the sampler could not have picked gets this instead (as vLLM does).
 MIN_LOGPROB = -9999.0
@@ -225,7 +225,7 @@ class ChatFormat(_Base):
         return not self.logprobs and self._tools is None
 
     def offer_tools(self, stream: ToolCallStream) -> None:
-        """Read DeepSeek's tool calls out of the answer (``proxy.tool_calls``) into ``tool_calls``."""
+        """Read DeepSeek's tool calls out of the answer (``proxy.api.tool_calls``) into ``tool_calls``."""
         self._tools = stream
 
     def response(self, text: str, finish_reason: str, tokens: Sequence[pb.Token],

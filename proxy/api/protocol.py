@@ -17,7 +17,7 @@ from cluster.proto_gen import pdcluster_v1_pb2 as pb
 from cluster.wire import structured_to_pb
 from engine.sampling_params import MAX_LOGPROBS
 from engine.structured_output import StructuredOutputsParams
-from proxy import structured
+from proxy.api import structured
 
 MAX_STOP_STRINGS = 4  # OpenAI's limit
 MAX_CHOICES = 128  # n times the number of prompts: choices in one request
@@ -55,7 +55,7 @@ class _Sampling(_Request):
     logit_bias: dict[str, float] | None = None  # token id (as a string, OpenAI's JSON) -> [-100, 100]
     user: str | None = None
     return_tokens_as_token_ids: bool = False  # vLLM's: logprobs name tokens "token_id:<id>"
-    # Structured output (proxy.structured): OpenAI's response_format, vLLM's structured_outputs and guided_*
+    # Structured output (proxy.api.structured): OpenAI's response_format, vLLM's structured_outputs and guided_*
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
     guided_json: str | dict[str, Any] | None = None

@@ -28,7 +28,7 @@ read from is not eligible, and the decode rank is chosen among those that can re
 prefill replica's KV.
 
 Prefix caching: a prefill replica whose cache probably holds the start of the prompt
-(``proxy.prefix_index``, the proxy's record of what it sent where) computes only the rest, so its
+(``proxy.routing.prefix_index``, the proxy's record of what it sent where) computes only the rest, so its
 cost counts only those tokens: prompts sharing a prefix go where it is cached, unless that replica's
 queue outweighs the saving.
 
@@ -123,7 +123,7 @@ class PrefillCandidate:
     cost: float  # inf when not eligible
     eligible: bool
     reason: str
-    cached_tokens: int = 0  # the prompt's tokens expected in its prefix cache (proxy.prefix_index)
+    cached_tokens: int = 0  # the prompt's tokens expected in its prefix cache (proxy.routing.prefix_index)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -141,7 +141,7 @@ class DecodeCandidate:
     needed_blocks: int
     eligible: bool
     reason: str
-    cached_tokens: int = 0  # the prompt's tokens expected in its prefix cache: not pulled (proxy.prefix_index)
+    cached_tokens: int = 0  # the prompt's tokens expected in its prefix cache: not pulled (proxy.routing.prefix_index)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -1,16 +1,20 @@
-"""Multiplexed calls on the node side: ``PrefillMux`` and ``DecodeMux`` over a servicer's own handlers.
+"""The server half of the multiplexed calls: ``PrefillMux`` and ``DecodeMux`` over a servicer's own handlers.
 
 The proxy keeps one stream per node and sends every request's ``Prefill`` or ``Decode`` over it
-(``pdcluster.v1``, "Multiplexed calls"). Here each call on the stream runs the servicer's ordinary
+(``pdcluster.v1``, "Multiplexed calls"; the client half is ``proxy.link.mux_client``, the messages'
+format both speak ``cluster.mux_wire``). Here each call on the stream runs the servicer's ordinary
 handler, as its own task, with a context whose ``abort`` ends that call alone: the same checks,
 status codes and events as the call on its own, with no RPC per request. What the handlers produce
 goes into one queue; the stream writes whatever is queued as one message (the tokens of a request
 that are queued together merge into one event), so under load a write carries many requests.
 
-A decode servicer may also offer ``decode_into(call, context, send)``: the call's events go to
-``send`` from whatever delivers them (the callback that hands over an engine step's events), straight
-onto the stream's queue, and the handler's task wakes only at the call's end. Relaying each event
-through the handler's async generator costs a task switch per stream and engine step.
+A servicer says which handler its calls run by its mixin (put it first among the bases), each a
+``Form`` of handler: ``PrefillMux`` runs ``Prefill`` (``UNARY``: it returns the reply);
+``DecodeEventsMux`` runs ``Decode`` (``EVENTS``: an async generator of the call's events);
+``DecodeMux`` runs ``decode_into(call, context, send)`` (``SINK``): the call's events go to ``send``
+from whatever delivers them (the callback that hands over an engine step's events), straight onto the
+stream's queue, and the handler's task wakes only at the call's end. Relaying each event through the
+handler's async generator costs a task switch per stream and engine step.
 
 A cancel message, the client ending the stream or the stream breaking cancels the calls concerned,
 exactly as cancelling each call would (the handlers free what the request holds).
@@ -19,23 +23,25 @@ exactly as cancelling each call would (the handlers free what the request holds)
 from __future__ import annotations
 
 import asyncio
+import enum
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, NoReturn
 
 import grpc
 
+from cluster.mux_wire import Reply, replies_message, status_reply
 from cluster.proto_gen import pdcluster_v1_pb2 as pb
 
 log = logging.getLogger("pdcluster.mux")
 
 MAX_REPLIES = 256  # replies per message: bounds a message (a prefill reply's KV handle can be large)
 # Turns of the event loop between the first reply queued and the write: through handlers that relay
-# ("events"), an engine step's tokens reach the handlers in one turn and are queued in the next, so the
-# step's tokens of every stream go in one message rather than in several (docs/benchmarks.md: fewer,
-# larger messages cost both ends less CPU per request). Through sinks a step's events are queued at
-# once; the turns still gather the replies of calls that end or answer meanwhile. Kept at 2 for both:
-# the sink path was measured with it (docs/benchmarks.md, 2026-12-03).
+# (``Form.EVENTS``), an engine step's tokens reach the handlers in one turn and are queued in the next,
+# so the step's tokens of every stream go in one message rather than in several (docs/benchmarks.md:
+# fewer, larger messages cost both ends less CPU per request). Through sinks (``Form.SINK``) a step's
+# events are queued at once; the turns still gather the replies of calls that end or answer meanwhile.
+# Kept at 2 for both: the sink path was measured with it (docs/benchmarks.md, 2026-12-03).
 WRITE_AFTER_TURNS = 2
 
 
@@ -55,53 +61,20 @@ class CallContext:
         raise CallAborted(code, details)
 
 
-# A reply waiting to be written: (request id, which MuxReply field, its message). Replies are built
-# into the outgoing message only when it is written (one copy of each).
-Reply = tuple[str, str, Any]
-
-
-def _status(request_id: str, code: grpc.StatusCode, details: str) -> Reply:
-    return request_id, "status", pb.CallStatus(code=code.value[0], details=details)
-
-
-def merged(replies: list[Reply]) -> list[Reply]:
-    """``replies`` in order, each run of one request's token events (nothing of that request between
-    them) merged into its first event."""
-    out: list[Reply] = []
-    open_tokens: dict[str, pb.DecodeEvent] = {}  # request id -> its last reply here, an unfinished tokens event
-    for r in replies:
-        rid, kind, message = r
-        if kind == "event" and message.WhichOneof("event") == "tokens":
-            prev = open_tokens.get(rid)
-            if prev is not None:
-                prev.tokens.tokens.extend(message.tokens.tokens)
-                if message.tokens.finish_reason:
-                    prev.tokens.finish_reason = message.tokens.finish_reason
-                    del open_tokens[rid]
-                continue
-            if not message.tokens.finish_reason:
-                open_tokens[rid] = message
-        else:
-            open_tokens.pop(rid, None)
-        out.append(r)
-    return out
-
-
-def _message(replies: list[Reply]) -> pb.MuxReplies:
-    message = pb.MuxReplies()
-    add = message.replies.add
-    for rid, kind, payload in merged(replies):
-        add(request_id=rid, **{kind: payload})
-    return message
-
-
 Send = Callable[[Any], None]  # one decode event of the call, onto the stream's queue
 
 
-async def serve(calls: AsyncIterator[Any], handler: Callable[..., Any], kind: str) -> AsyncIterator[pb.MuxReplies]:
-    """Run each call of the ``calls`` stream through ``handler``; yield their replies, batched. ``kind``:
-    "unary" (the handler returns the reply), "events" (an async generator of decode events) or "sink"
-    (``handler(call, context, send)`` sends the events and returns at the call's end)."""
+class Form(enum.Enum):
+    """How a handler gives its call's replies."""
+
+    UNARY = enum.auto()  # ``handler(call, context)`` returns the reply (``Prefill``)
+    EVENTS = enum.auto()  # ``handler(call, context)`` is an async generator of the call's events (``Decode``)
+    SINK = enum.auto()  # ``handler(call, context, send)`` sends the events, returns at the call's end
+
+
+async def serve(calls: AsyncIterator[Any], handler: Callable[..., Any], form: Form) -> AsyncIterator[pb.MuxReplies]:
+    """Run each call of the ``calls`` stream through ``handler``, a handler of that ``form``; yield their
+    replies, batched."""
     out: asyncio.Queue[Reply | None] = asyncio.Queue()
     running: dict[str, asyncio.Task[None]] = {}
     context = CallContext()
@@ -109,7 +82,7 @@ async def serve(calls: AsyncIterator[Any], handler: Callable[..., Any], kind: st
     async def one(call: Any) -> None:
         rid = call.request_id
         try:
-            if kind == "sink":
+            if form is Form.SINK:
                 live = True  # events sent after the call ended (cancelled) are not written
 
                 def send(event: Any) -> None:
@@ -120,21 +93,21 @@ async def serve(calls: AsyncIterator[Any], handler: Callable[..., Any], kind: st
                     await handler(call, context, send)
                 finally:
                     live = False
-                out.put_nowait(_status(rid, grpc.StatusCode.OK, ""))
-            elif kind == "events":
+                out.put_nowait(status_reply(rid, grpc.StatusCode.OK, ""))
+            elif form is Form.EVENTS:
                 async for event in handler(call, context):
                     out.put_nowait((rid, "event", event))
-                out.put_nowait(_status(rid, grpc.StatusCode.OK, ""))
+                out.put_nowait(status_reply(rid, grpc.StatusCode.OK, ""))
             else:
                 reply = await handler(call, context)
                 out.put_nowait((rid, "prefill", reply))
         except CallAborted as e:
-            out.put_nowait(_status(rid, e.code, e.details))
+            out.put_nowait(status_reply(rid, e.code, e.details))
         except asyncio.CancelledError:
             raise
         except Exception as e:  # a handler's bug: this call fails as it would on its own, the others go on
             log.exception("call %s failed", rid)
-            out.put_nowait(_status(rid, grpc.StatusCode.UNKNOWN, f"{type(e).__name__}: {e}"))
+            out.put_nowait(status_reply(rid, grpc.StatusCode.UNKNOWN, f"{type(e).__name__}: {e}"))
         finally:
             if running.get(rid) is asyncio.current_task():
                 del running[rid]
@@ -147,8 +120,8 @@ async def serve(calls: AsyncIterator[Any], handler: Callable[..., Any], kind: st
                     task.cancel()
             for call in message.calls:
                 if call.request_id in running:
-                    out.put_nowait(_status(call.request_id, grpc.StatusCode.INVALID_ARGUMENT,
-                                           f"request {call.request_id} is already in flight on this stream"))
+                    out.put_nowait(status_reply(call.request_id, grpc.StatusCode.INVALID_ARGUMENT,
+                                                f"request {call.request_id} is already in flight on this stream"))
                     continue
                 running[call.request_id] = asyncio.ensure_future(one(call))
         while running:  # the client is done sending: finish what runs, then end the stream
@@ -174,7 +147,7 @@ async def serve(calls: AsyncIterator[Any], handler: Callable[..., Any], kind: st
                 else:
                     replies.append(item)
             if replies:
-                yield _message(replies)
+                yield replies_message(replies)
             if end:
                 if not reader.cancelled() and reader.done() and reader.exception() is not None:
                     raise reader.exception()  # type: ignore[misc]
@@ -186,25 +159,36 @@ async def serve(calls: AsyncIterator[Any], handler: Callable[..., Any], kind: st
 
 
 class PrefillMux:
-    """``PrefillMux`` for a ``PrefillService`` servicer (put it first among the bases)."""
+    """``PrefillMux`` for a ``PrefillService`` servicer (put it first among the bases): through its
+    ``Prefill``."""
 
     Prefill: Callable[[Any, Any], Awaitable[pb.PrefillResponse]]
 
     async def PrefillMux(self, request_iterator: AsyncIterator[pb.PrefillCalls],  # noqa: N802
                          context: grpc.aio.ServicerContext) -> AsyncIterator[pb.MuxReplies]:
-        async for replies in serve(request_iterator, self.Prefill, "unary"):
+        async for replies in serve(request_iterator, self.Prefill, Form.UNARY):
             yield replies
 
 
 class DecodeMux:
-    """``DecodeMux`` for a ``DecodeService`` servicer (put it first among the bases): through the
-    servicer's ``decode_into`` where it has one, else through its ``Decode``."""
+    """``DecodeMux`` for a ``DecodeService`` servicer (put it first among the bases): through its
+    ``decode_into``, which sends each call's events onto the stream's queue as they are delivered."""
+
+    decode_into: Callable[[Any, CallContext, Send], Awaitable[None]]
+
+    async def DecodeMux(self, request_iterator: AsyncIterator[pb.DecodeCalls],  # noqa: N802
+                        context: grpc.aio.ServicerContext) -> AsyncIterator[pb.MuxReplies]:
+        async for replies in serve(request_iterator, self.decode_into, Form.SINK):
+            yield replies
+
+
+class DecodeEventsMux:
+    """``DecodeMux`` for a ``DecodeService`` servicer without a ``decode_into`` (put it first among the
+    bases): through its ``Decode``, each call's events relayed from the handler's async generator."""
 
     Decode: Callable[[Any, Any], AsyncIterator[pb.DecodeEvent]]
 
     async def DecodeMux(self, request_iterator: AsyncIterator[pb.DecodeCalls],  # noqa: N802
                         context: grpc.aio.ServicerContext) -> AsyncIterator[pb.MuxReplies]:
-        into = getattr(self, "decode_into", None)
-        handler, kind = (into, "sink") if into is not None else (self.Decode, "events")
-        async for replies in serve(request_iterator, handler, kind):
+        async for replies in serve(request_iterator, self.Decode, Form.EVENTS):
             yield replies

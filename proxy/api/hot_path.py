@@ -20,9 +20,9 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
+from proxy.api.ratelimit import RateLimiter
 from proxy.errors import APIError, error_for
 from proxy.metrics import ProxyMetrics, RequestCounter
-from proxy.ratelimit import RateLimiter
 
 Handler = Callable[[Request], Awaitable[Response]]
 

@@ -1,5 +1,5 @@
 """gRPC clients of the nodes: one ``grpc.aio`` channel per node address, created on first use, and on
-it one multiplexed stream per service that every request's call goes over (``proxy.mux``).
+it one multiplexed stream per service that every request's call goes over (``proxy.link.mux_client``).
 
 Channels are bound to the event loop that creates them, so they are made lazily from within the
 app's loop and closed on shutdown.
@@ -14,9 +14,10 @@ import grpc
 from cluster import tls
 from cluster.auth import call_metadata
 from cluster.grpc_options import CHANNEL_OPTIONS
+from cluster.mux_wire import DECODE, PREFILL
 from cluster.proto_gen import pdcluster_v1_pb2 as pb
 from cluster.proto_gen import pdcluster_v1_pb2_grpc as pb_grpc
-from proxy.mux import DECODE, PREFILL, MuxStream
+from proxy.link.mux_client import MuxStream
 
 log = logging.getLogger(__name__)
 

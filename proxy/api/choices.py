@@ -25,11 +25,11 @@ from typing import Any
 
 from cluster.nodes import NodeState
 from cluster.proto_gen import pdcluster_v1_pb2 as pb
-from proxy.detok import OutputText
+from proxy.api.detok import OutputText
+from proxy.api.responses import Format, sse, usage
 from proxy.errors import APIError, error_body
 from proxy.metrics import ProxyMetrics
 from proxy.pipeline import Generation, GenerationError, GenerationRequest, Pipeline
-from proxy.responses import Format, sse, usage
 
 log = logging.getLogger(__name__)
 

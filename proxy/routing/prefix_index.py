@@ -8,7 +8,7 @@ own), in LRU order, at most as many as the replica has KV blocks, from two sourc
   prefilled, a decode rank the prompts it pulled and the answers it computed. Immediate, but blind
   to other proxies (and other workers of this one) and to evictions;
 - the nodes' KV events (``apply``; published with their heartbeats on the registry's pub/sub,
-  ``proxy.kv_events`` follows them): what each replica's cache stored and evicted, a heartbeat late.
+  ``proxy.routing.kv_events`` follows them): what each replica's cache stored and evicted, a heartbeat late.
   A node that restarted (another ``started_at``) starts empty.
 
 A prompt's expected hit on a replica is the number of its leading full blocks found there. The
