@@ -1,6 +1,9 @@
 """A prefill node process over gRPC: held KV under a lease, freed on Release, Abort or expiry;
 bad input answered with INVALID_ARGUMENT; registration in Redis with its shape and load; the
-standard health service (grpc.health.v1) answering SERVING."""
+standard health service (grpc.health.v1) answering SERVING.
+
+Prefills go over the node's multiplexed stream with the proxy's client (``mux_calls``), as every
+request of a cluster does; bad input is checked on the plain ``Prefill`` RPC too."""
 
 from __future__ import annotations
 
@@ -10,11 +13,13 @@ import signal
 import subprocess
 import sys
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from mux_calls import mux_prefill
 from procs import wait_registered, wait_until
 
 from cluster.config import RegistryConfig
@@ -27,8 +32,15 @@ from pdctl.redis_server import start_redis
 PROMPT = [(i * 7 + 3) % 1000 + 2 for i in range(100)]  # 7 blocks of 16
 
 
+@dataclass
+class Node:
+    stub: pb_grpc.PrefillServiceStub  # Release, Abort, Stats (and the plain Prefill)
+    registry: Registry
+    address: str  # prefills go over its multiplexed stream (mux_prefill)
+
+
 @pytest.fixture(scope="module")
-def node(tiny_model: Path) -> Iterator[tuple[pb_grpc.PrefillServiceStub, Registry]]:
+def node(tiny_model: Path) -> Iterator[Node]:
     redis = start_redis()
     proc = subprocess.Popen(
         [sys.executable, "-m", "prefill_node", "--model", str(tiny_model), "--node-id", "p0", "--registry-url",
@@ -37,8 +49,9 @@ def node(tiny_model: Path) -> Iterator[tuple[pb_grpc.PrefillServiceStub, Registr
         start_new_session=True)
     registry = Registry(RegistryConfig(url=redis.url, cluster="t"))
     try:
-        channel = grpc.insecure_channel(wait_registered(proc, registry).info.address)
-        yield pb_grpc.PrefillServiceStub(channel), registry
+        address = wait_registered(proc, registry).info.address
+        channel = grpc.insecure_channel(address)
+        yield Node(pb_grpc.PrefillServiceStub(channel), registry, address)
         channel.close()
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
@@ -48,11 +61,10 @@ def node(tiny_model: Path) -> Iterator[tuple[pb_grpc.PrefillServiceStub, Registr
         redis.stop()
 
 
-def prefill(stub: pb_grpc.PrefillServiceStub, rid: str, max_tokens: int = 8,
-            prompt: list[int] = PROMPT) -> pb.PrefillResponse:
+def prefill(node: Node, rid: str, max_tokens: int = 8, prompt: list[int] = PROMPT) -> pb.PrefillResponse:
     req = pb.PrefillRequest(request_id=rid, token_ids=prompt, dp_rank=-1,
                             sampling=pb.SamplingParams(temperature=0, max_tokens=max_tokens))
-    return stub.Prefill(req, timeout=60)
+    return mux_prefill(node.address, req)
 
 
 def used(stub: pb_grpc.PrefillServiceStub) -> int:
@@ -60,14 +72,14 @@ def used(stub: pb_grpc.PrefillServiceStub) -> int:
 
 
 def test_registers_its_shape(node) -> None:
-    _, registry = node
+    registry = node.registry
     (n,) = registry.nodes()
     assert (n.info.role, n.info.dp, n.info.pcp, n.info.pp, n.info.max_model_len) == ("prefill", 1, 1, 1, 512)
     assert n.healthy and n.replicas[0].free_blocks == 64
 
 
 def test_answers_grpc_health_serving(node) -> None:
-    _, registry = node
+    registry = node.registry
     with grpc.insecure_channel(registry.nodes()[0].info.address) as channel:
         check = health_pb2_grpc.HealthStub(channel).Check
         for service in ("", "pdcluster.v1.PrefillService"):
@@ -99,17 +111,17 @@ def test_lifecycle_health_before_registration_and_when_stopping() -> None:
 
 
 def test_held_kv_is_freed_by_release_abort_or_lease_expiry(node) -> None:
-    stub, _ = node
-    a = prefill(stub, "a")
+    stub = node.stub
+    a = prefill(node, "a")
     assert a.finish_reason == "" and a.kv.num_blocks == 7 and len(a.kv.sources) == 1
     assert used(stub) == 7
     assert stub.Release(pb.ReleaseRequest(request_id="a"), timeout=10).found  # the decode side confirmed
     # answered at once, the blocks freed between two steps
     wait_until(lambda: used(stub) == 0, 5, "the released blocks to be freed")
-    prefill(stub, "b")
+    prefill(node, "b")
     stub.Abort(pb.AbortRequest(request_id="b"), timeout=10)
     assert used(stub) == 0
-    prefill(stub, "c")  # nobody confirms: the 3 s lease frees it
+    prefill(node, "c")  # nobody confirms: the 3 s lease frees it
     assert used(stub) == 7
 
     def expired() -> bool:
@@ -121,8 +133,8 @@ def test_held_kv_is_freed_by_release_abort_or_lease_expiry(node) -> None:
 
 
 def test_a_one_token_request_holds_nothing(node) -> None:
-    stub, _ = node
-    r = prefill(stub, "one", max_tokens=1)
+    stub = node.stub
+    r = prefill(node, "one", max_tokens=1)
     assert r.finish_reason == "length" and not r.HasField("kv")
     assert used(stub) == 0
 
@@ -135,19 +147,23 @@ def test_a_one_token_request_holds_nothing(node) -> None:
     pb.PrefillRequest(request_id="x", token_ids=[1, 2], dp_rank=3),
     pb.PrefillRequest(request_id="x", token_ids=[1, 2], sampling=pb.SamplingParams(temperature=-1)),
 ])
-def test_bad_input_is_invalid_argument(node, req: pb.PrefillRequest) -> None:
-    stub, _ = node
+@pytest.mark.parametrize("path", ["mux", "rpc"])
+def test_bad_input_is_invalid_argument(node, req: pb.PrefillRequest, path: str) -> None:
+    stub = node.stub
     with pytest.raises(grpc.RpcError) as e:
-        stub.Prefill(req, timeout=30)
+        if path == "mux":
+            mux_prefill(node.address, req, 30)
+        else:
+            stub.Prefill(req, timeout=30)
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert used(stub) == 0
 
 
 def test_requests_that_once_crashed_a_node_are_served(node) -> None:
-    stub, _ = node
+    stub = node.stub
     for i, sp in enumerate([pb.SamplingParams(max_tokens=8, min_tokens=3),  # min_tokens > the one prefill token
                             pb.SamplingParams(max_tokens=8, temperature=1e-30)]):  # a "greedy" temperature
-        r = stub.Prefill(pb.PrefillRequest(request_id=f"odd{i}", token_ids=PROMPT, sampling=sp), timeout=60)
+        r = mux_prefill(node.address, pb.PrefillRequest(request_id=f"odd{i}", token_ids=PROMPT, sampling=sp))
         assert r.finish_reason == "" and r.kv.num_blocks == 7
         stub.Abort(pb.AbortRequest(request_id=f"odd{i}"), timeout=10)
     assert used(stub) == 0
@@ -156,12 +172,12 @@ def test_requests_that_once_crashed_a_node_are_served(node) -> None:
 def test_a_full_cache_of_held_kv_makes_new_prefills_wait_not_fail(node) -> None:
     import concurrent.futures
 
-    stub, _ = node
+    stub = node.stub
     held = [f"h{i}" for i in range(9)]  # 9 x 7 = 63 of the 64 blocks, all under leases
     for k, rid in enumerate(held):  # prompts that differ from their first block on: nothing is shared
-        prefill(stub, rid, prompt=[k + 2] + PROMPT[1:])
+        prefill(node, rid, prompt=[k + 2] + PROMPT[1:])
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        waiting = pool.submit(prefill, stub, "late", prompt=[500] + PROMPT[1:])
+        waiting = pool.submit(prefill, node, "late", prompt=[500] + PROMPT[1:])
 
         def queued() -> bool:  # the load is published after a step, so a step found no room for it
             (replica,) = stub.Stats(pb.StatsRequest(), timeout=10).replicas
