@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from engine.fp8 import Fp8Config
+
 SUPPORTED_ARCHITECTURES = {
     "DeepseekV2ForCausalLM": "deepseek_v2",
     "DeepseekV3ForCausalLM": "deepseek_v3",
@@ -96,6 +98,7 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str = "bfloat16"
+    quantization: Fp8Config | None = None  # block FP8 weights (engine.fp8); None: stored in torch_dtype
 
     def __post_init__(self) -> None:
         positive = (
@@ -176,8 +179,10 @@ class ModelConfig:
                 f"unknown architecture {archs or raw.get('model_type')!r}: "
                 f"supported are {sorted(SUPPORTED_ARCHITECTURES)}"
             )
-        if raw.get("quantization_config"):
-            raise ValueError("quantized checkpoints (quantization_config) are not supported by the native engine")
+        qc = raw.get("quantization_config")
+        if qc is not None and not isinstance(qc, dict):
+            raise ValueError(f"quantization_config must be an object, got {qc!r}")
+        quantization = Fp8Config.from_dict(qc) if qc else None
         required = (
             "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
             "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
@@ -222,6 +227,7 @@ class ModelConfig:
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=eos_ids,
             torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "bfloat16"),
+            quantization=quantization,
         )
 
 

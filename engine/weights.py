@@ -3,6 +3,12 @@
 Per-expert tensors (``mlp.experts.{j}.gate_proj.weight`` …, the Hub layout) and transformers-5's fused
 expert tensors (``mlp.experts.gate_up_proj`` / ``down_proj``) are both accepted. Every parameter of
 the model must be filled with a tensor of the right shape, or loading fails naming the tensor.
+
+A block-FP8 checkpoint (``ModelConfig.quantization``; ``engine.fp8``) stores each quantized weight as
+``float8_e4m3fn`` beside its ``weight_scale_inv``: the weight is dequantized into the model's dtype as
+it is loaded. An FP8 weight without its scale, a scale of the wrong shape or with values no scale can
+have, a scale without an FP8 weight, or FP8 tensors in a checkpoint whose config declares no
+quantization fail the load, naming the tensor.
 """
 
 from __future__ import annotations
@@ -10,13 +16,15 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
 
 from engine.config import ModelConfig
+from engine.fp8 import FP8_DTYPE, SCALE_SUFFIX, dequantize_blocks
 from engine.model import DeepseekForCausalLM
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.*)$")
@@ -87,24 +95,52 @@ def load_weights(model: DeepseekForCausalLM, model_dir: str | Path) -> None:
     """Fill every parameter of ``model`` from the checkpoint in ``model_dir``."""
     params = dict(model.named_parameters())
     filled: set[tuple[str, int | None, str | None]] = set()
-    for path in safetensors_files(model_dir):
-        with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():
-                tgt = _target(model, name)
-                if tgt is None:
-                    continue
-                pname, expert, part = tgt
-                if pname not in params:
-                    if pname.startswith(("model.embed_tokens", "model.norm", "lm_head")):
-                        continue  # belongs to the first / last stage only
-                    raise ValueError(f"unexpected tensor {name!r} in {path.name}: no such parameter in the model")
-                _copy(params[pname], f.get_tensor(name), name, expert, part)
-                filled.add((pname, expert, part))
+    with ExitStack() as stack:
+        opened = [(p, stack.enter_context(safe_open(str(p), framework="pt"))) for p in safetensors_files(model_dir)]
+        where = {name: (path, f) for path, f in opened for name in f.keys()}  # tensor -> its file
+        for name, (path, f) in where.items():
+            if name.endswith(SCALE_SUFFIX):
+                _check_scale_owner(name, where)
+                continue
+            tgt = _target(model, name)
+            if tgt is None:
+                continue
+            pname, expert, part = tgt
+            if pname not in params:
+                if pname.startswith(("model.embed_tokens", "model.norm", "lm_head")):
+                    continue  # belongs to the first / last stage only
+                raise ValueError(f"unexpected tensor {name!r} in {path.name}: no such parameter in the model")
+            _copy(params[pname], _tensor(model.cfg, name, f, where), name, expert, part)
+            filled.add((pname, expert, part))
     if model.cfg.tie_word_embeddings and "lm_head.weight" in params and "model.embed_tokens.weight" in params:
         if ("lm_head.weight", None, None) not in filled:
             params["lm_head.weight"].copy_(params["model.embed_tokens.weight"])
             filled.add(("lm_head.weight", None, None))
     _check_complete(model, params, filled)
+
+
+def _tensor(cfg: ModelConfig, name: str, f: Any, where: Mapping[str, tuple[Path, Any]]) -> torch.Tensor:
+    """The checkpoint's tensor ``name``, dequantized (float32) if it is a block-FP8 weight."""
+    t = f.get_tensor(name)
+    if t.dtype != FP8_DTYPE:
+        return t
+    if cfg.quantization is None:
+        raise ValueError(f"tensor {name!r} is FP8 but config.json declares no quantization_config")
+    scale = where.get(name + SCALE_SUFFIX)
+    if scale is None:
+        raise ValueError(f"tensor {name!r} is FP8 but the checkpoint has no {name + SCALE_SUFFIX!r}")
+    return dequantize_blocks(t, scale[1].get_tensor(name + SCALE_SUFFIX), cfg.quantization.block, name=name)
+
+
+def _check_scale_owner(scale_name: str, where: Mapping[str, tuple[Path, Any]]) -> None:
+    """A scale belongs to an FP8 weight of the same name."""
+    weight = scale_name[: -len(SCALE_SUFFIX)]
+    owner = where.get(weight)
+    if owner is None:
+        raise ValueError(f"tensor {scale_name!r} scales {weight!r}, which the checkpoint does not have")
+    dtype = owner[1].get_slice(weight).get_dtype()  # safetensors' name of the dtype, from the header
+    if dtype != "F8_E4M3":
+        raise ValueError(f"tensor {scale_name!r} scales {weight!r}, which is {dtype}, not FP8 (e4m3)")
 
 
 def _copy(param: torch.Tensor, t: torch.Tensor, name: str, expert: int | None, part: str | None) -> None:

@@ -57,6 +57,9 @@ def make_model(
                                                  "(DeepSeek-V2-Lite); needs --config-only"),
     config_only: bool = typer.Option(False, "--config-only", help="config and tokenizer, no weights (nodes "
                                                                   "then run with load_format: dummy)"),
+    quantize: str | None = typer.Option(None, help="fp8: the linears in DeepSeek's block-FP8 format (e4m3, 128x128 "
+                                                   "blocks, weight_scale_inv), quantized from the random weights"),
+    scale_fmt: str | None = typer.Option(None, help="with --quantize fp8: ue8m0 for power-of-two scales (V3.1's)"),
 ) -> None:
     """Write a tiny random DeepSeek-format model (config, safetensors, tokenizer, chat template), or with
     --preset and --config-only a published model's shape without weights."""
@@ -73,9 +76,15 @@ def make_model(
         return
     if arch not in ("v2", "v3"):
         raise typer.BadParameter("arch must be v2 or v3", param_hint="--arch")
-    path = make_tiny_model(out_dir, arch=arch, moe=moe, seed=seed, num_layers=layers)
+    if quantize not in (None, "fp8"):
+        raise typer.BadParameter("the only quantization is fp8", param_hint="--quantize")
+    if scale_fmt not in (None, "ue8m0") or (scale_fmt is not None and quantize is None):
+        raise typer.BadParameter("ue8m0, with --quantize fp8", param_hint="--scale-fmt")
+    path = make_tiny_model(out_dir, arch=arch, moe=moe, seed=seed, num_layers=layers, quantize=quantize,
+                           scale_fmt=scale_fmt)
     kind = "MoE" if moe else "dense"
-    console.print(f"wrote a tiny {arch} {kind} model ({layers} layers, seed {seed}) to [bold]{path}[/bold]")
+    fp8 = "" if quantize is None else f", block FP8{' (ue8m0 scales)' if scale_fmt else ''}"
+    console.print(f"wrote a tiny {arch} {kind} model ({layers} layers, seed {seed}{fp8}) to [bold]{path}[/bold]")
 
 
 # --- up / down ---

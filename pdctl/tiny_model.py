@@ -18,6 +18,7 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
+from engine.fp8 import SCALE_SUFFIX, Fp8Config, is_quantized_linear, quantize_blocks
 from pdctl.tiny_corpus import CORPUS
 
 __all__ = [
@@ -226,6 +227,24 @@ def _make_weights(cfg: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
     return out
 
 
+def _quantized(cfg: dict[str, Any], weights: dict[str, torch.Tensor], method: str,
+               scale_fmt: str | None) -> dict[str, torch.Tensor]:
+    """``weights`` in a block-FP8 checkpoint's tensors; ``cfg`` gains its ``quantization_config``."""
+    if method != "fp8":
+        raise ValueError(f"quantize must be 'fp8', got {method!r}")
+    if scale_fmt not in (None, "ue8m0"):
+        raise ValueError(f"scale_fmt must be ue8m0 or none, got {scale_fmt!r}")
+    fp8 = Fp8Config(ue8m0=scale_fmt == "ue8m0")
+    out: dict[str, torch.Tensor] = {}
+    for name, w in weights.items():
+        if is_quantized_linear(name):
+            out[name], out[name + SCALE_SUFFIX] = quantize_blocks(w, fp8.block, fp8.ue8m0)
+        else:
+            out[name] = w
+    cfg["quantization_config"] = fp8.to_dict()
+    return out
+
+
 def pad_vocabulary(tok: Tokenizer, vocab_size: int) -> Tokenizer:
     """The tokenizer with its BPE vocabulary padded to ``vocab_size`` by tokens `` t<id>`` that no merge
     produces: text encodes as before, and every id a model of that vocabulary samples decodes to text."""
@@ -266,6 +285,8 @@ def make_tiny_model(
     seed: int = 0,
     num_layers: int = 3,
     overrides: dict | None = None,
+    quantize: str | None = None,
+    scale_fmt: str | None = None,
 ) -> Path:
     """Write a tiny random DeepSeek model directory and return its path.
 
@@ -278,6 +299,10 @@ def make_tiny_model(
         num_layers: Number of decoder layers.
         overrides: Applied last to the config dict (e.g. ``{"hidden_size": 128}``); the weights
             follow the overridden shapes.
+        quantize: ``"fp8"``: the linears DeepSeek quantizes are written in its block-FP8 format
+            (``engine.fp8``: e4m3 in 128 x 128 blocks, a ``weight_scale_inv`` each, and the config's
+            ``quantization_config``), quantized from the same random weights.
+        scale_fmt: with ``quantize``: ``"ue8m0"`` for power-of-two scales (DeepSeek-V3.1's).
 
     Returns:
         The output directory, containing ``config.json``, ``generation_config.json``,
@@ -295,8 +320,13 @@ def make_tiny_model(
     assert bos_id is not None and eos_id is not None  # both are special tokens of the trained vocabulary
     cfg = _build_config(arch, moe, num_layers, tok.get_vocab_size(), bos_id, eos_id)
     cfg.update(overrides or {})
+    weights = _make_weights(cfg, seed)
+    if quantize is not None:
+        weights = _quantized(cfg, weights, quantize, scale_fmt)
+    elif scale_fmt is not None:
+        raise ValueError("scale_fmt needs quantize")
 
-    save_file(_make_weights(cfg, seed), str(out / "model.safetensors"), metadata={"format": "pt"})
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
     _write_json(out / "config.json", cfg)
     _write_json(out / "generation_config.json", {"bos_token_id": bos_id, "eos_token_id": eos_id})
     _write_tokenizer(out, tok, cfg)

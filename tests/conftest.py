@@ -56,3 +56,28 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
         for log in sorted((run_dir / "logs").glob("*.log")):
             lines = log.read_text(errors="replace").splitlines()[-LOG_TAIL_LINES:]
             report.sections.append((f"cluster log {log.name} (last {LOG_TAIL_LINES} lines)", "\n".join(lines)))
+
+
+@pytest.fixture(scope="session")
+def fp8_model(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """A tiny block-FP8 checkpoint (``make-model --quantize fp8``: the V2 MoE shape) and its dequantized twin:
+    the same model with every FP8 weight written in float32 as ``engine.fp8`` dequantizes it, and no
+    quantization_config."""
+    import json
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from engine.fp8 import SCALE_SUFFIX, dequantize_blocks
+
+    root = tmp_path_factory.mktemp("fp8")
+    fp8 = make_tiny_model(root / "fp8", arch="v2", moe=True, seed=2, quantize="fp8")
+    twin = make_tiny_model(root / "twin", arch="v2", moe=True, seed=2)  # tokenizer and config, then the weights
+    with safe_open(str(fp8 / "model.safetensors"), framework="pt") as f:
+        names = list(f.keys())
+        tensors = {n: f.get_tensor(n) for n in names}
+    weights = {n: dequantize_blocks(t, tensors[n + SCALE_SUFFIX]) if n + SCALE_SUFFIX in tensors else t
+               for n, t in tensors.items() if not n.endswith(SCALE_SUFFIX)}
+    save_file(weights, str(twin / "model.safetensors"), metadata={"format": "pt"})
+    assert "quantization_config" not in json.loads((twin / "config.json").read_text())
+    return fp8, twin
