@@ -126,8 +126,10 @@ class DecodeWorker:
         # Replica d on GPU gpus[d] (--gpus 2,3; or --device cuda:K: K, K+1, ...).
         configs = [dataclasses.replace(ec, dp=1, device=f"cuda:{gpus[d]}" if on_gpu else ec.device, gpus=None,
                                        seed=ec.seed + d) for d in range(ec.dp)]
-        self.vocab_size = ModelConfig.from_pretrained(ec.model).vocab_size
+        mc = ModelConfig.from_pretrained(ec.model)
+        self.vocab_size = mc.vocab_size
         self.block_size = ec.block_size
+        self.kv_cache_dtype = ec.kv_format(mc).wire_name  # a handle of another format is refused
         self.prefix_caching = ec.enable_prefix_caching
         self.address = ""  # set once the server listens
         self.failed = threading.Event()

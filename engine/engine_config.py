@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.config import ModelConfig
+from engine.kv_format import KV_CACHE_DTYPES, KVFormat
 from engine.parallel.grid import KV_LAYOUTS, ParallelConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -39,6 +41,11 @@ class EngineConfig:
                 "(engine/overlap.py), so the host's work between steps overlaps the GPU's (default: on GPUs; on "
                 "a CPU a step runs as it is launched, so it would only hold each token back one step)"})
     block_size: int = field(default=16, metadata={"help": "tokens per KV cache block"})
+    kv_cache_dtype: str = field(default="auto", metadata={
+        "help": "how the KV cache stores each token's latent row (engine/kv_format.py): auto = the model's dtype; "
+                "fp8 = e4m3 with one scale; fp8_ds_mla = DeepSeek's 656-byte row (e4m3 latent, a scale per 128, "
+                "bf16 rope). Prefill and decode nodes pair only on the same format",
+        "choices": ("auto", "fp8", "fp8_ds_mla")})
     enable_prefix_caching: bool = field(default=True, metadata={
         "help": "keep the KV of full blocks after use and share it between prompts with the same prefix "
                 "(engine/prefix_cache.py; a decode node pulls only the blocks it lacks)"})
@@ -99,6 +106,8 @@ class EngineConfig:
         if self.rank_timeout_s <= 0:
             raise ValueError(f"rank_timeout_s must be > 0, got {self.rank_timeout_s}")
         self.parallel().interleave(self.block_size)  # validates the topology and the interleave
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
 
@@ -147,3 +156,7 @@ class EngineConfig:
     def torch_dtype(self, checkpoint_dtype: str) -> torch.dtype:
         name = checkpoint_dtype if self.dtype == "auto" else self.dtype
         return DTYPES.get(name, torch.bfloat16)
+
+    def kv_format(self, mc: ModelConfig) -> KVFormat:
+        """The KV cache's row format for this model (``kv_cache_dtype`` over the compute dtype)."""
+        return KVFormat(self.kv_cache_dtype, mc.kv_lora_rank, mc.qk_rope_head_dim, self.torch_dtype(mc.torch_dtype))

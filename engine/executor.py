@@ -46,11 +46,10 @@ class Executor(Protocol):
 
 
 def kv_blocks_for_memory(
-    config: EngineConfig, mc: ModelConfig, max_model_len: int, dtype: torch.dtype, device: torch.device,
-    num_layers: int,
+    config: EngineConfig, mc: ModelConfig, max_model_len: int, device: torch.device, num_layers: int,
 ) -> int:
     """KV blocks to allocate on one device holding ``num_layers`` layers (after the weights are loaded)."""
-    per_block = bytes_per_block(mc, config.block_size, dtype, num_layers)
+    per_block = bytes_per_block(config.kv_format(mc), config.block_size, num_layers)
     needed_min = -(-max_model_len // config.block_size)
     full = needed_min * config.max_num_seqs  # every slot filled to max_model_len: never more useful
     if config.num_kv_blocks is not None:
@@ -82,7 +81,7 @@ def load_model(
     config: EngineConfig, mc: ModelConfig, dtype: torch.dtype, device: torch.device, layers: range | None = None
 ) -> DeepseekForCausalLM:
     t0 = time.perf_counter()
-    model = build_empty_model(mc, dtype, device, layers)
+    model = build_empty_model(mc, dtype, device, layers, config.kv_format(mc))
     if config.load_format == "dummy":
         init_random_weights(model, config.seed)
     else:
@@ -101,11 +100,11 @@ class LocalExecutor:
         torch.set_num_threads(config.cpu_threads)
         self.num_layers = mc.num_hidden_layers
         self.model = load_model(config, mc, self.dtype, self.device)
-        n = kv_blocks_for_memory(config, mc, max_model_len, self.dtype, self.device, self.num_layers)
+        n = kv_blocks_for_memory(config, mc, max_model_len, self.device, self.num_layers)
         check_kv_capacity(n, config.block_size, max_model_len)
         plan_prompt_attention(config, mc, max_model_len, self.dtype, self.device)
         graphs = self.device.type == "cuda" and not config.enforce_eager and HAS_TRITON
-        self.cache = KVCache(mc, range(self.num_layers), n, config.block_size, self.dtype, self.device,
+        self.cache = KVCache(config.kv_format(mc), range(self.num_layers), n, config.block_size, self.device,
                              spare_blocks=1 if graphs else 0)
         self.graphs: DecodeGraphs | None = None
         if graphs:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.kv_format import KVFormat
 from engine.parallel.pcp_step import PCPStep
 
 
@@ -50,6 +51,8 @@ def slots_for(block_table: torch.Tensor, start: int, end: int, block_size: int) 
     return block_table[pos // block_size] * block_size + pos % block_size
 
 
-def gather_latents(tables: torch.Tensor, pos: torch.Tensor, flat_cache: torch.Tensor, block_size: int) -> torch.Tensor:
-    """Cached latents [B, len(pos), L+R] at positions ``pos`` of each block-table row [B, W]."""
-    return flat_cache[tables[:, pos // block_size] * block_size + pos % block_size]
+def gather_latents(tables: torch.Tensor, pos: torch.Tensor, flat_cache: torch.Tensor, block_size: int,
+                   fmt: KVFormat) -> torch.Tensor:
+    """Cached latents [B, len(pos), L+R] at positions ``pos`` of each block-table row [B, W], in the
+    compute dtype of the cache's format."""
+    return fmt.load(flat_cache, tables[:, pos // block_size] * block_size + pos % block_size)

@@ -1,6 +1,7 @@
 """Paged latent KV cache: per-layer block tensors and a block allocator with exact accounting.
 
-Layout per layer (vLLM's MLA layout): ``[num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]``.
+Layout per layer (vLLM's MLA layout): ``[num_blocks, block_size, row_width]`` of the format's storage
+dtype (``engine.kv_format``: ``kv_lora_rank + qk_rope_head_dim`` values, or DeepSeek's FP8 row of bytes).
 Block ids index the first dimension of every layer's tensor alike, so one block table per request
 serves all layers.
 """
@@ -12,7 +13,7 @@ from typing import Protocol
 
 import torch
 
-from engine.config import ModelConfig
+from engine.kv_format import KVFormat
 
 
 class BlockSpace(Protocol):
@@ -68,8 +69,9 @@ class BlockAllocator:
             self._free.append(i)
 
 
-def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype, num_layers: int) -> int:
-    return num_layers * block_size * cfg.kv_cache_dim * torch.empty((), dtype=dtype).element_size()
+def bytes_per_block(fmt: KVFormat, block_size: int, num_layers: int) -> int:
+    """What one block costs over ``num_layers`` layers: the stored bytes of its rows."""
+    return num_layers * block_size * fmt.row_bytes
 
 
 class KVCache:
@@ -77,11 +79,10 @@ class KVCache:
 
     def __init__(
         self,
-        cfg: ModelConfig,
+        fmt: KVFormat,
         layers: range,
         num_blocks: int,
         block_size: int,
-        dtype: torch.dtype,
         device: torch.device,
         spare_blocks: int = 0,
     ) -> None:
@@ -91,8 +92,9 @@ class KVCache:
             raise ValueError(f"block_size must be > 0, got {block_size}")
         self.block_size = block_size
         self.num_blocks = num_blocks
+        self.format = fmt
         total = num_blocks + spare_blocks
         self.layers: dict[int, torch.Tensor] = {
-            i: torch.zeros(total, block_size, cfg.kv_cache_dim, dtype=dtype, device=device) for i in layers
+            i: torch.zeros(total, block_size, fmt.row_width, dtype=fmt.storage_dtype, device=device) for i in layers
         }
         self.allocator = BlockAllocator(num_blocks)

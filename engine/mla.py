@@ -21,6 +21,7 @@ from engine import norm_kernels
 from engine.attention_ops import attention, attention_lse, merge_attention
 from engine.config import ModelConfig
 from engine.forward_batch import ForwardBatch, gather_latents, slots_for
+from engine.kv_format import KVFormat
 from engine.layers import RMSNorm
 from engine.mla_decode import HAS_TRITON, mla_decode
 from engine.parallel.pcp_mla import pcp_attention, start_new_kv_gather
@@ -35,9 +36,13 @@ CONTEXT_ATTENTION = "joint"
 
 
 class MLAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, kv_format: KVFormat | None = None) -> None:
+        """``kv_format``: how the cache stores latents (default: ``auto`` in the default dtype, the model's
+        while it is built)."""
         super().__init__()
         self.cfg = cfg
+        self.kv_format = kv_format or KVFormat("auto", cfg.kv_lora_rank, cfg.qk_rope_head_dim,
+                                               torch.get_default_dtype())
         h = cfg.num_attention_heads
         self.num_heads = h
         if cfg.q_lora_rank is None:
@@ -94,8 +99,9 @@ class MLAttention(nn.Module):
         """x: [T, D]; cache: this layer's [num_blocks, block_size, L+R] (written in place) -> [T, D]."""
         cfg = self.cfg
         kv_a = self.kv_a_proj_with_mqa(x)
-        flat_cache = cache.view(-1, cfg.kv_cache_dim)
-        if batch.pcp is None and norm_kernels.supported(x):
+        flat_cache = cache.view(-1, cache.shape[-1])
+        fmt = self.kv_format
+        if batch.pcp is None and not fmt.quantized and norm_kernels.supported(x):
             # one kernel: kv_c's norm, k_pe's and q_pe's rope (q in place), the latents and their cache write
             q = self._project_q(x)
             latent = norm_kernels.mla_latent(
@@ -114,7 +120,7 @@ class MLAttention(nn.Module):
         if batch.pcp is not None:
             out = pcp_attention(self, q_nope, q_pe, latent, pending, batch, flat_cache, cache.shape[1])
             return self.o_proj(out.flatten(1))
-        flat_cache[batch.slot_mapping] = latent.to(cache.dtype)
+        fmt.store(flat_cache, batch.slot_mapping, latent)
         return self._attend(x, torch.cat((q_nope, q_pe), dim=-1), kv_c, k_pe, batch, flat_cache, cache.shape[1])
 
     def _attend(self, x: torch.Tensor, q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor,
@@ -156,7 +162,7 @@ class MLAttention(nn.Module):
         itself -> [S, H, v]."""
         if context_len == 0:
             return attention(q, *self.expand_kv(kv_c, k_pe), self.scale, causal=True)
-        ctx = flat_cache[slots_for(block_table, 0, context_len, block_size)].to(kv_c.dtype)  # [C, L+R]
+        ctx = self.kv_format.load(flat_cache, slots_for(block_table, 0, context_len, block_size)).to(kv_c.dtype)
         lora = self.cfg.kv_lora_rank
         if CONTEXT_ATTENTION == "joint":  # the new rows are the last of the keys
             kv_all = torch.cat((ctx, torch.cat((kv_c, k_pe), dim=-1)))
@@ -176,12 +182,13 @@ class MLAttention(nn.Module):
             w_uk, _ = self._absorbed_weights()
             q_lat = torch.einsum("bhn,hnl->bhl", q_nope, w_uk)  # [B, H, L]
             cache = flat_cache.view(-1, bs, flat_cache.shape[-1])  # [num_blocks, block_size, L+R]
-            out_lat, _ = mla_decode(q_lat, q_pe, cache, tables, lens, self.scale, grouped=batch.decode_grouped)
+            out_lat, _ = mla_decode(q_lat, q_pe, cache, tables, lens, self.scale, grouped=batch.decode_grouped,
+                                    kv_format=self.kv_format)
             return self.expand_latent_out(out_lat, q_nope.dtype)
         pos = torch.arange(batch.decode_max_len, device=tables.device)
         mask = pos[None, :] < lens[:, None]
         out_lat, _ = self.absorbed_attention(
-            q_nope, q_pe, gather_latents(tables, pos, flat_cache, bs), mask, want_lse=False
+            q_nope, q_pe, gather_latents(tables, pos, flat_cache, bs, self.kv_format), mask, want_lse=False
         )
         return self.expand_latent_out(out_lat, q_nope.dtype)
 

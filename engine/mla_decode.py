@@ -38,6 +38,10 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.kv_format import KVFormat
+
+_FORMATS = {"auto": 0, "fp8": 1, "fp8_ds_mla": 2}  # the kernel's FMT of each kv_cache_dtype
+
 try:
     import triton
     import triton.language as tl
@@ -71,11 +75,11 @@ if HAS_TRITON:
     @triton.jit
     def _mla_decode_split(
         QL, QP, KV, BT, LENS, GROUPED, OUT, LSE, POUT, PLSE,
-        scale_log2, H,
+        scale_log2, kv_scale, H,
         s_ql_b, s_ql_h, s_qp_b, s_qp_h, s_kv_blk, s_kv_tok, s_bt_b, s_lens, s_o_b, s_o_h, s_lse_b, s_lse_h,
         L: tl.constexpr, R: tl.constexpr, BL: tl.constexpr, BR: tl.constexpr, PAGE: tl.constexpr,
         BH: tl.constexpr, BN: tl.constexpr, SPLITS: tl.constexpr, WS: tl.constexpr, HAS_LSE: tl.constexpr,
-        PREC: tl.constexpr, G: tl.constexpr, MODE: tl.constexpr,
+        PREC: tl.constexpr, G: tl.constexpr, MODE: tl.constexpr, FMT: tl.constexpr,
     ):
         # Program (head group, split, group of G rows): its G * BH queries are rows r0..r0+G-1 x BH heads.
         # MODE 0: every row (G = 1); 1: the rows GROUPED does not flag (G = 1); 2: the groups it flags,
@@ -103,7 +107,9 @@ if HAS_TRITON:
 
         ql_ptr = QL + rows[:, None].to(tl.int64) * s_ql_b + heads[:, None] * s_ql_h
         qp_ptr = QP + rows[:, None].to(tl.int64) * s_qp_b + heads[:, None] * s_qp_h
-        dt = KV.dtype.element_ty
+        # FMT (engine.kv_format): 0 rows in the compute dtype; 1 e4m3 rows times kv_scale; 2 DeepSeek's byte
+        # rows (e4m3 kv_c, a float32 scale per 128 of it, bf16 k_pe). Tiles are dequantised to q's dtype.
+        dt = KV.dtype.element_ty if FMT == 0 else QL.dtype.element_ty
         qmask = hmask & active  # a skipped program reads nothing
         q_lat = tl.load(ql_ptr + offs_l[None, :], mask=qmask[:, None] & lmask[None, :], other=0.0).to(dt)  # [GBH, BL]
         q_pe = tl.load(qp_ptr + offs_r[None, :], mask=qmask[:, None] & (offs_r < R)[None, :], other=0.0).to(dt)
@@ -116,8 +122,23 @@ if HAS_TRITON:
             nmask = offs_n < end
             blk = tl.load(BT + r0 * s_bt_b + offs_n // PAGE, mask=nmask, other=0).to(tl.int64)
             toks = KV + blk * s_kv_blk + (offs_n % PAGE).to(tl.int64) * s_kv_tok  # [BN] token rows of the cache
-            kv_c = tl.load(toks[:, None] + offs_l[None, :], mask=nmask[:, None] & lmask[None, :], other=0.0)
-            k_pe = tl.load(toks[:, None] + L + offs_r[None, :], mask=nmask[:, None] & (offs_r < R)[None, :], other=0.0)
+            cmask = nmask[:, None] & lmask[None, :]
+            rmask = nmask[:, None] & (offs_r < R)[None, :]
+            if FMT == 2:
+                raw = tl.load(toks[:, None] + offs_l[None, :], mask=cmask, other=0)
+                sc = tl.load((toks + L).to(tl.pointer_type(tl.float32))[:, None] + (offs_l // 128)[None, :],
+                             mask=cmask, other=0.0)
+                kv_c = (raw.to(tl.float8e4nv, bitcast=True).to(tl.float32) * sc).to(dt)
+                k_pe = tl.load((toks + L + 4 * (L // 128)).to(tl.pointer_type(tl.bfloat16))[:, None]
+                               + offs_r[None, :], mask=rmask, other=0.0).to(dt)
+            elif FMT == 1:
+                kv_c = (tl.load(toks[:, None] + offs_l[None, :], mask=cmask, other=0.0).to(tl.float32)
+                        * kv_scale).to(dt)
+                k_pe = (tl.load(toks[:, None] + L + offs_r[None, :], mask=rmask, other=0.0).to(tl.float32)
+                        * kv_scale).to(dt)
+            else:
+                kv_c = tl.load(toks[:, None] + offs_l[None, :], mask=cmask, other=0.0)
+                k_pe = tl.load(toks[:, None] + L + offs_r[None, :], mask=rmask, other=0.0)
             s = tl.dot(q_lat, tl.trans(kv_c), input_precision=PREC)  # [GBH, BN] fp32
             s = tl.dot(q_pe, tl.trans(k_pe), acc=s, input_precision=PREC)
             s = tl.where(offs_n[None, :] < lens[:, None], s * scale_log2, float("-inf"))  # causal per row
@@ -239,7 +260,7 @@ def grouped_splits(batch: int, num_heads: int, max_context: int, device: torch.d
 def mla_decode(
     q_lat: torch.Tensor,  # [B, H, L] (q_nope absorbed through W_UK)
     q_pe: torch.Tensor,  # [B, H, R] (rotated)
-    kv_cache: torch.Tensor,  # [num_blocks, block_size, L + R]: kv_c in [:L], k_pe in [L:]
+    kv_cache: torch.Tensor,  # [num_blocks, block_size, row width]: rows of ``kv_format``
     block_tables: torch.Tensor,  # [B, W] int, padded with 0
     seq_lens: torch.Tensor,  # [B] int: tokens in the cache per row (0 for padding rows)
     scale: float,
@@ -249,6 +270,7 @@ def mla_decode(
     workspace: MLADecodeWorkspace | None = None,
     num_splits: int | None = None,
     grouped: torch.Tensor | None = None,  # [B] int: rows served in groups (see below), or None
+    kv_format: KVFormat | None = None,  # how the cache stores rows; default: kv_c | k_pe in the cache's dtype
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Absorbed MLA decode attention -> (out_lat [B, H, L] in ``out``'s dtype, default q_lat's; lse [B, H]
     fp32 natural log or None). Capturable when ``out``, ``lse`` and ``workspace`` are given.
@@ -263,7 +285,13 @@ def mla_decode(
     b, h, lat = q_lat.shape
     rope = q_pe.shape[-1]
     nb, page, width = kv_cache.shape
-    if width != lat + rope or q_pe.shape[:2] != (b, h) or block_tables.shape[0] != b or seq_lens.shape != (b,):
+    fmt = _FORMATS[kv_format.name] if kv_format is not None else 0
+    if kv_format is not None and (kv_format.lora, kv_format.rope) != (lat, rope):
+        raise ValueError(f"kv_format of {kv_format.lora} + {kv_format.rope} for q of {lat} + {rope}")
+    if kv_format is not None and (kv_cache.dtype != kv_format.storage_dtype or width != kv_format.row_width):
+        raise ValueError(f"a cache of {kv_cache.dtype} rows of {width} is not {kv_format.describe()}")
+    if fmt == 0 and width != lat + rope or q_pe.shape[:2] != (b, h) or block_tables.shape[0] != b or \
+            seq_lens.shape != (b,):
         raise ValueError(f"shapes: q_lat {tuple(q_lat.shape)}, q_pe {tuple(q_pe.shape)}, cache "
                          f"{tuple(kv_cache.shape)}, tables {tuple(block_tables.shape)}, lens {tuple(seq_lens.shape)}")
     if q_lat.stride(-1) != 1 or q_pe.stride(-1) != 1 or kv_cache.stride(-1) != 1 or block_tables.stride(-1) != 1:
@@ -296,14 +324,16 @@ def mla_decode(
     else:
         pout, plse = out, out  # unused with one split
     bl, br = max(triton.next_power_of_2(lat), 16), max(triton.next_power_of_2(rope), 16)  # tl.dot: K >= 16
-    prec = "ieee" if kv_cache.dtype == torch.float32 else "tf32"  # fp32 caches: exact fp32 products
+    # fp32 tiles (an fp32 cache, or a quantized one read by fp32 queries): exact fp32 products
+    prec = "ieee" if (q_lat.dtype if fmt else kv_cache.dtype) == torch.float32 else "tf32"
     bh, warps, stages = _config(h)
     flags = grouped if grouped is not None else seq_lens  # never read without groups
     args = (q_lat, q_pe, kv_cache, block_tables, seq_lens, flags, out, lse_arg, pout, plse,
-            scale * math.log2(math.e), h,
+            scale * math.log2(math.e), kv_format.scale if kv_format is not None else 1.0, h,
             q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1), kv_cache.stride(0), kv_cache.stride(1),
             block_tables.stride(0), seq_lens.stride(0), out.stride(0), out.stride(1), *lse_strides)
-    common = dict(L=lat, R=rope, BL=bl, BR=br, PAGE=page, BH=bh, WS=ws, HAS_LSE=lse is not None, PREC=prec)
+    common = dict(L=lat, R=rope, BL=bl, BR=br, PAGE=page, BH=bh, WS=ws, HAS_LSE=lse is not None, PREC=prec,
+                  FMT=fmt)
     _mla_decode_split[(triton.cdiv(h, bh), num_splits, b)](
         *args, **common, BN=BLOCK_N, SPLITS=num_splits, G=1, MODE=0 if grouped is None else 1,
         num_warps=warps, num_stages=stages)
@@ -334,9 +364,11 @@ def mla_decode_reference(
     want_lse: bool = False,
     workspace: MLADecodeWorkspace | None = None,
     num_splits: int | None = None,
+    kv_format: KVFormat | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The same in plain torch, fp32, one row at a time (reads seq_lens on the host): the tests' oracle.
-    Returns fp32 out_lat [B, H, L] and lse [B, H] (or None); ``workspace``/``num_splits`` are ignored."""
+    Returns fp32 out_lat [B, H, L] and lse [B, H] (or None); ``workspace``/``num_splits`` are ignored;
+    the rows of a ``kv_format`` cache are decoded by that format's own ``decode``."""
     b, h, lat = q_lat.shape
     page = kv_cache.shape[1]
     flat = kv_cache.reshape(-1, kv_cache.shape[-1])
@@ -346,7 +378,8 @@ def mla_decode_reference(
         if n == 0:
             continue
         pos = torch.arange(n, device=kv_cache.device)
-        kv = flat[block_tables[i, pos // page].long() * page + pos % page].float()  # [n, L+R]
+        rows = flat[block_tables[i, pos // page].long() * page + pos % page]
+        kv = (rows if kv_format is None else kv_format.decode(rows)).float()  # [n, L+R]
         q = torch.cat((q_lat[i], q_pe[i]), dim=-1).float()  # [H, L+R]
         scores = (q @ kv.T) * scale  # [H, n]
         lse_ref[i] = torch.logsumexp(scores, dim=-1)

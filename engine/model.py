@@ -13,15 +13,16 @@ from torch import nn
 
 from engine.config import ModelConfig
 from engine.forward_batch import ForwardBatch
+from engine.kv_format import KVFormat
 from engine.layers import MLP, MoE, RMSNorm
 from engine.mla import MLAttention
 from engine.rope import RotaryEmbedding
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer_idx: int, kv_format: KVFormat | None = None) -> None:
         super().__init__()
-        self.self_attn = MLAttention(cfg)
+        self.self_attn = MLAttention(cfg, kv_format)
         self.mlp: nn.Module = MoE(cfg) if cfg.is_moe_layer(layer_idx) else MLP(cfg.hidden_size, cfg.intermediate_size)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -36,23 +37,24 @@ class DecoderLayer(nn.Module):
 class DeepseekModel(nn.Module):
     """The transformer body (``model.*`` keys)."""
 
-    def __init__(self, cfg: ModelConfig, layer_range: range) -> None:
+    def __init__(self, cfg: ModelConfig, layer_range: range, kv_format: KVFormat | None = None) -> None:
         super().__init__()
         self.layer_range = layer_range
         self.is_first = layer_range.start == 0
         self.is_last = layer_range.stop == cfg.num_hidden_layers
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size) if self.is_first else None
         # A ModuleDict keyed by the global layer index keeps checkpoint names for any stage.
-        self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, i) for i in layer_range})
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, i, kv_format) for i in layer_range})
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if self.is_last else None
 
 
 class DeepseekForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_range: range | None = None) -> None:
+    def __init__(self, cfg: ModelConfig, layer_range: range | None = None, kv_format: KVFormat | None = None) -> None:
+        """``kv_format``: how the KV cache stores latents (default: in the model's dtype)."""
         super().__init__()
         self.cfg = cfg
         layer_range = layer_range if layer_range is not None else range(cfg.num_hidden_layers)
-        self.model = DeepseekModel(cfg, layer_range)
+        self.model = DeepseekModel(cfg, layer_range, kv_format)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False) if self.model.is_last else None
         self.rope: RotaryEmbedding | None = None
         self.decode_form = "absorbed"  # decode CUDA graphs are captured in this form only

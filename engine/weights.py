@@ -25,6 +25,7 @@ from safetensors import safe_open
 
 from engine.config import ModelConfig
 from engine.fp8 import FP8_DTYPE, SCALE_SUFFIX, dequantize_blocks
+from engine.kv_format import KVFormat
 from engine.model import DeepseekForCausalLM
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.*)$")
@@ -43,11 +44,13 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 
 def build_empty_model(
-    cfg: ModelConfig, dtype: torch.dtype, device: torch.device, layer_range: range | None = None
+    cfg: ModelConfig, dtype: torch.dtype, device: torch.device, layer_range: range | None = None,
+    kv_format: KVFormat | None = None,
 ) -> DeepseekForCausalLM:
-    """Allocate the model (uninitialised) directly on ``device`` in ``dtype`` (router kept in fp32)."""
+    """Allocate the model (uninitialised) directly on ``device`` in ``dtype`` (router kept in fp32), its
+    attention reading and writing a cache of ``kv_format`` (default: in ``dtype``)."""
     with _default_dtype(dtype), torch.device("meta"):
-        model = DeepseekForCausalLM(cfg, layer_range)
+        model = DeepseekForCausalLM(cfg, layer_range, kv_format)
     model = model.to_empty(device=device)
     model.init_rope(device)
     return model.eval().requires_grad_(False)

@@ -23,6 +23,7 @@ class KVSource:
     prefill_address: str
     block_size: int
     lease_s: float = 0.0  # how long the prefill node keeps the blocks unconfirmed (0: unknown)
+    kv_format: str = ""  # the rows' format (engine.kv_format's wire name; "": not stated)
 
 
 def to_handle(
@@ -35,6 +36,7 @@ def to_handle(
     dp_rank: int,
     block_size: int,
     lease_s: float,
+    kv_format: str,
 ) -> pb.KVHandle:
     ranks = sorted({h.rank for h in holders})
     return pb.KVHandle(
@@ -45,6 +47,7 @@ def to_handle(
         block_size=block_size,
         transport="mooncake",
         lease_s=lease_s,
+        kv_format=kv_format,
         sources=[
             pb.CacheLayout(
                 rank=r,
@@ -83,4 +86,4 @@ def from_handle(handle: pb.KVHandle) -> KVSource:
         holders.append(RankBlocks(dp=handle.dp_rank, pcp=h.pcp, pp=h.pp, rank=h.rank, layers=span,
                                   logical=list(h.logical), physical=list(h.physical)))
     return KVSource(RequestKV(holders, handle.num_blocks), layouts, handle.prefill_node_id,
-                    handle.prefill_address, handle.block_size, handle.lease_s)
+                    handle.prefill_address, handle.block_size, handle.lease_s, handle.kv_format)

@@ -51,6 +51,7 @@ class NodeWorker(Protocol):
     block_size: int
     prefix_caching: bool  # whether its engine really caches prefixes (vLLM may turn it off)
     kv_protocol: str  # the Mooncake protocol its KV moves with (``auto`` resolved): decode and prefill must match
+    kv_cache_dtype: str  # its KV rows' format (engine.kv_format's wire name): decode and prefill must match
     address: str  # set by ``serve`` once the server listens: the address peers dial
 
     def load(self) -> list[ReplicaLoad]: ...
@@ -171,6 +172,7 @@ def node_info(config: NodeConfig, served: str, worker: NodeWorker) -> NodeInfo:
                     kv_layout=_kv_layout(config),
                     block_size=worker.block_size, num_blocks=worker.num_blocks, started_at=time.time(),
                     engine=config.engine_backend, kv_protocol=worker.kv_protocol,
+                    kv_cache_dtype=worker.kv_cache_dtype,
                     local_prefill=config.role == "decode" and config.engine_backend == "native",
                     prefix_caching=worker.prefix_caching)
 

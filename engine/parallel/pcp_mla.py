@@ -25,6 +25,7 @@ import torch
 from engine.attention_ops import attention_lse, merge_attention
 from engine.config import ModelConfig
 from engine.forward_batch import ForwardBatch, gather_latents
+from engine.kv_format import KVFormat
 from engine.parallel.collectives import PendingGather, gather_padded, start_gather
 from engine.parallel.pcp_attention import causal_squares, finish_runs
 
@@ -37,6 +38,7 @@ class LatentAttention(Protocol):
     cfg: ModelConfig
     num_heads: int
     scale: float
+    kv_format: KVFormat  # how the cache stores latents
 
     def expand_kv(
         self, kv_c: torch.Tensor, k_pe: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -101,12 +103,16 @@ def pcp_attention(
     if st.num_new:
         assert pending is not None
         new = pending.wait()[st.new_index]
-        flat_cache[st.new_write_slots] = new[st.new_write_src].to(flat_cache.dtype)
+        attn.kv_format.store(flat_cache, st.new_write_slots, new[st.new_write_src])
     ctx = None
     if st.num_ctx:
+        # The stored rows travel (fewer bytes when the cache is FP8); each rank decodes what it gathered.
         mine = flat_cache[st.ctx_read_slots]
-        ctx = mine if st.ctx_index is None else gather_padded(mine, st.ctx_counts, st.group)[st.ctx_index]
-        ctx = ctx.to(latent.dtype)
+        if st.ctx_index is None:
+            ctx = mine
+        else:  # as bytes: the collectives need not know float8
+            ctx = gather_padded(mine.view(torch.uint8), st.ctx_counts, st.group)[st.ctx_index].view(mine.dtype)
+        ctx = attn.kv_format.decode(ctx).to(latent.dtype)
 
     for seg, (q, k_all, v_all, squares) in zip(st.segments, parts):
         rows = seg.local_rows
@@ -154,9 +160,9 @@ def _decode(
     st = batch.pcp
     assert st is not None
     if st.dec_write_rows.numel():
-        flat_cache[st.dec_write_slots] = latent[st.dec_write_rows].to(flat_cache.dtype)
+        attn.kv_format.store(flat_cache, st.dec_write_slots, latent[st.dec_write_rows])
     pos = torch.arange(batch.decode_max_len, device=q_nope.device)
-    kv = gather_latents(batch.decode_block_tables, pos, flat_cache, block_size)
+    kv = gather_latents(batch.decode_block_tables, pos, flat_cache, block_size, attn.kv_format)
     out_lat, lse = attn.absorbed_attention(q_nope, q_pe, kv, st.dec_mask)
     if st.sharded:
         assert lse is not None  # asked for (want_lse defaults to True)

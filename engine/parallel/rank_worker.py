@@ -87,13 +87,14 @@ class RankWorker:
 
     def capacity_blocks(self) -> int:
         return kv_blocks_for_memory(
-            self.config, self.mc, self.max_model_len, self.dtype, self.device, len(self.layers)
+            self.config, self.mc, self.max_model_len, self.device, len(self.layers)
         )
 
     def init_cache(self, num_blocks: int) -> object:
         """Allocate the cache; with an exporter, register it and return its answer for the driver."""
         plan_prompt_attention(self.config, self.mc, self.max_model_len, self.dtype, self.device)
-        self.cache = KVCache(self.mc, self.layers, num_blocks, self.config.block_size, self.dtype, self.device)
+        self.cache = KVCache(self.config.kv_format(self.mc), self.layers, num_blocks, self.config.block_size,
+                             self.device)
         return self.exporter.export(self.cache.layers) if self.exporter is not None else None
 
     def close(self) -> None:

@@ -43,7 +43,7 @@ import math
 from collections import defaultdict
 from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import asdict, dataclass, replace
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 from cluster.nodes import NodeState, ReplicaLoad
 
@@ -362,7 +362,7 @@ class Router:
                        exclude_prefill: Collection[str], prefill_node: str | None,
                        cached: CachedTokens | None = None, explain: bool = True) -> RoutePlan:
         """A prefill replica and a decode rank that can read its KV."""
-        engines = {n.info.node_id: (n.info.engine, n.info.kv_protocol) for n in nodes}
+        engines = {n.info.node_id: KVKind(n.info.engine, n.info.kv_protocol, n.info.kv_cache_dtype) for n in nodes}
         pre = prefill_candidates(nodes, self.model, prompt_tokens, total, self.load, self.long_prompt_tokens,
                                  exclude_prefill, cached, explain)
         # One kind of node (the usual cluster): every decode rank reads every prefill node's KV.
@@ -376,7 +376,8 @@ class Router:
                    for c in pre]
         p = pick(pre, _prefill_key, self._turn)
         # A prefill node that has left the view: assume the strictest (only vLLM decode reads both).
-        source = (engines.get(prefill_node, ("vllm", "tcp")) if prefill_node else engines[p.node_id] if p else None)
+        source = (engines.get(prefill_node, KVKind("vllm", "tcp", "")) if prefill_node else
+                  engines[p.node_id] if p else None)
         if mixed and source is not None:
             dec = [c if not c.eligible or can_read(source, engines[c.node_id]) else
                    replace(c, eligible=False, reason=f"a {_kind(engines[c.node_id])} decode node cannot read a "
@@ -406,15 +407,23 @@ class Router:
         return Route(plan.prefill, plan.decode)
 
 
-def can_read(prefill: tuple[str, str], decode: tuple[str, str]) -> bool:
-    """Whether a decode node of (engine, KV protocol) ``decode`` can pull the KV a ``prefill`` node holds:
-    a vLLM prefill node's only into vLLM decode nodes, and both ends on the same Mooncake protocol."""
-    (p_engine, p_proto), (d_engine, d_proto) = prefill, decode
-    return (p_engine != "vllm" or d_engine == "vllm") and p_proto == d_proto
+class KVKind(NamedTuple):
+    """What decides whether a decode node can take a prefill node's KV."""
+
+    engine: str  # "native" | "vllm"
+    protocol: str  # the Mooncake protocol
+    kv_format: str  # the cache's row format ("": not published, an older node: matches any)
 
 
-def _kind(kind: tuple[str, str]) -> str:
-    return f"{kind[0]} ({kind[1]})"
+def can_read(prefill: KVKind, decode: KVKind) -> bool:
+    """Whether a ``decode`` node can pull the KV a ``prefill`` node holds: a vLLM prefill node's only into
+    vLLM decode nodes, both ends on the same Mooncake protocol and the same cache format."""
+    return ((prefill.engine != "vllm" or decode.engine == "vllm") and prefill.protocol == decode.protocol
+            and (prefill.kv_format == decode.kv_format or not prefill.kv_format or not decode.kv_format))
+
+
+def _kind(kind: KVKind) -> str:
+    return f"{kind.engine} ({kind.protocol}{', ' + kind.kv_format + ' KV' if kind.kv_format else ''})"
 
 
 def _with_reason(c: C, reason: str) -> C:

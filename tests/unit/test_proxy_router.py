@@ -21,10 +21,12 @@ MODEL = "m"
 def node(node_id: str, role: str = "prefill", *, pcp: int = 1, dp: int = 1, queued: int | list[int] = 0,
          running: int | list[int] = 0, free: int | None = 1000, draining: bool = False, healthy: bool = True,
          model: str = MODEL, max_model_len: int = 100_000, num_blocks: int = 1000,
-         engine: str = "native", kv_protocol: str = "tcp", local_prefill: bool = False) -> NodeState:
+         engine: str = "native", kv_protocol: str = "tcp", local_prefill: bool = False,
+         kv_cache_dtype: str = "") -> NodeState:
     info = NodeInfo(node_id=node_id, role=role, address=f"{node_id}:1", model=model, max_model_len=max_model_len,
                     dp=dp, pcp=pcp, pp=1, kv_layout="sharded", block_size=16, num_blocks=num_blocks,
-                    started_at=time.time(), engine=engine, kv_protocol=kv_protocol, local_prefill=local_prefill)
+                    started_at=time.time(), engine=engine, kv_protocol=kv_protocol, local_prefill=local_prefill,
+                    kv_cache_dtype=kv_cache_dtype)
     q = queued if isinstance(queued, list) else [queued] * dp
     r = running if isinstance(running, list) else [running] * dp
     replicas = () if free is None else tuple(
@@ -217,6 +219,29 @@ def test_kv_protocols_pair_only_with_the_same_protocol() -> None:
     assert "can read a native (nvlink_intra) node's KV" in plan.prefill_candidates[0].reason
     dec = {c.node_id: c for c in Router(MODEL).plan([nv_pre, nv_dec, tcp_dec], 100, 16).decode_candidates}
     assert not dec["e-tcp"].eligible and "native (tcp) decode node cannot read" in dec["e-tcp"].reason
+
+
+def test_kv_formats_pair_only_with_the_same_format() -> None:
+    """A prefill node with an FP8 cache hands its KV only to decode nodes holding FP8 rows of the same
+    layout; with none, it is not eligible and says why (as pdctl route shows)."""
+    fp8_pre = node("a-fp8", kv_cache_dtype="fp8")
+    bf16_pre = node("b-bf16", kv_cache_dtype="bfloat16")
+    ds_dec = node("c-ds", "decode", num_blocks=10_000, free=10_000, kv_cache_dtype="fp8_ds_mla")
+    fp8_dec = node("d-fp8", "decode", num_blocks=10_000, free=10_000, running=5, kv_cache_dtype="fp8")
+    bf16_dec = node("e-bf16", "decode", num_blocks=10_000, free=10_000, kv_cache_dtype="bfloat16")
+    route = Router(MODEL).route([fp8_pre, ds_dec, fp8_dec, bf16_dec], 100, 16)
+    assert (route.prefill.node_id, route.decode.node_id) == ("a-fp8", "d-fp8")  # not the idler others
+    plan = Router(MODEL).plan([fp8_pre, bf16_pre, bf16_dec], 100, 16)
+    assert plan.prefill.node_id == "b-bf16"
+    assert "can read a native (tcp, fp8 KV) node's KV" in plan.prefill_candidates[0].reason
+    dec = {c.node_id: c for c in Router(MODEL).plan([fp8_pre, ds_dec, fp8_dec], 100, 16).decode_candidates}
+    assert dec["d-fp8"].eligible
+    assert not dec["c-ds"].eligible and "native (tcp, fp8_ds_mla KV) decode node cannot read" in dec["c-ds"].reason
+    with pytest.raises(NoRoute) as e:
+        Router(MODEL).route([fp8_pre, bf16_dec], 100, 16)
+    assert e.value.code == "no_prefill_node" and "fp8 KV" in e.value.message
+    # Records of nodes that publish no format (older versions) pair as before.
+    assert Router(MODEL).route([node("p"), fp8_dec], 100, 16).decode.node_id == "d-fp8"
 
 
 def test_engines_pair_only_where_the_decode_side_can_read_the_kv() -> None:
