@@ -140,6 +140,8 @@ def main() -> None:
     ap.add_argument("--decode-steps", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--cpu-threads", type=int, default=1)
+    ap.add_argument("--kv-cache-dtype", choices=["auto", "fp8", "fp8_ds_mla"], default="auto",
+                    help="the KV cache's row format (engine/kv_format.py)")
     ap.add_argument("--profile", action="store_true", help="print a torch.profiler table of a prefill and decode")
     ap.add_argument("--profile-decode", action="store_true",
                     help="also profile each decode measurement: kernels per step, GPU busy share (slows it)")
@@ -160,7 +162,8 @@ def main() -> None:
         prefill = args.prefill_tokens or [4096, 16384]
     t0 = time.perf_counter()
     eng = LLMEngine(EngineConfig(model=str(model_dir), device=args.device, skip_tokenizer_init=True,
-                                 cpu_threads=args.cpu_threads, max_num_seqs=max(args.decode_batches), **kw))
+                                 cpu_threads=args.cpu_threads, max_num_seqs=max(args.decode_batches),
+                                 kv_cache_dtype=args.kv_cache_dtype, **kw))
     load_s = time.perf_counter() - t0
     cfg = eng.model_config
     dev = eng.device
@@ -169,7 +172,9 @@ def main() -> None:
     print(f"model {args.preset} on {name} ({ex.dtype}), loaded in {load_s:.1f}s, {ex.cache.num_blocks} KV blocks")
     if args.profile:
         profile(eng, prefill[0])
-    res: dict = {"bench": "engine", "preset": args.preset, "device": name, "dtype": str(ex.dtype).split(".")[-1]}
+    kv_row = eng.config.kv_format(cfg).row_bytes
+    res: dict = {"bench": "engine", "preset": args.preset, "device": name, "dtype": str(ex.dtype).split(".")[-1],
+                 "kv_cache_dtype": args.kv_cache_dtype, "kv_row_bytes": kv_row, "kv_blocks": ex.cache.num_blocks}
     for n in prefill:
         s = time_prefill(eng, n, args.repeats)
         flops = prefill_flops(cfg, n)
@@ -188,7 +193,8 @@ def main() -> None:
     modes = args.decode_modes or (["graph", "eager", "eager-torch"] if dev.type == "cuda" else ["eager-torch"])
     for b in args.decode_batches:
         by_mode = {}
-        roof_ms = decode_step_bytes(cfg, b, args.decode_prompt + args.decode_steps // 2) / (H200_HBM_TB_S * 1e12) * 1e3
+        step_bytes = decode_step_bytes(cfg, b, args.decode_prompt + args.decode_steps // 2, kv_row_bytes=kv_row)
+        roof_ms = step_bytes / (H200_HBM_TB_S * 1e12) * 1e3
         res[f"decode_b{b}_roofline_ms"] = round(roof_ms, 3)
         for m in modes:
             use_graphs, mla.DECODE_KERNEL, overlap = MODES[m]

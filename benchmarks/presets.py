@@ -50,11 +50,14 @@ def prefill_flops(cfg: ModelConfig, t: int) -> float:
 H200_HBM_TB_S = 4.8  # HBM3e bandwidth (datasheet), the memory-roofline denominator
 
 
-def decode_step_bytes(cfg: ModelConfig, batch: int, context: int, elem: int = 2) -> float:
+def decode_step_bytes(cfg: ModelConfig, batch: int, context: int, elem: int = 2,
+                      kv_row_bytes: int | None = None) -> float:
     """Bytes one decode step must read at least: every weight it uses once (routed experts: the expected
     number of distinct experts that ``batch`` tokens choose uniformly, E(1 - (1 - K/E)^B)), plus each
     row's latent cache (``context`` tokens x (kv_lora_rank + rope) per layer). Embedding rows, norms and
-    activations are left out (small)."""
+    activations are left out (small). ``kv_row_bytes``: one cached token's row per layer (default: the
+    latent in ``elem``-byte values; an FP8 cache's, engine.kv_format)."""
+    row = cfg.kv_cache_dim * elem if kv_row_bytes is None else kv_row_bytes
     h, nh = cfg.hidden_size, cfg.num_attention_heads
     if cfg.q_lora_rank is None:
         q = h * nh * cfg.qk_head_dim
@@ -64,7 +67,7 @@ def decode_step_bytes(cfg: ModelConfig, batch: int, context: int, elem: int = 2)
     attn = q + h * cfg.kv_cache_dim + kv_b + nh * cfg.v_head_dim * h
     total = 0.0
     for i in range(cfg.num_hidden_layers):
-        total += attn * elem + batch * context * cfg.kv_cache_dim * elem
+        total += attn * elem + batch * context * row
         if cfg.is_moe_layer(i):
             e, k = cfg.n_routed_experts or 0, cfg.num_experts_per_tok
             used = e * (1 - (1 - k / e) ** batch)

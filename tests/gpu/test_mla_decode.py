@@ -21,6 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from engine.kv_format import KVFormat  # noqa: E402
 from engine.mla_decode import (  # noqa: E402
     HAS_TRITON,
     choose_num_splits,
@@ -58,15 +59,30 @@ def make_case(lens: list[int], heads: int, page: int, dtype: torch.dtype, device
                                               seq_lens=torch.tensor(lens, dtype=torch.long)).items()}
 
 
-def check(case: dict, want_lse: bool, num_splits: int | None = None, label: str = "") -> tuple[float, float]:
-    """Kernel vs reference on one case; returns (max out error / max|kv_c|, max lse error)."""
-    dtype = case["kv_cache"].dtype
+def quantized_case(name: str, lens: list[int], heads: int, page: int, dtype: torch.dtype, device: str,
+                   seed: int = 0, lat: int = L, rope: int = R) -> tuple[dict, KVFormat]:
+    """``make_case``'s cache stored in the KV format ``name`` (engine.kv_format), q in ``dtype``."""
+    case = make_case(lens, heads, page, torch.float32, "cpu", seed=seed, lat=lat, rope=rope)
+    fmt = KVFormat(name, lat, rope, dtype)
+    nb, pg, w = case["kv_cache"].shape
+    case["kv_cache"] = fmt.encode(case["kv_cache"].view(-1, w)).view(nb, pg, fmt.row_width)
+    case["q_lat"], case["q_pe"] = case["q_lat"].to(dtype), case["q_pe"].to(dtype)
+    return {k: v.to(device) for k, v in case.items()}, fmt
+
+
+def check(case: dict, want_lse: bool, num_splits: int | None = None, label: str = "",
+          kv_format: KVFormat | None = None) -> tuple[float, float]:
+    """Kernel vs reference on one case; returns (max out error / max|kv_c|, max lse error). A quantized
+    cache is compared with the reference over its decoded rows (the kernel dequantizes tiles into q's
+    dtype, as the reference's decode does: the bf16 budget applies)."""
+    dtype = case["kv_cache"].dtype if kv_format is None else case["q_lat"].dtype
     lat = case["q_lat"].shape[-1]
-    out, lse = mla_decode(**case, scale=SCALE, want_lse=want_lse, num_splits=num_splits)
-    ref, ref_lse = mla_decode_reference(**case, scale=SCALE, want_lse=True)
+    out, lse = mla_decode(**case, scale=SCALE, want_lse=want_lse, num_splits=num_splits, kv_format=kv_format)
+    ref, ref_lse = mla_decode_reference(**case, scale=SCALE, want_lse=True, kv_format=kv_format)
     assert out.shape == ref.shape and out.dtype == case["q_lat"].dtype, (label, out.shape, out.dtype)
     assert torch.isfinite(out).all(), f"{label}: non-finite output"
-    vmax = float(case["kv_cache"][..., :lat].float().abs().max())
+    rows = case["kv_cache"] if kv_format is None else kv_format.decode(case["kv_cache"])
+    vmax = float(rows[..., :lat].float().abs().max())
     err = float((out.float() - ref).abs().max()) / vmax
     tol, lse_tol = TOL[dtype]
     assert err <= tol, f"{label}: max |out - ref| / max|kv_c| = {err:.3g} > {tol:.3g}"
@@ -199,6 +215,26 @@ def test_large_scores_stay_finite() -> None:
     check(case, want_lse=True, label="large scores")
 
 
+def run_quantized(device: str, dtype: torch.dtype, configs: list[tuple], lat: int = L, rope: int = R) -> list[str]:
+    """``run_checks`` over caches in each FP8 format."""
+    lines = []
+    for name in ("fp8", "fp8_ds_mla"):
+        for k, (heads, page, batch, max_len, splits) in enumerate(configs):
+            case, fmt = quantized_case(name, ragged_lens(batch, max_len, page, seed=k), heads, page, dtype, device,
+                                       seed=k, lat=lat, rope=rope)
+            label = f"{name} H={heads} page={page} B={batch} max_len={max_len} splits={splits} {dtype}"
+            err, lse_err = check(case, True, splits, label, kv_format=fmt)
+            check(case, False, splits, label, kv_format=fmt)
+            lines.append(f"{label}: out err {err:.2e} (of max|kv_c|), lse err {lse_err:.2e}")
+    return lines
+
+
+@pytest.mark.parametrize("config", GPU_CONFIGS[1::2], ids=lambda c: "H{}-page{}-B{}-len{}-splits{}".format(*c))
+def test_fp8_caches_match_reference(config: tuple) -> None:
+    for line in run_quantized("cuda", torch.bfloat16, [config]):
+        print(line)
+
+
 def test_fp32_cache_on_gpu() -> None:
     run_checks("cuda", torch.float32, [(16, 16, 8, 3000, None), (128, 64, 3, 3000, 4)])
 
@@ -233,4 +269,6 @@ if __name__ == "__main__":  # TRITON_INTERPRET=1: the same checks on CPU, small 
         check_grouped("cpu", dt, lat=64, rope=16, segments=((30, 13), (0, 9)), decode=3, pad=2)
         check_grouped("cpu", dt, lat=64, rope=16, segments=((40, 11),), decode=0, pad=0, num_splits=2)
     print("grouped ok")
+    for line in run_quantized("cpu", torch.float32, [(16, 16, 3, 70, None), (16, 16, 2, 90, 2)]):
+        print(line)
     print("ok")
