@@ -62,12 +62,18 @@ def proxy_url(mla_model: Path, tmp_path_factory: pytest.TempPathFactory,
 
 
 def _only_prefill(url: str, node_id: str) -> None:
-    """Drain every other prefill node and wait until the proxy routes to ``node_id`` and to a decode
-    rank (on CI's 2 cores a stalled node can be briefly out of routing: these tests are about tokens)."""
+    """Drain every other prefill node and wait until the proxy routes to ``node_id`` and to a decode rank."""
     for other in ("prefill-0", "prefill-1"):
         verb = "undrain" if other == node_id else "drain"
         httpx.post(f"{url}/admin/nodes/{other}/{verb}", timeout=10).raise_for_status()
-    deadline = time.monotonic() + 60
+    _wait_routable(url, node_id)
+
+
+def _wait_routable(url: str, node_id: str, timeout_s: float = 120.0) -> None:
+    """Until the proxy routes to prefill node ``node_id`` and a decode rank. Six engine processes on CI's
+    2 cores have stalled every node's heartbeat past its 60 s TTL at once (the proxy then routed to
+    nobody, 503): these tests are about tokens, so each request waits for a route first."""
+    deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         plan = httpx.get(f"{url}/admin/route", params={"prompt_tokens": 40, "max_tokens": 16}, timeout=10).json()
         if plan["prefill"] and plan["prefill"]["node_id"] == node_id and plan["decode"]:
@@ -87,9 +93,10 @@ def _routed(url: str, node_id: str) -> float:
     return total
 
 
-def _completions_equal_colocated(url: str, colocated: list[list[int]], tok: Tokenizer) -> None:
+def _completions_equal_colocated(url: str, colocated: list[list[int]], tok: Tokenizer, node_id: str) -> None:
     oa = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
     for prompt, want in zip(PROMPTS, colocated, strict=True):
+        _wait_routable(url, node_id)
         r = oa.completions.create(model="tiny", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0.0,
                                   extra_body={"ignore_eos": True})
         assert r.usage.completion_tokens == MAX_TOKENS
@@ -102,7 +109,7 @@ def test_openai_client_equals_colocated_vllm(proxy_url: str, colocated_all, mla_
     tok = Tokenizer(str(mla_model))
     _only_prefill(proxy_url, "prefill-0")
     before = _routed(proxy_url, "prefill-0")
-    _completions_equal_colocated(proxy_url, colocated, tok)
+    _completions_equal_colocated(proxy_url, colocated, tok, "prefill-0")
     oa = openai.OpenAI(base_url=f"{proxy_url}/v1", api_key="unused", max_retries=0, timeout=120)
     r = oa.chat.completions.create(model="tiny", messages=CHAT, max_tokens=MAX_TOKENS, temperature=0.0,
                                    extra_body={"ignore_eos": True})
@@ -123,7 +130,7 @@ def test_native_pcp2_prefill_then_vllm_decode(proxy_url: str, colocated: list[li
     prefill node's blocks are released by the decode node (not left to the lease)."""
     _only_prefill(proxy_url, "prefill-1")
     before = _routed(proxy_url, "prefill-1")
-    _completions_equal_colocated(proxy_url, colocated, Tokenizer(str(mla_model)))
+    _completions_equal_colocated(proxy_url, colocated, Tokenizer(str(mla_model)), "prefill-1")
     assert _routed(proxy_url, "prefill-1") - before == len(PROMPTS)
     deadline = time.monotonic() + 10  # well within the 30 s lease; the heartbeat publishes each second
     while time.monotonic() < deadline:
@@ -159,7 +166,7 @@ def test_vllm_nodes_publish_whether_vllm_caches_prefixes_and_then_their_kv_event
     hit = 'pdcluster_proxy_prefix_cached_tokens_total{leg="prefill"}'
     before = _metric(proxy_url, hit)
     for _ in range(2):  # the first round may have run in an earlier test; the second hits if vLLM caches
-        _completions_equal_colocated(proxy_url, colocated, Tokenizer(str(mla_model)))
+        _completions_equal_colocated(proxy_url, colocated, Tokenizer(str(mla_model)), "prefill-0")
     if not on:
         assert _metric(proxy_url, hit) == before
         return
