@@ -27,6 +27,7 @@ from engine.fp8 import FP8_DTYPE, FP8_MAX
 
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_ds_mla")
 DS_MLA_GROUP = 128  # kv_c values per float32 scale in fp8_ds_mla
+KERNEL_CODE = {"auto": 0, "fp8": 1, "fp8_ds_mla": 2}  # the Triton kernels' FMT of each format
 
 
 @dataclass(frozen=True)

@@ -101,12 +101,13 @@ class MLAttention(nn.Module):
         kv_a = self.kv_a_proj_with_mqa(x)
         flat_cache = cache.view(-1, cache.shape[-1])
         fmt = self.kv_format
-        if batch.pcp is None and not fmt.quantized and norm_kernels.supported(x):
+        if batch.pcp is None and norm_kernels.supported(x):
             # one kernel: kv_c's norm, k_pe's and q_pe's rope (q in place), the latents and their cache write
             q = self._project_q(x)
             latent = norm_kernels.mla_latent(
                 kv_a, self.kv_a_layernorm.weight, self.kv_a_layernorm.eps, cfg.kv_lora_rank, batch.positions,
-                rope.cos, rope.sin, rope.interleave, q, cfg.qk_nope_head_dim, flat_cache, batch.slot_mapping)
+                rope.cos, rope.sin, rope.interleave, q, cfg.qk_nope_head_dim, flat_cache, batch.slot_mapping,
+                kv_format=fmt)
             kv_c, k_pe = latent.split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
             return self._attend(x, q, kv_c, k_pe, batch, flat_cache, cache.shape[1])
         kv_c = self.kv_a_layernorm(kv_a[:, : cfg.kv_lora_rank])

@@ -38,9 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.kv_format import KVFormat
-
-_FORMATS = {"auto": 0, "fp8": 1, "fp8_ds_mla": 2}  # the kernel's FMT of each kv_cache_dtype
+from engine.kv_format import KERNEL_CODE, KVFormat
 
 try:
     import triton
@@ -126,9 +124,11 @@ if HAS_TRITON:
             rmask = nmask[:, None] & (offs_r < R)[None, :]
             if FMT == 2:
                 raw = tl.load(toks[:, None] + offs_l[None, :], mask=cmask, other=0)
-                sc = tl.load((toks + L).to(tl.pointer_type(tl.float32))[:, None] + (offs_l // 128)[None, :],
-                             mask=cmask, other=0.0)
-                kv_c = (raw.to(tl.float8e4nv, bitcast=True).to(tl.float32) * sc).to(dt)
+                gi = tl.arange(0, BL // 128)
+                sc = tl.load((toks + L).to(tl.pointer_type(tl.float32))[:, None] + gi[None, :],
+                             mask=nmask[:, None] & (gi < L // 128)[None, :], other=0.0)  # [BN, BL / 128]
+                grouped = tl.reshape(raw.to(tl.float8e4nv, bitcast=True).to(tl.float32), (BN, BL // 128, 128))
+                kv_c = tl.reshape(grouped * sc[:, :, None], (BN, BL)).to(dt)
                 k_pe = tl.load((toks + L + 4 * (L // 128)).to(tl.pointer_type(tl.bfloat16))[:, None]
                                + offs_r[None, :], mask=rmask, other=0.0).to(dt)
             elif FMT == 1:
@@ -285,7 +285,7 @@ def mla_decode(
     b, h, lat = q_lat.shape
     rope = q_pe.shape[-1]
     nb, page, width = kv_cache.shape
-    fmt = _FORMATS[kv_format.name] if kv_format is not None else 0
+    fmt = KERNEL_CODE[kv_format.name] if kv_format is not None else 0
     if kv_format is not None and (kv_format.lora, kv_format.rope) != (lat, rope):
         raise ValueError(f"kv_format of {kv_format.lora} + {kv_format.rope} for q of {lat} + {rope}")
     if kv_format is not None and (kv_cache.dtype != kv_format.storage_dtype or width != kv_format.row_width):

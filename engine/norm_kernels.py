@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from engine.kv_format import KERNEL_CODE, KVFormat
+
 try:
     import triton
     import triton.language as tl
@@ -47,8 +49,11 @@ if HAS_TRITON:
 
     @triton.jit
     def _mla_latent(KVA, W, POS, COS, SIN, Q, LAT, CACHE, SLOTS, s_kva, s_q_t, s_q_h, s_lat, s_cache, H, eps,
-                    L: tl.constexpr, BL: tl.constexpr, R: tl.constexpr, BR2: tl.constexpr, NOPE: tl.constexpr,
-                    INTERLEAVE: tl.constexpr, WRITE_CACHE: tl.constexpr):
+                    kv_scale, L: tl.constexpr, BL: tl.constexpr, R: tl.constexpr, BR2: tl.constexpr,
+                    NOPE: tl.constexpr, INTERLEAVE: tl.constexpr, WRITE_CACHE: tl.constexpr, FMT: tl.constexpr):
+        # FMT: the cache row's format (engine.kv_format), as engine.mla_decode reads it: 0 the latent's dtype;
+        # 1 e4m3 of x / kv_scale; 2 DeepSeek's bytes (e4m3 kv_c per 128 scaled by amax / 448, float32
+        # scales, bf16 k_pe). The same arithmetic as KVFormat.encode, on the same bf16-rounded latent.
         t = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BL)
         m = cols < L
@@ -59,7 +64,19 @@ if HAS_TRITON:
         tl.store(LAT + t * s_lat + cols, kv_c, mask=m)
         if WRITE_CACHE:
             slot = tl.load(SLOTS + t).to(tl.int64)
-            tl.store(CACHE + slot * s_cache + cols, kv_c.to(CACHE.dtype.element_ty), mask=m)
+            row = CACHE + slot * s_cache
+            if FMT == 2:
+                g = tl.reshape(kv_c.to(tl.float32), (BL // 128, 128))
+                sc = tl.maximum(tl.max(tl.abs(g), 1), 1e-12) / 448.0  # [BL / 128]
+                qg = tl.clamp(g / sc[:, None], -448.0, 448.0).to(tl.float8e4nv)
+                tl.store(row + cols, tl.reshape(qg, (BL,)).to(tl.uint8, bitcast=True), mask=m)
+                gi = tl.arange(0, BL // 128)
+                tl.store((row + L).to(tl.pointer_type(tl.float32)) + gi, sc, mask=gi < L // 128)
+            elif FMT == 1:
+                tl.store(row + cols, tl.clamp(kv_c.to(tl.float32) / kv_scale, -448.0, 448.0).to(tl.float8e4nv),
+                         mask=m)
+            else:
+                tl.store(row + cols, kv_c.to(CACHE.dtype.element_ty), mask=m)
         # rope pair j of R/2 at this token's position (fp32 math, one rounding)
         j = tl.arange(0, BR2)
         jm = j < R // 2
@@ -75,9 +92,18 @@ if HAS_TRITON:
         tl.store(d1, r1, mask=jm)
         tl.store(d2, r2, mask=jm)
         if WRITE_CACHE:
-            d1, d2 = _pair_ptrs(CACHE + slot * s_cache + L, j, R // 2, INTERLEAVE)
-            tl.store(d1, r1.to(CACHE.dtype.element_ty), mask=jm)
-            tl.store(d2, r2.to(CACHE.dtype.element_ty), mask=jm)
+            if FMT == 2:
+                d1, d2 = _pair_ptrs((row + L + 4 * (L // 128)).to(tl.pointer_type(tl.bfloat16)), j, R // 2, INTERLEAVE)
+                tl.store(d1, r1.to(tl.bfloat16), mask=jm)
+                tl.store(d2, r2.to(tl.bfloat16), mask=jm)
+            elif FMT == 1:
+                d1, d2 = _pair_ptrs(row + L, j, R // 2, INTERLEAVE)
+                tl.store(d1, tl.clamp(r1.to(tl.float32) / kv_scale, -448.0, 448.0).to(tl.float8e4nv), mask=jm)
+                tl.store(d2, tl.clamp(r2.to(tl.float32) / kv_scale, -448.0, 448.0).to(tl.float8e4nv), mask=jm)
+            else:
+                d1, d2 = _pair_ptrs(row + L, j, R // 2, INTERLEAVE)
+                tl.store(d1, r1.to(CACHE.dtype.element_ty), mask=jm)
+                tl.store(d2, r2.to(CACHE.dtype.element_ty), mask=jm)
         for h in range(H):  # q_pe of every head, rotated in place in q
             q1, q2 = _pair_ptrs(Q + t * s_q_t + h * s_q_h + NOPE, j, R // 2, INTERLEAVE)
             a = tl.load(q1, mask=jm, other=0.0)
@@ -108,10 +134,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 def mla_latent(kv_a: torch.Tensor, norm_weight: torch.Tensor, eps: float, kv_lora_rank: int, positions: torch.Tensor,
                cos: torch.Tensor, sin: torch.Tensor, interleave: bool, q: torch.Tensor, nope: int,
-               cache: torch.Tensor | None = None, slots: torch.Tensor | None = None) -> torch.Tensor:
+               cache: torch.Tensor | None = None, slots: torch.Tensor | None = None,
+               kv_format: KVFormat | None = None) -> torch.Tensor:
     """kv_a [T, L+R] (kv_a_proj's output) -> latent [T, L+R] = [rms_norm(kv_c) | rope(k_pe)]; q [T, H, nope+R]
-    gets its rope part rotated in place; with ``cache`` (flat [slots, L+R]) and ``slots`` [T] each latent row
-    is also written to its cache slot."""
+    gets its rope part rotated in place; with ``cache`` (flat [slots, row width]) and ``slots`` [T] each
+    latent row is also written to its cache slot, stored as ``kv_format`` says (default: as is)."""
     t, width = kv_a.shape
     rope = width - kv_lora_rank
     latent = torch.empty(t, width, dtype=kv_a.dtype, device=kv_a.device)
@@ -121,10 +148,16 @@ def mla_latent(kv_a: torch.Tensor, norm_weight: torch.Tensor, eps: float, kv_lor
         raise ValueError(f"mla_latent: kv_a {tuple(kv_a.shape)}, q {tuple(q.shape)}, cos {tuple(cos.shape)}")
     write = cache is not None and slots is not None
     cache_stride = cache.stride(0) if cache is not None and write else 0
+    fmt = KERNEL_CODE[kv_format.name] if kv_format is not None else 0
+    if write and kv_format is not None and (cache.dtype != kv_format.storage_dtype  # type: ignore[union-attr]
+                                            or cache.shape[-1] != kv_format.row_width):  # type: ignore[union-attr]
+        raise ValueError(f"mla_latent: a cache of {cache.dtype} rows of {cache.shape[-1]} is not "  # type: ignore[union-attr]
+                         f"{kv_format.describe()}")
     _mla_latent[(t,)](
         kv_a, norm_weight, positions, cos, sin, q, latent, cache if write else latent, slots if write else positions,
         kv_a.stride(0), q.stride(0), q.stride(1), latent.stride(0), cache_stride, q.shape[1], eps,
+        kv_format.scale if kv_format is not None else 1.0,
         L=kv_lora_rank, BL=triton.next_power_of_2(kv_lora_rank), R=rope, BR2=triton.next_power_of_2(rope // 2),
-        NOPE=nope, INTERLEAVE=interleave, WRITE_CACHE=write, num_warps=4,
+        NOPE=nope, INTERLEAVE=interleave, WRITE_CACHE=write, FMT=fmt, num_warps=4,
     )
     return latent

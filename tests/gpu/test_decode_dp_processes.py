@@ -55,7 +55,8 @@ class Prefill:
         torch.cuda.synchronize()
         # Release goes to a closed port: the confirmer logs it and keeps the pulled KV (the test frees it)
         handle = to_handle(pe.kv_ownership(rid), len(pe.held[rid].block_ids), {0: self.layout}, node_id="p",
-                           address="127.0.0.1:1", dp_rank=0, block_size=pe.config.block_size, lease_s=60.0)
+                           address="127.0.0.1:1", dp_rank=0, block_size=pe.config.block_size, lease_s=60.0,
+                           kv_format=pe.config.kv_format(pe.model_config).wire_name)
         return token_pb(seq.output_token_ids[0]), from_handle(handle)
 
     def close(self) -> None:

@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from engine import moe_kernels, norm_kernels  # noqa: E402
 from engine.config import RopeConfig  # noqa: E402
+from engine.kv_format import KVFormat  # noqa: E402
 from engine.layers import RMSNorm  # noqa: E402
 from engine.rope import RotaryEmbedding  # noqa: E402
 
@@ -91,6 +92,34 @@ def check_mla_latent(device: str, dtype: torch.dtype, interleave: bool, lat: int
     untouched = torch.ones(64, dtype=torch.bool, device=device)
     untouched[slots] = False
     assert (cache[untouched] == 0).all(), "no other cache slot written"
+
+
+def check_mla_latent_quantized(device: str, name: str, interleave: bool, t: int = 9) -> None:
+    """The fused write into an FP8 cache stores what ``KVFormat.encode`` makes of the latent it returns
+    (its bytes: e4m3 values may differ by one step where a value lies on a rounding tie)."""
+    g = torch.Generator().manual_seed(2)
+    lat, rope_dim, heads, nope, dtype = 512, 64, 16, 128, torch.bfloat16
+    rope_cfg = RopeConfig(rope_type="default", theta=10000.0, interleave=interleave)
+    rope = RotaryEmbedding(rope_cfg, rope_dim, 8192, torch.device(device))
+    norm = RMSNorm(lat, 1e-6).to(device=device, dtype=dtype)
+    norm.weight.data = (1 + 0.5 * torch.randn(lat, generator=g)).to(device=device, dtype=dtype)
+    kv_a = (torch.randn(t, lat + rope_dim, generator=g) * 3).to(device=device, dtype=dtype)
+    q = torch.randn(t, heads, nope + rope_dim, generator=g).to(device=device, dtype=dtype)
+    positions = torch.randint(0, 8192, (t,), generator=g).to(device)
+    fmt = KVFormat(name, lat, rope_dim, dtype)
+    cache = torch.zeros(64, fmt.row_width, dtype=fmt.storage_dtype, device=device)
+    slots = torch.randperm(64, generator=g)[:t].to(device)
+    latent = norm_kernels.mla_latent(kv_a, norm.weight, norm.eps, lat, positions, rope.cos, rope.sin, interleave, q,
+                                     nope, cache, slots, kv_format=fmt)
+    want = fmt.encode(latent)
+    got_v, want_v = fmt.decode(cache[slots]).float(), fmt.decode(want).float()
+    assert (got_v == want_v).float().mean() >= 0.999, "the stored rows are the format's encoding of the latent"
+    assert ((got_v - want_v).abs() <= want_v.abs() / 8 + 2.0**-9).all(), "at most one e4m3 step apart"
+    if name == "fp8_ds_mla":  # the scales and the bf16 rope bytes exactly
+        assert torch.equal(cache[slots][:, 512:], want[:, 512:])
+    untouched = torch.ones(64, dtype=torch.bool, device=device)
+    untouched[slots] = False
+    assert (cache[untouched].view(torch.uint8) == 0).all(), "no other cache slot written"
 
 
 def check_experts(device: str, dtype: torch.dtype, t: int, k: int, e: int, d: int, inter: int, seed: int = 0,
@@ -196,6 +225,12 @@ def test_rms_norm(dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_mla_latent(interleave: bool, dtype: torch.dtype) -> None:
     check_mla_latent("cuda", dtype, interleave)
+
+
+@pytest.mark.parametrize("interleave", [True, False])
+@pytest.mark.parametrize("name", ["fp8", "fp8_ds_mla"])
+def test_mla_latent_writes_fp8_rows(interleave: bool, name: str) -> None:
+    check_mla_latent_quantized("cuda", name, interleave)
 
 
 @pytest.mark.parametrize("case", EXPERT_CASES)

@@ -65,7 +65,8 @@ class Setup:
             while pe.has_unfinished():
                 pe.step()
             handle = to_handle(pe.kv_ownership(rid), len(pe.held[rid].block_ids), {0: self.layout}, node_id="p",
-                               address="", dp_rank=0, block_size=16, lease_s=self.lease_s)
+                               address="", dp_rank=0, block_size=16, lease_s=self.lease_s,
+                               kv_format=pe.config.kv_format(pe.model_config).wire_name)
             return token_pb(seq.output_token_ids[0]), handle
 
     async def decode(self, rid: str, prompt: list[int], abort_after_s: float | None = None) -> list:

@@ -65,9 +65,9 @@ def test_a_vllm_node_publishes_the_protocol_its_connector_uses() -> None:
     from node_runtime.server import node_info
     from vllm_backend.engine import VllmWorker
 
-    vllm_config = SimpleNamespace(model_config=SimpleNamespace(max_model_len=256),
+    vllm_config = SimpleNamespace(model_config=SimpleNamespace(max_model_len=256, dtype="torch.bfloat16"),
                                   cache_config=SimpleNamespace(num_gpu_blocks=64, block_size=16,
-                                                               enable_prefix_caching=False))
+                                                               enable_prefix_caching=False, cache_dtype="fp8_e4m3"))
     config = _vllm_node("decode", "rdma")
     worker = VllmWorker(SimpleNamespace(vllm_config=vllm_config), config, asyncio.new_event_loop(), "rdma")
     try:
@@ -75,3 +75,4 @@ def test_a_vllm_node_publishes_the_protocol_its_connector_uses() -> None:
     finally:
         worker.loop.close()
     assert (info.engine, info.kv_protocol) == ("vllm", "rdma")
+    assert info.kv_cache_dtype == "fp8"  # vLLM's fp8_e4m3 is our fp8 row; its "auto" would be its dtype

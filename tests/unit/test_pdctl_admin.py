@@ -22,7 +22,8 @@ def node(node_id: str, role: str, **extra: object) -> dict:
     d = {"node_id": node_id, "role": role, "address": f"127.0.0.1:{5000 + len(node_id)}", "model": "tiny",
          "max_model_len": 2048, "dp": 2 if role == "prefill" else 1, "pcp": 2 if role == "prefill" else 1, "pp": 1,
          "kv_layout": "sharded" if role == "prefill" else "replicated", "block_size": 16, "num_blocks": 64,
-         "started_at": 1.0, "draining": False, "heartbeat_at": 2.0, "healthy": True, "inflight": 3,
+         "kv_cache_dtype": "fp8_ds_mla", "started_at": 1.0, "draining": False, "heartbeat_at": 2.0, "healthy": True,
+         "inflight": 3,
          "replicas": [{"dp_rank": 0, "queued_prefill_tokens": 100, "waiting": 1, "running": 2, "used_blocks": 10,
                        "free_blocks": 54},
                       {"dp_rank": 1, "queued_prefill_tokens": 20, "waiting": 0, "running": 1, "used_blocks": 5,
@@ -128,8 +129,8 @@ def test_status_table(pdctl, proxy_url) -> None:
     assert result.exit_code == 0, result.output
     out = result.output
     assert f"proxy {proxy_url}" in out
-    for expected in ("decode-0", "decode (vllm)", "prefill-0", "prefill-1", "2/2/1", "sharded, tcp", "unhealthy",
-                     "draining", "120 / 3", "15 / 113"):
+    for expected in ("decode-0", "decode (vllm)", "prefill-0", "prefill-1", "2/2/1", "sharded, fp8_ds_mla, tcp",
+                     "unhealthy", "draining", "120 / 3", "15 / 113"):
         assert expected in out
 
 
