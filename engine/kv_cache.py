@@ -90,6 +90,7 @@ class KVCache:
         (decode CUDA graphs send their padding rows' writes there)."""
         if block_size <= 0:
             raise ValueError(f"block_size must be > 0, got {block_size}")
+        fmt.check_device(torch.device(device))
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.format = fmt

@@ -112,3 +112,14 @@ class KVFormat:
     def describe(self) -> str:
         return f"{self.name} ({self.row_bytes} B per token and layer)"
 
+    def check_device(self, device: torch.device, capability: tuple[int, int] | None = None) -> None:
+        """Refuse, naming the GPU, a quantized format on a GPU without e4m3 (before compute capability 8.9:
+        Ada, Hopper); ``capability``: the device's, asked of CUDA when None. CPUs emulate e4m3."""
+        if not self.quantized or device.type != "cuda":
+            return
+        cap = capability or torch.cuda.get_device_capability(device)
+        if tuple(cap) < (8, 9):
+            name = torch.cuda.get_device_name(device) if capability is None else f"compute capability {cap}"
+            raise ValueError(f"kv_cache_dtype {self.name} needs a GPU with FP8 (compute capability 8.9+: Ada, "
+                             f"Hopper or later); {name} has {cap[0]}.{cap[1]}: use kv_cache_dtype auto")
+

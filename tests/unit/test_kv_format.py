@@ -86,3 +86,12 @@ def test_bad_formats_are_refused() -> None:
 
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
         EngineConfig(model="m", kv_cache_dtype="fp8_e5m2")
+
+
+def test_a_gpu_without_fp8_is_refused_with_its_name() -> None:
+    fp8 = KVFormat("fp8_ds_mla", L, R, torch.bfloat16)
+    with pytest.raises(ValueError, match=r"needs a GPU with FP8 .* has 8\.0"):
+        fp8.check_device(torch.device("cuda", 0), capability=(8, 0))  # an A100
+    fp8.check_device(torch.device("cuda", 0), capability=(9, 0))  # an H100 / H200
+    fp8.check_device(torch.device("cpu"))
+    KVFormat("auto", L, R, torch.bfloat16).check_device(torch.device("cuda", 0), capability=(7, 0))
