@@ -22,6 +22,7 @@ from engine.mla_decode import HAS_TRITON
 from engine.model import DeepseekForCausalLM
 from engine.model_runner import ModelRunner, StepLogits
 from engine.overlap import Feed
+from engine.parallel.expert_parallel import ExpertShard
 from engine.parallel.grid import ParallelConfig
 from engine.parallel.kv_layout import RankBlocks, kv_ownership
 from engine.scheduler import Scheduled
@@ -78,10 +79,12 @@ def check_kv_capacity(num_blocks: int, block_size: int, max_model_len: int, need
 
 
 def load_model(
-    config: EngineConfig, mc: ModelConfig, dtype: torch.dtype, device: torch.device, layers: range | None = None
+    config: EngineConfig, mc: ModelConfig, dtype: torch.dtype, device: torch.device, layers: range | None = None,
+    experts: ExpertShard | None = None,
 ) -> DeepseekForCausalLM:
+    """``experts``: the routed experts this rank holds (expert parallelism; default all)."""
     t0 = time.perf_counter()
-    model = build_empty_model(mc, dtype, device, layers, config.kv_format(mc))
+    model = build_empty_model(mc, dtype, device, layers, config.kv_format(mc), experts)
     if config.load_format == "dummy":
         init_random_weights(model, config.seed)
     else:

@@ -15,6 +15,7 @@ from torch import nn
 
 from engine import moe_kernels, norm_kernels
 from engine.config import ModelConfig
+from engine.parallel.expert_parallel import ExpertParallel
 
 
 class RMSNorm(nn.Module):
@@ -98,19 +99,25 @@ class Router(nn.Module):
 
 
 class MoE(nn.Module):
-    """Routed experts (stacked weights) plus always-on shared experts."""
+    """Routed experts (stacked weights) plus always-on shared experts. With ``ep`` (expert parallelism) the
+    stack holds only this rank's shard of the experts, and ``forward`` dispatches over the EP group."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, ep: ExpertParallel | None = None) -> None:
         super().__init__()
         assert cfg.n_routed_experts is not None
-        e, h, i = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        self.ep = ep
+        e, h, i = ep.shard.per_rank if ep else cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
         self.gate = Router(cfg)
         self.w13 = nn.Parameter(torch.empty(e, 2 * i, h))  # per expert: cat(gate_proj, up_proj)
         self.w2 = nn.Parameter(torch.empty(e, h, i))  # per expert: down_proj
         self.shared_experts = MLP(h, i * cfg.n_shared_experts) if cfg.n_shared_experts else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [T, D] -> [T, D]."""
+    def forward(self, x: torch.Tensor, ep_counts: list[int] | None = None) -> torch.Tensor:
+        """x: [T, D] -> [T, D]. ``ep_counts``: every EP rank's rows this step (expert parallelism)."""
+        if self.ep is not None and self.ep.comm is not None:
+            if ep_counts is None:
+                raise RuntimeError("an expert-parallel MoE layer needs the EP group's row counts")
+            return self._forward_ep(x, ep_counts)
         if x.shape[0] == 0:  # a PCP rank with no rows this step
             return x.clone()
         weights, ids = self.gate(x)  # [T, K]
@@ -133,6 +140,31 @@ class MoE(nn.Module):
         # of its K expert outputs as one batched [1, K] x [K, D] product.
         per_choice = torch.empty_like(out).index_copy_(0, order, out).view(-1, k, out.shape[-1])
         routed = torch.bmm(weights.unsqueeze(1).to(out.dtype), per_choice).squeeze(1)
+        return routed + shared if shared is not None else routed
+
+    def _forward_ep(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """Dispatch every rank's routed rows, run this rank's experts on the choices that picked them, and
+        combine the weighted sums back to their rows' owners (``engine.parallel.expert_parallel``). Every
+        rank of the group calls this in every MoE layer of a step, rows or none."""
+        ep = self.ep
+        assert ep is not None and ep.comm is not None
+        if x.shape[0] != counts[ep.shard.rank]:
+            raise RuntimeError(f"EP rank {ep.shard.rank} has {x.shape[0]} rows, the step's counts say "
+                               f"{counts[ep.shard.rank]}")
+        weights, ids = self.gate(x)  # [T, K]
+        shared = self.shared_experts(x) if self.shared_experts is not None and x.shape[0] else None
+        xs_all, ids_all, w_all = ep.comm.dispatch(x, ids, weights, counts)  # padded rows choose nothing real
+        k = ids_all.shape[1]
+        pos, local = ep.expert_rows(ids_all)
+        order = torch.argsort(local, stable=True)
+        pos, local = pos[order], local[order]
+        per_expert = local.new_zeros(self.w13.shape[0]).index_add_(0, local, torch.ones_like(local))
+        rows = pos // k
+        xs = xs_all[rows]  # grouped by local expert
+        out = self._experts_grouped(xs, per_expert) if _use_grouped_mm(xs) else self._experts_loop(xs, per_expert)
+        contrib = out * w_all.flatten()[pos].unsqueeze(1).to(out.dtype)
+        partial = xs_all.new_zeros(xs_all.shape).index_add_(0, rows, contrib)
+        routed = ep.comm.combine(partial, counts)
         return routed + shared if shared is not None else routed
 
     def _experts_loop(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:

@@ -18,6 +18,7 @@ from engine.cache_export import CacheExporter
 from engine.config import ModelConfig
 from engine.engine_config import EngineConfig
 from engine.llm_engine import LLMEngine, resolve_max_model_len
+from engine.parallel.expert_parallel import expert_shard
 from engine.parallel.replica import ParallelNode
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
@@ -85,6 +86,7 @@ class LLM:
                 self.cache_exports = {0: exporter.export(self.engines[0].cache_layers)}
         else:
             mc = ModelConfig.from_pretrained(config.model)
+            expert_shard(config, mc, 0)  # experts that do not divide over the ranks: refused before they start
             # The driver only schedules and samples on the host: small tensors, for which torch's
             # OpenMP pool costs more in wake-ups than it saves (measured: plan building 5x slower).
             torch.set_num_threads(config.cpu_threads)

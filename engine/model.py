@@ -16,14 +16,17 @@ from engine.forward_batch import ForwardBatch
 from engine.kv_format import KVFormat
 from engine.layers import MLP, MoE, RMSNorm
 from engine.mla import MLAttention
+from engine.parallel.expert_parallel import ExpertComm, ExpertParallel, ExpertShard
 from engine.rope import RotaryEmbedding
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int, kv_format: KVFormat | None = None) -> None:
+    def __init__(self, cfg: ModelConfig, layer_idx: int, kv_format: KVFormat | None = None,
+                 experts: ExpertShard | None = None) -> None:
         super().__init__()
         self.self_attn = MLAttention(cfg, kv_format)
-        self.mlp: nn.Module = MoE(cfg) if cfg.is_moe_layer(layer_idx) else MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.mlp: nn.Module = (MoE(cfg, ExpertParallel(experts) if experts else None) if cfg.is_moe_layer(layer_idx)
+                               else MLP(cfg.hidden_size, cfg.intermediate_size))
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -31,30 +34,38 @@ class DecoderLayer(nn.Module):
         self, x: torch.Tensor, batch: ForwardBatch, cache: torch.Tensor, rope: RotaryEmbedding
     ) -> torch.Tensor:
         h, x = self.post_attention_layernorm.add_forward(self.self_attn(self.input_layernorm(x), batch, cache, rope), x)
+        if isinstance(self.mlp, MoE) and self.mlp.ep is not None and self.mlp.ep.comm is not None:
+            st = batch.pcp
+            assert st is not None, "expert parallelism runs on PCP ranks"
+            return x + self.mlp(h, [st.num_decode + n for n in st.new_counts])  # the EP group's rows
         return x + self.mlp(h)
 
 
 class DeepseekModel(nn.Module):
     """The transformer body (``model.*`` keys)."""
 
-    def __init__(self, cfg: ModelConfig, layer_range: range, kv_format: KVFormat | None = None) -> None:
+    def __init__(self, cfg: ModelConfig, layer_range: range, kv_format: KVFormat | None = None,
+                 experts: ExpertShard | None = None) -> None:
         super().__init__()
         self.layer_range = layer_range
         self.is_first = layer_range.start == 0
         self.is_last = layer_range.stop == cfg.num_hidden_layers
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size) if self.is_first else None
         # A ModuleDict keyed by the global layer index keeps checkpoint names for any stage.
-        self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, i, kv_format) for i in layer_range})
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, i, kv_format, experts) for i in layer_range})
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if self.is_last else None
 
 
 class DeepseekForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_range: range | None = None, kv_format: KVFormat | None = None) -> None:
-        """``kv_format``: how the KV cache stores latents (default: in the model's dtype)."""
+    def __init__(self, cfg: ModelConfig, layer_range: range | None = None, kv_format: KVFormat | None = None,
+                 experts: ExpertShard | None = None) -> None:
+        """``kv_format``: how the KV cache stores latents (default: in the model's dtype); ``experts``: the
+        routed experts this rank holds under expert parallelism (default: all)."""
         super().__init__()
         self.cfg = cfg
+        self.experts = experts
         layer_range = layer_range if layer_range is not None else range(cfg.num_hidden_layers)
-        self.model = DeepseekModel(cfg, layer_range, kv_format)
+        self.model = DeepseekModel(cfg, layer_range, kv_format, experts)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False) if self.model.is_last else None
         self.rope: RotaryEmbedding | None = None
         self.decode_form = "absorbed"  # decode CUDA graphs are captured in this form only
@@ -79,6 +90,12 @@ class DeepseekForCausalLM(nn.Module):
         if self.model.norm is not None:
             hidden = self.model.norm(hidden)
         return hidden
+
+    def attach_expert_comm(self, comm: ExpertComm) -> None:
+        """Give every expert-parallel MoE layer its group's dispatch and combine (once the group exists)."""
+        for layer in self.model.layers.values():
+            if isinstance(layer.mlp, MoE) and layer.mlp.ep is not None:
+                layer.mlp.ep.comm = comm
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, D] -> logits [N, V] in fp32."""

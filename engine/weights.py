@@ -27,10 +27,12 @@ from engine.config import ModelConfig
 from engine.fp8 import FP8_DTYPE, SCALE_SUFFIX, dequantize_blocks
 from engine.kv_format import KVFormat
 from engine.model import DeepseekForCausalLM
+from engine.parallel.expert_parallel import ExpertShard
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.*)$")
 _EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+_FUSED = "fused"  # transformers-5's stacked expert tensor [E, ...]: under EP, this rank's rows of it
 
 
 @contextmanager
@@ -45,12 +47,13 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 def build_empty_model(
     cfg: ModelConfig, dtype: torch.dtype, device: torch.device, layer_range: range | None = None,
-    kv_format: KVFormat | None = None,
+    kv_format: KVFormat | None = None, experts: ExpertShard | None = None,
 ) -> DeepseekForCausalLM:
     """Allocate the model (uninitialised) directly on ``device`` in ``dtype`` (router kept in fp32), its
-    attention reading and writing a cache of ``kv_format`` (default: in ``dtype``)."""
+    attention reading and writing a cache of ``kv_format`` (default: in ``dtype``), holding only the
+    routed ``experts`` of its EP rank (default: all)."""
     with _default_dtype(dtype), torch.device("meta"):
-        model = DeepseekForCausalLM(cfg, layer_range, kv_format)
+        model = DeepseekForCausalLM(cfg, layer_range, kv_format, experts)
     model = model.to_empty(device=device)
     model.init_rope(device)
     return model.eval().requires_grad_(False)
@@ -86,11 +89,17 @@ def _target(model: DeepseekForCausalLM, name: str) -> tuple[str, int | None, str
     if e is not None:
         part = e.group(2)
         param = "w2" if part == "down_proj" else "w13"
-        return f"model.layers.{layer}.mlp.{param}", int(e.group(1)), part
+        expert = int(e.group(1))
+        if model.experts is not None:  # expert parallelism: only this rank's experts, at their local index
+            local = model.experts.local(expert)
+            if local is None:
+                return None
+            expert = local
+        return f"model.layers.{layer}.mlp.{param}", expert, part
     if rest == "mlp.experts.gate_up_proj":
-        return f"model.layers.{layer}.mlp.w13", None, None
+        return f"model.layers.{layer}.mlp.w13", None, _FUSED
     if rest == "mlp.experts.down_proj":
-        return f"model.layers.{layer}.mlp.w2", None, None
+        return f"model.layers.{layer}.mlp.w2", None, _FUSED
     return f"model.layers.{layer}.{rest}", None, None
 
 
@@ -113,7 +122,12 @@ def load_weights(model: DeepseekForCausalLM, model_dir: str | Path) -> None:
                 if pname.startswith(("model.embed_tokens", "model.norm", "lm_head")):
                     continue  # belongs to the first / last stage only
                 raise ValueError(f"unexpected tensor {name!r} in {path.name}: no such parameter in the model")
-            _copy(params[pname], _tensor(model.cfg, name, f, where), name, expert, part)
+            t = _tensor(model.cfg, name, f, where)
+            if part == _FUSED:
+                part = None
+                if model.experts is not None:
+                    t = t[model.experts.start : model.experts.stop]
+            _copy(params[pname], t, name, expert, part)
             filled.add((pname, expert, part))
     if model.cfg.tie_word_embeddings and "lm_head.weight" in params and "model.embed_tokens.weight" in params:
         if ("lm_head.weight", None, None) not in filled:

@@ -164,6 +164,14 @@ def _kv_layout(config: NodeConfig) -> str:
     return config.engine.kv_layout if config.role == "prefill" else "replicated"
 
 
+def _ep_size(config: NodeConfig) -> int:
+    """The EP group's size: a native replica's PCP ranks (engine.parallel.expert_parallel); vLLM's TP ranks."""
+    ec = config.engine
+    if not ec.enable_expert_parallel:
+        return 1
+    return config.tp if config.engine_backend == "vllm" else ec.pcp
+
+
 def node_info(config: NodeConfig, served: str, worker: NodeWorker) -> NodeInfo:
     """What the node publishes in the registry."""
     ec = config.engine
@@ -172,7 +180,7 @@ def node_info(config: NodeConfig, served: str, worker: NodeWorker) -> NodeInfo:
                     kv_layout=_kv_layout(config),
                     block_size=worker.block_size, num_blocks=worker.num_blocks, started_at=time.time(),
                     engine=config.engine_backend, kv_protocol=worker.kv_protocol,
-                    kv_cache_dtype=worker.kv_cache_dtype,
+                    kv_cache_dtype=worker.kv_cache_dtype, ep=_ep_size(config),
                     local_prefill=config.role == "decode" and config.engine_backend == "native",
                     prefix_caching=worker.prefix_caching)
 

@@ -309,7 +309,7 @@ def status(proxy: str | None = PROXY, admin_key: str | None = ADMIN_KEY, run_dir
             # Text from the proxy is escaped: it is not rich markup.
             escape(s.info.node_id), escape(s.info.role + ("" if s.info.engine == "native" else f" ({s.info.engine})")),
             escape(s.info.address),
-            f"{s.info.dp}/{s.info.pcp}/{s.info.pp}",
+            f"{s.info.dp}/{s.info.pcp}/{s.info.pp}" + (f" EP{s.info.ep}" if s.info.ep > 1 else ""),
             escape(f"{s.info.kv_layout}, {s.info.kv_cache_dtype or '?'}, {s.info.kv_protocol}"),
             ("[green]healthy[/green]" if s.healthy else "[red]unhealthy[/red]")
             + ("" if n.circuit == "closed" else f" [red](circuit {n.circuit.replace('_', '-')})[/red]"),
@@ -439,8 +439,9 @@ def _node_line(n: AdminNode) -> str:
     s = n.state
     flags = (["healthy" if s.healthy else "UNHEALTHY"] + (["draining"] if s.draining else [])
              + ([f"circuit={n.circuit}"] if n.circuit != "closed" else []))
-    return (f"{s.info.node_id}  {s.info.role}  {s.info.address}  dp={s.info.dp} pcp={s.info.pcp} pp={s.info.pp}  "
-            f"{s.info.kv_layout}  {' '.join(flags)}  inflight={n.inflight}")
+    ep = f" ep={s.info.ep}" if s.info.ep > 1 else ""
+    return (f"{s.info.node_id}  {s.info.role}  {s.info.address}  dp={s.info.dp} pcp={s.info.pcp} pp={s.info.pp}{ep}  "
+            f"{s.info.kv_layout}  {s.info.kv_cache_dtype or '?'}  {' '.join(flags)}  inflight={n.inflight}")
 
 
 def _given(**values: Any) -> dict[str, Any]:

@@ -94,6 +94,7 @@ def engine_args(config: NodeConfig, transfer_host: str, protocol: str, kv_events
         # Our default run (one block per rank) rather than vLLM's 1: transfers move whole blocks.
         cp_kv_cache_interleave_size=interleave,
         block_size=ec.block_size, kv_cache_dtype=ec.kv_cache_dtype, max_num_seqs=ec.max_num_seqs,
+        enable_expert_parallel=ec.enable_expert_parallel,
         max_num_batched_tokens=ec.max_num_batched_tokens,
         enable_prefix_caching=ec.enable_prefix_caching, seed=ec.seed, num_gpu_blocks_override=ec.num_kv_blocks,
         kv_cache_memory_bytes=envs.vllm_kv_cache_bytes(), kv_transfer_config=kv,

@@ -38,6 +38,7 @@ class Stop:
 @dataclass(frozen=True)
 class Loaded:
     capacity_blocks: int
+    expert_params: int = 0  # routed-expert parameters the rank holds (1/EP of the model's with expert parallelism)
 
 
 @dataclass(frozen=True)

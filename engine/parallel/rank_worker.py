@@ -21,6 +21,7 @@ from engine.engine_config import EngineConfig
 from engine.executor import kv_blocks_for_memory, load_model, plan_prompt_attention
 from engine.kv_cache import KVCache
 from engine.parallel.collectives import gather_padded
+from engine.parallel.expert_parallel import GatherReduce, expert_shard
 from engine.parallel.grid import ParallelConfig, stage_layers
 from engine.parallel.rank_group import RankContext
 from engine.parallel.rank_messages import (
@@ -64,7 +65,8 @@ class RankWorker:
         self.mc = ModelConfig.from_pretrained(cfg.model)
         self.dtype = cfg.torch_dtype(self.mc.torch_dtype)
         self.layers = stage_layers(self.mc.num_hidden_layers, self.par.pp, self.coord.pp)
-        self.model = load_model(cfg, self.mc, self.dtype, self.device, self.layers)
+        self.experts = expert_shard(cfg, self.mc, self.coord.pcp)
+        self.model = load_model(cfg, self.mc, self.dtype, self.device, self.layers, self.experts)
         self.max_model_len = spec.max_model_len
         # Every rank creates every PCP group, in the same order (new_group is collective).
         self.pcp_group: dist.ProcessGroup | None = None
@@ -72,6 +74,8 @@ class RankWorker:
             g = dist.new_group(ranks)
             if rank in ranks:
                 self.pcp_group = g
+        if self.experts is not None:  # the EP group is this rank's PCP group (its replica's, its stage's)
+            self.model.attach_expert_comm(GatherReduce(self.pcp_group, self.coord.pcp))
         stages = self.par.pp_group(rank)
         pp = self.coord.pp
         self.prev_rank = stages[pp - 1] if pp > 0 else None
@@ -84,6 +88,9 @@ class RankWorker:
         self.profile_step = envs.profile_step()
         self.steps = 0
         self._t = 0.0
+
+    def expert_params(self) -> int:
+        return sum(p.numel() for n, p in self.model.named_parameters() if n.endswith((".mlp.w13", ".mlp.w2")))
 
     def capacity_blocks(self) -> int:
         return kv_blocks_for_memory(
@@ -168,7 +175,7 @@ class RankWorker:
 def serve_rank(ctx: RankContext) -> None:
     """RankGroup target: load, size the cache with the driver, then serve steps until ``Stop``."""
     worker = RankWorker(ctx.payload, ctx.rank)
-    ctx.conn.send(Loaded(worker.capacity_blocks()))
+    ctx.conn.send(Loaded(worker.capacity_blocks(), worker.expert_params()))
     msg = ctx.conn.recv()
     if isinstance(msg, Stop):
         return

@@ -56,8 +56,9 @@ class ParallelNode:
         t = config.rank_timeout_s
         self.group.start(ready_timeout_s=t)
         try:
-            caps = [self._expect(r, Loaded, t).capacity_blocks for r in range(ws)]
-            self.num_blocks = int(min(caps))
+            loaded = [self._expect(r, Loaded, t) for r in range(ws)]
+            self.expert_params = [m.expert_params for m in loaded]  # per rank
+            self.num_blocks = int(min(m.capacity_blocks for m in loaded))
             bs = config.block_size
             need = None  # replicated: every rank holds the whole request
             if self.par.kv_layout == "sharded":  # the busiest rank's share (interleave runs can be uneven)

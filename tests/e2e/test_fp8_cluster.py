@@ -1,6 +1,7 @@
 """The FP8 deployment through a whole local cluster: a block-FP8 checkpoint (``pdctl make-model --quantize
 fp8``) with DeepSeek's FP8 KV rows (``kv_cache_dtype: fp8_ds_mla``) on a PCP2 prefill node with sharded
-KV and a decode node on a replica process, beside a second decode node whose cache is plain. With the
+KV and expert parallelism over its two ranks (each holds half the routed experts), and a decode node on a
+replica process, beside a second decode node whose cache is plain. With the
 openai client, chat and completions, streamed or not, give the greedy tokens of the dequantized twin on
 one engine with the same cache format; the FP8 rows are what moves; the router never pairs the prefill
 node with the plain decode node and says why, and that node refuses the prefill node's handle
@@ -34,7 +35,7 @@ def fp8_cluster(fp8_model: tuple[Path, Path], tmp_path_factory: pytest.TempPathF
         "model": str(fp8_model[0]), "served_model_name": MODEL, "registry": {"cluster": f"fp8-{run_dir.name}"},
         "proxy": {"port": 0, "admin_key": ADMIN_KEY},
         "prefill": [{"pcp": 2, "kv_layout": "sharded", "max_model_len": 1024, "num_kv_blocks": 128,
-                     "kv_cache_dtype": KV}],
+                     "kv_cache_dtype": KV, "enable_expert_parallel": True}],
         "decode": [{"max_model_len": 1024, "num_kv_blocks": 128, "dp_processes": "on", "kv_cache_dtype": KV},
                    {"max_model_len": 1024, "num_kv_blocks": 64}],
     })
@@ -63,6 +64,7 @@ def test_the_fp8_rows_are_what_moves_and_only_to_a_node_that_holds_them(fp8_clus
     nodes = fp8_cluster.nodes()
     assert [nodes[n]["kv_cache_dtype"] for n in ("prefill-0", "decode-0", "decode-1")] == [
         KV, KV, "float32"]
+    assert [nodes[n]["ep"] for n in ("prefill-0", "decode-0")] == [2, 1]
     plan = fp8_cluster.admin.get("/admin/route", params={"prompt_tokens": len(PROMPT), "max_tokens": 8}).json()
     assert plan["prefill"]["node_id"] == "prefill-0" and plan["decode"]["node_id"] == "decode-0"
     refused = {c["node_id"]: c for c in plan["decode_candidates"]}["decode-1"]

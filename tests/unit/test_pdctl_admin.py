@@ -105,7 +105,7 @@ class FakeProxy(BaseHTTPRequestHandler):
 @pytest.fixture
 def proxy_url() -> Iterator[str]:
     FakeProxy.nodes = {n["node_id"]: n for n in (node("decode-0", "decode", engine="vllm"),
-                                                  node("prefill-0", "prefill"),
+                                                  node("prefill-0", "prefill", ep=2),
                                                   node("prefill-1", "prefill", healthy=False, draining=True))}
     server = ThreadingHTTPServer(("127.0.0.1", 0), FakeProxy)
     thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
@@ -129,7 +129,7 @@ def test_status_table(pdctl, proxy_url) -> None:
     assert result.exit_code == 0, result.output
     out = result.output
     assert f"proxy {proxy_url}" in out
-    for expected in ("decode-0", "decode (vllm)", "prefill-0", "prefill-1", "2/2/1", "sharded, fp8_ds_mla, tcp",
+    for expected in ("decode-0", "decode (vllm)", "prefill-0", "prefill-1", "2/2/1 EP2", "sharded, fp8_ds_mla, tcp",
                      "unhealthy", "draining", "120 / 3", "15 / 113"):
         assert expected in out
 
@@ -140,6 +140,7 @@ def test_nodes_lines_and_json(pdctl, proxy_url) -> None:
     lines = result.output.strip().splitlines()
     assert len(lines) == 3
     assert lines[2].startswith("prefill-1  prefill") and "UNHEALTHY draining" in lines[2] and "inflight=3" in lines[2]
+    assert "dp=2 pcp=2 pp=1 ep=2  sharded  fp8_ds_mla" in lines[1] and "ep=" not in lines[2]
     raw = pdctl("nodes", "--json", "--proxy", proxy_url, "--admin-key", ADMIN_KEY)
     assert json.loads(raw.output) == {"nodes": list(FakeProxy.nodes.values())}
 

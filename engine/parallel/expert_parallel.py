@@ -1,0 +1,122 @@
+"""Expert parallelism (``enable_expert_parallel``): each rank of an EP group holds a contiguous range of the
+routed experts, and every MoE layer dispatches its tokens to them and combines the results.
+
+Dispatch and combine ("AgRs", vLLM's all-gather / reduce-scatter): each rank routes its own tokens (top-k
+ids and weights), the group all-gathers hidden states, ids and weights with per-rank row counts known in
+advance (no sizes exchanged), each rank runs its local experts on every gathered (token, choice) that
+chose one of them, and the weighted sums are reduced back to each token's owner. Attention, norms, dense
+layers and shared experts stay replicated.
+
+``ExpertComm`` is the one seam: this all-gather one moves every token to every rank; an all-to-all
+backend (DeepEP-style, each token only to its experts' owners) implements the same two calls.
+
+Today an EP group is the PCP group of one DP replica and PP stage: those ranks step together, so the
+collectives need no dummy steps. EP across DP replicas (``ep_rank = dp·PCP + pcp``) needs the replicas in
+lockstep and is refused until it is built.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+
+from engine.config import ModelConfig
+from engine.engine_config import EngineConfig
+from engine.parallel.collectives import gather_padded
+
+
+@dataclass(frozen=True)
+class ExpertShard:
+    """Which routed experts one EP rank holds: ``[start, stop)`` of ``num_experts``."""
+
+    rank: int
+    size: int
+    num_experts: int
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.rank < self.size:
+            raise ValueError(f"EP rank {self.rank} outside a group of {self.size}")
+        if self.num_experts % self.size:
+            raise ValueError(f"enable_expert_parallel: {self.num_experts} routed experts do not divide over "
+                             f"{self.size} EP ranks (each rank holds a contiguous E / EP)")
+
+    @property
+    def per_rank(self) -> int:
+        return self.num_experts // self.size
+
+    @property
+    def start(self) -> int:
+        return self.rank * self.per_rank
+
+    @property
+    def stop(self) -> int:
+        return self.start + self.per_rank
+
+    def local(self, expert: int) -> int | None:
+        """The local index of global ``expert``, or None where another rank holds it."""
+        return expert - self.start if self.start <= expert < self.stop else None
+
+
+def expert_shard(config: EngineConfig, mc: ModelConfig, pcp_rank: int) -> ExpertShard | None:
+    """The routed experts a PCP rank holds under ``enable_expert_parallel`` (None: all of them)."""
+    if not config.enable_expert_parallel or not mc.n_routed_experts or config.pcp == 1:
+        return None
+    return ExpertShard(pcp_rank, config.pcp, mc.n_routed_experts)
+
+
+class ExpertComm(Protocol):
+    """How an MoE layer's tokens reach the experts' owners and their results come back."""
+
+    def dispatch(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, counts: list[int]
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """This rank's rows (hidden [T, D], top-k ids and weights [T, K]; rank i has counts[i] rows) ->
+        the rows this rank computes for (its experts' share of them is its business)."""
+        ...
+
+    def combine(self, out: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """Per dispatched row, this rank's partial sums -> this rank's rows' full sums [T, D]."""
+        ...
+
+
+class GatherReduce:
+    """AgRs over a process group: all-gather every rank's rows (padded to the largest count), reduce the
+    partial sums back (NCCL: reduce-scatter; gloo has none: all-reduce, then this rank's rows)."""
+
+    def __init__(self, group: dist.ProcessGroup | None, rank: int) -> None:
+        self.group = group
+        self.rank = rank
+
+    def dispatch(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, counts: list[int]
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return (gather_padded(x, counts, self.group), gather_padded(ids, counts, self.group),
+                gather_padded(weights, counts, self.group))
+
+    def combine(self, out: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        if len(counts) == 1:
+            return out
+        m = max(counts)
+        mine = slice(self.rank * m, self.rank * m + counts[self.rank])
+        if dist.get_backend(self.group) == "nccl":
+            part = out.new_empty((m, *out.shape[1:]))
+            dist.reduce_scatter_tensor(part, out.contiguous(), group=self.group)
+            return part[: counts[self.rank]]
+        dist.all_reduce(out, group=self.group)
+        return out[mine]
+
+
+@dataclass
+class ExpertParallel:
+    """One MoE layer's place in its EP group: its shard, and the group's comm once the group exists."""
+
+    shard: ExpertShard
+    comm: ExpertComm | None = None
+
+    def expert_rows(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Of gathered top-k ``ids`` [N, K]: the flat (row * K + choice) positions that chose a local expert,
+        and those choices' local expert ids."""
+        flat = ids.flatten()
+        pos = ((flat >= self.shard.start) & (flat < self.shard.stop)).nonzero().squeeze(1)
+        return pos, flat[pos] - self.shard.start
