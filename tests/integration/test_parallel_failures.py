@@ -30,9 +30,11 @@ def _gone(pids: list[int]) -> bool:
     return True
 
 
-@pytest.mark.parametrize("victim", [1, 3], ids=["stage0-pcp1", "stage1-pcp1"])
-def test_killed_rank_mid_generation_fails_the_node_within_10s(tiny_model, victim) -> None:
-    llm = LLM(str(tiny_model), **KW, pcp=2, pp=2)
+@pytest.mark.parametrize("victim,ep", [(1, False), (3, False), (3, True)],
+                         ids=["stage0-pcp1", "stage1-pcp1", "stage1-pcp1-expert-parallel"])
+def test_killed_rank_mid_generation_fails_the_node_within_10s(tiny_model, victim, ep) -> None:
+    """With expert parallelism the survivors also wait in MoE collectives: they fail as fast."""
+    llm = LLM(str(tiny_model), **KW, pcp=2, pp=2, enable_expert_parallel=ep)
     pids = llm.node.pids()
     assert len(pids) == 4
     failure: list[tuple[float, BaseException]] = []
