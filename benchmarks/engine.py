@@ -140,6 +140,9 @@ def main() -> None:
     ap.add_argument("--decode-steps", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--cpu-threads", type=int, default=1)
+    ap.add_argument("--quantization", choices=["none", "fp8"], default="none",
+                    help="fp8: the model's config declares DeepSeek's block FP8 (v2-lite: dummy weights on the FP8 "
+                         "grid; weights are dequantized at load today, engine/fp8.py)")
     ap.add_argument("--kv-cache-dtype", choices=["auto", "fp8", "fp8_ds_mla"], default="auto",
                     help="the KV cache's row format (engine/kv_format.py)")
     ap.add_argument("--profile", action="store_true", help="print a torch.profiler table of a prefill and decode")
@@ -151,13 +154,16 @@ def main() -> None:
     if args.preset == "tiny":
         from pdctl.tiny_model import make_tiny_model
 
-        model_dir = make_tiny_model(tmp / "tiny", arch="v2", moe=True, seed=0)
+        model_dir = make_tiny_model(tmp / "tiny", arch="v2", moe=True, seed=0,
+                                    quantize=None if args.quantization == "none" else args.quantization)
         kw = dict(dtype="float32", max_model_len=4096, max_num_batched_tokens=4096, load_format="auto")
         prefill = args.prefill_tokens or [512, 2048]
     else:
         model_dir = tmp / "v2-lite"
         model_dir.mkdir()
-        (model_dir / "config.json").write_text(json.dumps(V2_LITE))
+        fp8 = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128], "activation_scheme": "dynamic"}
+        cfg = V2_LITE if args.quantization == "none" else {**V2_LITE, "quantization_config": fp8}
+        (model_dir / "config.json").write_text(json.dumps(cfg))
         kw = dict(dtype="bfloat16", max_model_len=32768, max_num_batched_tokens=32768, load_format="dummy")
         prefill = args.prefill_tokens or [4096, 16384]
     t0 = time.perf_counter()
@@ -174,7 +180,8 @@ def main() -> None:
         profile(eng, prefill[0])
     kv_row = eng.config.kv_format(cfg).row_bytes
     res: dict = {"bench": "engine", "preset": args.preset, "device": name, "dtype": str(ex.dtype).split(".")[-1],
-                 "kv_cache_dtype": args.kv_cache_dtype, "kv_row_bytes": kv_row, "kv_blocks": ex.cache.num_blocks}
+                 "kv_cache_dtype": args.kv_cache_dtype, "quantization": args.quantization, "kv_row_bytes": kv_row,
+                 "kv_blocks": ex.cache.num_blocks}
     for n in prefill:
         s = time_prefill(eng, n, args.repeats)
         flops = prefill_flops(cfg, n)

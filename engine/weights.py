@@ -24,7 +24,7 @@ import torch
 from safetensors import safe_open
 
 from engine.config import ModelConfig
-from engine.fp8 import FP8_DTYPE, SCALE_SUFFIX, dequantize_blocks
+from engine.fp8 import FP8_DTYPE, SCALE_SUFFIX, Fp8Config, dequantize_blocks, is_quantized_linear, quantize_blocks
 from engine.kv_format import KVFormat
 from engine.model import DeepseekForCausalLM
 from engine.parallel.expert_parallel import ExpertShard
@@ -197,8 +197,11 @@ def _check_complete(
 
 
 def init_random_weights(model: DeepseekForCausalLM, seed: int = 0) -> None:
-    """Dummy weights (vLLM's ``load_format="dummy"``): for benchmarks of real-size shapes without files."""
+    """Dummy weights (vLLM's ``load_format="dummy"``): for benchmarks of real-size shapes without files. With
+    an FP8 config every weight DeepSeek quantizes goes through our block quantizer and back, so it holds
+    what such a checkpoint's dequantized weights hold (values on each block's e4m3 grid)."""
     g = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    fp8 = model.cfg.quantization
     for name, p in model.named_parameters():
         if name.endswith("layernorm.weight") or name.endswith("norm.weight"):
             p.fill_(1.0)
@@ -207,3 +210,20 @@ def init_random_weights(model: DeepseekForCausalLM, seed: int = 0) -> None:
         else:
             fan_in = p.shape[-1]
             p.normal_(0.0, fan_in**-0.5, generator=g)
+            if fp8 is not None:
+                _round_to_fp8(p, name, fp8)
+
+
+def _round_to_fp8(p: torch.Tensor, name: str, fp8: Fp8Config) -> None:
+    """``p`` (a parameter named ``name``) as its FP8 checkpoint tensors would load, where DeepSeek's FP8
+    checkpoints quantize it: stacked experts one expert and one projection at a time."""
+    block, ue8m0 = fp8.block, fp8.ue8m0
+    if name.endswith((".mlp.w13", ".mlp.w2")):
+        mats = [half for e in p for half in (e.chunk(2) if name.endswith(".w13") else (e,))]
+    elif is_quantized_linear(name):
+        mats = [p]
+    else:
+        return
+    for m in mats:
+        q, s = quantize_blocks(m, block, ue8m0)
+        m.copy_(dequantize_blocks(q, s, block, m.dtype))

@@ -152,3 +152,27 @@ def test_make_model_quantize_writes_deepseeks_format(tmp_path: Path) -> None:
     assert all(bool((torch.log2(s) == torch.round(torch.log2(s))).all()) for s in scales)
     r = runner.invoke(app, ["make-model", str(tmp_path / "x"), "--scale-fmt", "ue8m0"])
     assert r.exit_code != 0 and "--quantize fp8" in r.output
+
+
+def test_dummy_weights_of_an_fp8_config_are_on_the_fp8_grid(fp8_model) -> None:
+    """``load_format: dummy`` with an FP8 config: every weight DeepSeek quantizes holds values its block
+    quantizer gives back unchanged (what a real FP8 checkpoint loads to); the rest stay as they were."""
+    import torch
+
+    from engine.config import ModelConfig
+    from engine.fp8 import dequantize_blocks, quantize_blocks
+    from engine.weights import build_empty_model, init_random_weights
+
+    mc = ModelConfig.from_pretrained(fp8_model[0])
+    assert mc.quantization is not None
+    model = build_empty_model(mc, torch.float32, torch.device("cpu"))
+    init_random_weights(model, seed=0)
+    params = dict(model.named_parameters())
+
+    def on_grid(w: torch.Tensor) -> bool:
+        return torch.equal(dequantize_blocks(*quantize_blocks(w)), w)
+
+    assert on_grid(params["model.layers.0.self_attn.kv_a_proj_with_mqa.weight"])
+    moe = next(n for n in params if n.endswith(".mlp.w13"))
+    assert all(on_grid(half) for e in params[moe] for half in e.chunk(2))
+    assert not on_grid(params["lm_head.weight"])  # the LM head stays as stored (bf16 in DeepSeek's)
