@@ -59,6 +59,10 @@ class Cluster:
         return self.tokenizer.decode(ids)
 
 
+PREFILL_TIMEOUT_S = 4.0
+TOKEN_TIMEOUT_S = 3.0
+
+
 @contextmanager
 def fake_cluster(tiny_model: Path) -> Iterator[Cluster]:
     """A proxy in front of two fake prefill nodes (PCP 1 and 2) and a fake decode node."""
@@ -73,7 +77,9 @@ def fake_cluster(tiny_model: Path) -> Iterator[Cluster]:
             node_state("d0", "decode", fakes.serve(d0), model=MODEL, max_model_len=MAX_MODEL_LEN),
         ])
         config = ProxyConfig(model=str(tiny_model), served_model_name=MODEL, api_key=API_KEY, admin_key=ADMIN_KEY,
-                             prefill_timeout_s=1.0, token_timeout_s=0.5)
+                             # Short enough for the timeout tests, long enough that a stall of CI's 2-core VM
+                             # does not time out the others (1 s / 0.5 s did, twice).
+                             prefill_timeout_s=PREFILL_TIMEOUT_S, token_timeout_s=TOKEN_TIMEOUT_S)
         with running_proxy(config, tok, source) as (url, app):
             yield Cluster(url, tok, script, p0, p1, d0, source, app)
     finally:

@@ -11,7 +11,18 @@ import time
 import grpc
 import openai
 import pytest
-from fake_cluster import ADMIN_KEY, API_KEY, LONG_PROMPT, MAX_MODEL_LEN, MODEL, TINY_VOCAB, Cluster, sse_events
+from fake_cluster import (
+    ADMIN_KEY,
+    API_KEY,
+    LONG_PROMPT,
+    MAX_MODEL_LEN,
+    MODEL,
+    PREFILL_TIMEOUT_S,
+    TINY_VOCAB,
+    TOKEN_TIMEOUT_S,
+    Cluster,
+    sse_events,
+)
 from proxy_fakes import wait_until
 
 # --- bad input -----------------------------------------------------------------------------------
@@ -158,7 +169,7 @@ def test_unavailable_prefill_node_is_retried_on_another(c: Cluster) -> None:
 
 
 def test_prefill_timeout_is_503_and_aborts(c: Cluster) -> None:
-    c.p0.stall_s = c.p1.stall_s = 1.5  # past the proxy's prefill_timeout_s of 1 s
+    c.p0.stall_s = c.p1.stall_s = PREFILL_TIMEOUT_S + 0.5  # past the proxy's prefill_timeout_s
     with c.http() as h:
         r = h.post("/v1/completions", json={"model": MODEL, "prompt": "x"})
     assert r.status_code == 503 and r.json()["error"]["code"] == "timeout"
@@ -194,7 +205,7 @@ def test_decode_stall_hits_token_timeout(c: Cluster) -> None:
     t0 = time.monotonic()
     with c.http() as h, h.stream("POST", "/v1/completions", json={"model": MODEL, "prompt": "x", "stream": True}) as r:
         events = sse_events(r)
-    assert time.monotonic() - t0 < 3
+    assert time.monotonic() - t0 < TOKEN_TIMEOUT_S + 3
     assert json.loads(events[-1])["error"]["code"] == "token_timeout"
     rid = c.d0.requests[0].request_id
     assert wait_until(lambda: rid in c.d0.cancelled and rid in c.aborts())
