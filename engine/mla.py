@@ -96,7 +96,8 @@ class MLAttention(nn.Module):
     def forward(
         self, x: torch.Tensor, batch: ForwardBatch, cache: torch.Tensor, rope: RotaryEmbedding
     ) -> torch.Tensor:
-        """x: [T, D]; cache: this layer's [num_blocks, block_size, L+R] (written in place) -> [T, D]."""
+        """x: [T, D]; cache: this layer's [num_blocks, block_size, row width] of ``kv_format``'s rows (written in
+        place) -> [T, D]."""
         cfg = self.cfg
         kv_a = self.kv_a_proj_with_mqa(x)
         flat_cache = cache.view(-1, cache.shape[-1])
