@@ -127,14 +127,10 @@ class DecodeService(DecodeMux, pb_grpc.DecodeServiceServicer):
         try:
             params = sampling_from_pb(request.sampling)
             if not local:
-                source = from_handle(request.kv)
+                source = from_handle(request.kv, self.worker.kv_cache_dtype)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         if source is not None:
-            if source.kv_format and source.kv_format != self.worker.kv_cache_dtype:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                    f"the KV handle's cache format {source.kv_format!r} differs from this node's "
-                                    f"{self.worker.kv_cache_dtype!r} (kv_cache_dtype and dtype must match)")
             if source.block_size != self.block_size:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                     f"block size {source.block_size} differs from this node's {self.block_size}")

@@ -93,7 +93,6 @@ class KVCache:
         fmt.check_device(torch.device(device))
         self.block_size = block_size
         self.num_blocks = num_blocks
-        self.format = fmt
         total = num_blocks + spare_blocks
         self.layers: dict[int, torch.Tensor] = {
             i: torch.zeros(total, block_size, fmt.row_width, dtype=fmt.storage_dtype, device=device) for i in layers

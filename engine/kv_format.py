@@ -112,6 +112,11 @@ class KVFormat:
     def describe(self) -> str:
         return f"{self.name} ({self.row_bytes} B per token and layer)"
 
+    def check_cache(self, cache: torch.Tensor, who: str) -> None:
+        """ValueError, naming ``who``, unless ``cache`` [..., row width] holds this format's rows."""
+        if cache.dtype != self.storage_dtype or cache.shape[-1] != self.row_width:
+            raise ValueError(f"{who}: a cache of {cache.dtype} rows of {cache.shape[-1]} is not {self.describe()}")
+
     def check_device(self, device: torch.device, capability: tuple[int, int] | None = None) -> None:
         """Refuse, naming the GPU, a quantized format on a GPU without e4m3 (before compute capability 8.9:
         Ada, Hopper); ``capability``: the device's, asked of CUDA when None. CPUs emulate e4m3."""

@@ -288,8 +288,8 @@ def mla_decode(
     fmt = KERNEL_CODE[kv_format.name] if kv_format is not None else 0
     if kv_format is not None and (kv_format.lora, kv_format.rope) != (lat, rope):
         raise ValueError(f"kv_format of {kv_format.lora} + {kv_format.rope} for q of {lat} + {rope}")
-    if kv_format is not None and (kv_cache.dtype != kv_format.storage_dtype or width != kv_format.row_width):
-        raise ValueError(f"a cache of {kv_cache.dtype} rows of {width} is not {kv_format.describe()}")
+    if kv_format is not None:
+        kv_format.check_cache(kv_cache, "mla_decode")
     if fmt == 0 and width != lat + rope or q_pe.shape[:2] != (b, h) or block_tables.shape[0] != b or \
             seq_lens.shape != (b,):
         raise ValueError(f"shapes: q_lat {tuple(q_lat.shape)}, q_pe {tuple(q_pe.shape)}, cache "

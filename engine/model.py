@@ -34,10 +34,8 @@ class DecoderLayer(nn.Module):
         self, x: torch.Tensor, batch: ForwardBatch, cache: torch.Tensor, rope: RotaryEmbedding
     ) -> torch.Tensor:
         h, x = self.post_attention_layernorm.add_forward(self.self_attn(self.input_layernorm(x), batch, cache, rope), x)
-        if isinstance(self.mlp, MoE) and self.mlp.ep is not None and self.mlp.ep.comm is not None:
-            st = batch.pcp
-            assert st is not None, "expert parallelism runs on PCP ranks"
-            return x + self.mlp(h, [st.num_decode + n for n in st.new_counts])  # the EP group's rows
+        if isinstance(self.mlp, MoE) and batch.pcp is not None:  # the EP group's rows (used under EP only)
+            return x + self.mlp(h, batch.pcp.row_counts)
         return x + self.mlp(h)
 
 

@@ -149,10 +149,8 @@ def mla_latent(kv_a: torch.Tensor, norm_weight: torch.Tensor, eps: float, kv_lor
     write = cache is not None and slots is not None
     cache_stride = cache.stride(0) if cache is not None and write else 0
     fmt = KERNEL_CODE[kv_format.name] if kv_format is not None else 0
-    if write and kv_format is not None and (cache.dtype != kv_format.storage_dtype  # type: ignore[union-attr]
-                                            or cache.shape[-1] != kv_format.row_width):  # type: ignore[union-attr]
-        raise ValueError(f"mla_latent: a cache of {cache.dtype} rows of {cache.shape[-1]} is not "  # type: ignore[union-attr]
-                         f"{kv_format.describe()}")
+    if cache is not None and write and kv_format is not None:
+        kv_format.check_cache(cache, "mla_latent")
     _mla_latent[(t,)](
         kv_a, norm_weight, positions, cos, sin, q, latent, cache if write else latent, slots if write else positions,
         kv_a.stride(0), q.stride(0), q.stride(1), latent.stride(0), cache_stride, q.shape[1], eps,

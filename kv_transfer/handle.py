@@ -23,7 +23,6 @@ class KVSource:
     prefill_address: str
     block_size: int
     lease_s: float = 0.0  # how long the prefill node keeps the blocks unconfirmed (0: unknown)
-    kv_format: str = ""  # the rows' format (engine.kv_format's wire name; "": not stated)
 
 
 def to_handle(
@@ -65,10 +64,14 @@ def to_handle(
     )
 
 
-def from_handle(handle: pb.KVHandle) -> KVSource:
-    """Decode side: the handle back into planner types. Raises ValueError on an inconsistent handle."""
+def from_handle(handle: pb.KVHandle, kv_format: str | None = None) -> KVSource:
+    """Decode side: the handle back into planner types. Raises ValueError on an inconsistent handle, and on
+    one whose stated rows' format is not ``kv_format`` (the reader's own, engine.kv_format's wire name)."""
     if handle.transport != "mooncake":
         raise ValueError(f"unsupported KV transport {handle.transport!r}")
+    if kv_format is not None and handle.kv_format and handle.kv_format != kv_format:
+        raise ValueError(f"the KV handle's cache format {handle.kv_format!r} differs from this node's "
+                         f"{kv_format!r} (kv_cache_dtype and dtype must match)")
     layouts = {}
     for src in handle.sources:
         regions = {g.layer: LayerRegion(g.layer, g.base, g.num_blocks, g.block_bytes) for g in src.regions}
@@ -86,4 +89,4 @@ def from_handle(handle: pb.KVHandle) -> KVSource:
         holders.append(RankBlocks(dp=handle.dp_rank, pcp=h.pcp, pp=h.pp, rank=h.rank, layers=span,
                                   logical=list(h.logical), physical=list(h.physical)))
     return KVSource(RequestKV(holders, handle.num_blocks), layouts, handle.prefill_node_id,
-                    handle.prefill_address, handle.block_size, handle.lease_s, handle.kv_format)
+                    handle.prefill_address, handle.block_size, handle.lease_s)

@@ -101,8 +101,9 @@ class PrefillWorker(EngineLoop):
         self.max_model_len = self.engines[0].max_model_len
         self.num_blocks = self.engines[0].load().free_blocks
         self.block_size = ec.block_size
-        self.kv_cache_dtype = ec.kv_format(self.engines[0].model_config).wire_name
-        log.info("KV cache: %s", ec.kv_format(self.engines[0].model_config).describe())
+        kv_format = ec.kv_format(self.engines[0].model_config)
+        self.kv_cache_dtype = kv_format.wire_name
+        log.info("KV cache: %s", kv_format.describe())
         self.prefix_caching = ec.enable_prefix_caching
         self.address = ""  # set once the server listens (goes into KV handles)
         self.leases = KVSender(self._release_held, lease_s=config.lease_s)

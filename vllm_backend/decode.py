@@ -70,14 +70,11 @@ class VllmDecodeService(DecodeEventsMux, pb_grpc.DecodeServiceServicer):
                 if not isinstance(kv, dict):
                     raise ValueError("vllm_kv_params_json must be a JSON object")
             elif request.HasField("kv"):
-                source = from_handle(request.kv)  # a malformed handle is the caller's error
+                source = from_handle(request.kv, self.worker.kv_cache_dtype)  # a bad handle is the caller's error
                 kv = handle_params.handle_params(request.kv, rid, n)
                 if source.request.num_blocks * source.block_size < n:
                     raise ValueError(f"the KV handle holds {source.request.num_blocks} blocks of "
                                      f"{source.block_size}, fewer than the prompt's {n} tokens")
-                if source.kv_format and source.kv_format != self.worker.kv_cache_dtype:
-                    raise ValueError(f"the KV handle's cache format {source.kv_format!r} differs from this "
-                                     f"node's {self.worker.kv_cache_dtype!r} (kv_cache_dtype and dtype must match)")
                 release_to = request.kv.prefill_address
             else:
                 raise ValueError("a KV handle (native prefill node) or vllm_kv_params_json (vLLM prefill node) "

@@ -98,13 +98,12 @@ class GatherReduce:
         if len(counts) == 1:
             return out
         m = max(counts)
-        mine = slice(self.rank * m, self.rank * m + counts[self.rank])
         if dist.get_backend(self.group) == "nccl":
             part = out.new_empty((m, *out.shape[1:]))
             dist.reduce_scatter_tensor(part, out.contiguous(), group=self.group)
             return part[: counts[self.rank]]
         dist.all_reduce(out, group=self.group)
-        return out[mine]
+        return out[self.rank * m : self.rank * m + counts[self.rank]]
 
 
 @dataclass

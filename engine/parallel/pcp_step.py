@@ -8,6 +8,7 @@ plan's builder, which makes ``ForwardBatch``es.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 import torch.distributed as dist
@@ -47,3 +48,9 @@ class PCPStep:
     ctx_index: torch.Tensor | None  # sharded: step-order context token -> row of the padded all-gather
     logits_counts: list[int] = field(default_factory=list)
     logits_index: torch.Tensor | None = None  # plan-order logits row -> row of the padded all-gather
+
+    @cached_property
+    def row_counts(self) -> list[int]:
+        """Rows per PCP rank this step (every decode row on each, plus its prefill rows): the expert-parallel
+        MoE layers' dispatch sizes, computed once for all of them."""
+        return [self.num_decode + n for n in self.new_counts]
