@@ -15,6 +15,7 @@ from torch import nn
 
 from engine import moe_kernels, norm_kernels
 from engine.config import ModelConfig
+from engine.fp8 import FP8_DTYPE, scale_shape
 from engine.parallel.expert_parallel import ExpertParallel
 
 
@@ -111,6 +112,26 @@ class MoE(nn.Module):
         self.w13 = nn.Parameter(torch.empty(e, 2 * i, h))  # per expert: cat(gate_proj, up_proj)
         self.w2 = nn.Parameter(torch.empty(e, h, i))  # per expert: down_proj
         self.shared_experts = MLP(h, i * cfg.n_shared_experts) if cfg.n_shared_experts else None
+        self.w13_scale_inv: nn.Parameter | None
+        self.w2_scale_inv: nn.Parameter | None
+        self.register_parameter("w13_scale_inv", None)  # block FP8 experts only (hold_fp8)
+        self.register_parameter("w2_scale_inv", None)
+
+    def hold_fp8(self) -> None:
+        """Hold the routed experts in block FP8: w13 / w2 in e4m3 and each expert's ``weight_scale_inv``
+        stacked the same way (``w13_scale_inv`` [E, 2 * cdiv(I, 128), cdiv(D, 128)]: gate_proj's blocks, then
+        up_proj's; ``w2_scale_inv`` [E, cdiv(D, 128), cdiv(I, 128)]), run by the fused W8A8 kernels."""
+        if self.ep is not None:
+            raise ValueError("FP8 experts under expert parallelism are not supported yet")
+        e, two_i, d = self.w13.shape
+        i = two_i // 2
+        dev = self.w13.device
+        gi, gd = scale_shape((i, d))
+        self.w13 = nn.Parameter(torch.empty(e, two_i, d, dtype=FP8_DTYPE, device=dev), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(e, d, i, dtype=FP8_DTYPE, device=dev), requires_grad=False)
+        self.w13_scale_inv = nn.Parameter(torch.empty(e, 2 * gi, gd, dtype=torch.float32, device=dev),
+                                          requires_grad=False)
+        self.w2_scale_inv = nn.Parameter(torch.empty(e, gd, gi, dtype=torch.float32, device=dev), requires_grad=False)
 
     def forward(self, x: torch.Tensor, ep_counts: list[int] | None = None) -> torch.Tensor:
         """x: [T, D] -> [T, D]. ``ep_counts``: every EP rank's rows this step (expert parallelism)."""
@@ -122,6 +143,9 @@ class MoE(nn.Module):
             return x.clone()
         weights, ids = self.gate(x)  # [T, K]
         shared = self.shared_experts(x) if self.shared_experts is not None else None
+        if self.w13_scale_inv is not None:  # block FP8: the fused W8A8 kernels at every size
+            per_token = moe_kernels.fused_experts(x, ids, self.w13, self.w2, self.w13_scale_inv, self.w2_scale_inv)
+            return moe_kernels.combine(per_token, weights, shared=shared)
         if moe_kernels.supported(x, ids.numel()):  # decode sizes on CUDA: route + two fused GEMMs
             per_token = moe_kernels.fused_experts(x, ids, self.w13, self.w2)  # [T, K, D]
             return moe_kernels.combine(per_token, weights, shared=shared)

@@ -29,6 +29,10 @@ from __future__ import annotations
 
 import torch
 
+from engine.fp8 import FP8_DTYPE
+from engine.fp8_kernels import GROUP as FP8_GROUP
+from engine.fp8_kernels import quantize_groups
+
 try:
     import triton
     import triton.language as tl
@@ -44,6 +48,11 @@ BLOCK_N = 64
 BLOCK_K = 128
 NUM_WARPS = 4
 NUM_STAGES = 4
+# FP8 experts: the gate-up tile is 128 columns wide (one activation group, quantized in the kernel): two
+# [BM, 128] fp32 sums per program. Rows per tile (None: as BLOCK_M's default), warps, stages.
+FP8_BLOCK_M: int | None = None
+FP8_WARPS = 8
+FP8_STAGES = 4
 MAX_ROWS = 4096  # above this many (token, choice) rows the caller's grouped GEMM is the better tool
 # From this many (token, choice) rows routing runs as three kernels over chunks of rows (count per chunk,
 # offsets, place) instead of one program walking all rows twice; 0: always one program. One MoE layer on
@@ -120,14 +129,19 @@ if HAS_TRITON:
         tl.store(ORDER + row, i, mask=m)
 
     @triton.jit
-    def _moe_gate_up(X, SRC, OFFS, W, OUT, s_x, D, INTER,
-                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr):
+    def _moe_gate_up(X, XS, SRC, OFFS, W, WS, OUT, OUTS, s_x, D, INTER, NKB, SBI,
+                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr, FP8: tl.constexpr):
+        # FP8: X e4m3 with per-token scales XS [T, NKB] (one per BK = 128 channels), W e4m3 with block scales
+        # WS [E, 2 * SBI, NKB] (gate_proj's SBI row blocks, then up_proj's); the output is quantized per row
+        # over its BN = 128 columns (one group) into OUT e4m3 and OUTS [N, cdiv(INTER, 128)].
         e = tl.program_id(0)
-        cols = tl.program_id(1) * BN + tl.arange(0, BN)
+        tile = tl.program_id(1)
+        cols = tile * BN + tl.arange(0, BN)
         cmask = cols < INTER
         start = tl.load(OFFS + e)
         end = tl.load(OFFS + e + 1)
         w = W + e.to(tl.int64) * (2 * INTER * D)  # expert e: [2I, D], gate rows then up rows
+        ws = WS + e.to(tl.int64) * (2 * SBI * NKB)
         for m0 in range(start, end, BM):
             rows = m0 + tl.arange(0, BM)
             rmask = rows < end
@@ -141,21 +155,36 @@ if HAS_TRITON:
                 wmask = kmask[:, None] & cmask[None, :]
                 wg = tl.load(w + cols[None, :].to(tl.int64) * D + ks[:, None], mask=wmask, other=0.0)  # [BK, BN]
                 wu = tl.load(w + (cols[None, :] + INTER).to(tl.int64) * D + ks[:, None], mask=wmask, other=0.0)
-                gate = tl.dot(a, wg, acc=gate, input_precision=PREC)
-                up = tl.dot(a, wu, acc=up, input_precision=PREC)
+                if FP8:
+                    kb = k0 // BK
+                    sa = tl.load(XS + tok * NKB + kb, mask=rmask, other=0.0)
+                    sg = tl.load(ws + (cols // BK) * NKB + kb, mask=cmask, other=0.0)
+                    su = tl.load(ws + (SBI + cols // BK) * NKB + kb, mask=cmask, other=0.0)
+                    gate += tl.dot(a, wg) * (sa[:, None] * sg[None, :])
+                    up += tl.dot(a, wu) * (sa[:, None] * su[None, :])
+                else:
+                    gate = tl.dot(a, wg, acc=gate, input_precision=PREC)
+                    up = tl.dot(a, wu, acc=up, input_precision=PREC)
             h = gate / (1.0 + tl.exp(-gate)) * up
-            tl.store(OUT + rows[:, None].to(tl.int64) * INTER + cols[None, :], h.to(OUT.dtype.element_ty),
-                     mask=rmask[:, None] & cmask[None, :])
+            omask = rmask[:, None] & cmask[None, :]
+            if FP8:  # this tile's columns are one group of 128: quantize each row's group here
+                h = tl.where(omask, h, 0.0)
+                s = tl.maximum(tl.max(tl.abs(h), 1), 1e-10) / 448.0
+                tl.store(OUTS + rows.to(tl.int64) * tl.cdiv(INTER, BN) + tile, s, mask=rmask)
+                h = tl.clamp(h / s[:, None], -448.0, 448.0)
+            tl.store(OUT + rows[:, None].to(tl.int64) * INTER + cols[None, :], h.to(OUT.dtype.element_ty), mask=omask)
 
     @triton.jit
-    def _moe_down(A, ORDER, OFFS, W, OUT, D, INTER,
-                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr):
+    def _moe_down(A, AS, ORDER, OFFS, W, WS, OUT, D, INTER, NKB, SBD,
+                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr, FP8: tl.constexpr):
+        # FP8: A e4m3 with row scales AS [N, NKB] (NKB = cdiv(INTER, 128)), W e4m3 with WS [E, SBD, NKB]
         e = tl.program_id(0)
         cols = tl.program_id(1) * BN + tl.arange(0, BN)
         cmask = cols < D
         start = tl.load(OFFS + e)
         end = tl.load(OFFS + e + 1)
         w = W + e.to(tl.int64) * (D * INTER)  # expert e: [D, INTER]
+        ws = WS + e.to(tl.int64) * (SBD * NKB)
         for m0 in range(start, end, BM):
             rows = m0 + tl.arange(0, BM)
             rmask = rows < end
@@ -167,7 +196,13 @@ if HAS_TRITON:
                             other=0.0)
                 wd = tl.load(w + cols[None, :].to(tl.int64) * INTER + ks[:, None], mask=kmask[:, None] & cmask[None, :],
                              other=0.0)
-                acc = tl.dot(a, wd, acc=acc, input_precision=PREC)
+                if FP8:
+                    kb = k0 // BK
+                    sa = tl.load(AS + rows.to(tl.int64) * NKB + kb, mask=rmask, other=0.0)
+                    sb = tl.load(ws + (cols // BK) * NKB + kb, mask=cmask, other=0.0)
+                    acc += tl.dot(a, wd) * (sa[:, None] * sb[None, :])
+                else:
+                    acc = tl.dot(a, wd, acc=acc, input_precision=PREC)
             dest = tl.load(ORDER + rows, mask=rmask, other=0).to(tl.int64)
             tl.store(OUT + dest[:, None] * D + cols[None, :], acc.to(OUT.dtype.element_ty),
                      mask=rmask[:, None] & cmask[None, :])
@@ -207,9 +242,15 @@ def supported(x: torch.Tensor, num_rows: int) -> bool:
     return HAS_TRITON and x.is_cuda and 0 < num_rows <= MAX_ROWS
 
 
-def fused_experts(x: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+def fused_experts(x: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                  w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, D], expert ids [T, K], w13 [E, 2I, D] (gate rows, then up rows), w2 [E, D, I]
-    -> each (token, choice)'s expert output [T, K, D] in x's dtype (unweighted)."""
+    -> each (token, choice)'s expert output [T, K, D] in x's dtype (unweighted).
+
+    Block-FP8 experts (W8A8): w13 and w2 in e4m3 with their ``weight_scale_inv`` stacks, ``w13_scale``
+    [E, 2 * cdiv(I, 128), cdiv(D, 128)] (gate_proj's blocks, then up_proj's) and ``w2_scale``
+    [E, cdiv(D, 128), cdiv(I, 128)]. ``x`` is quantized per token in groups of 128 channels first, and the
+    gate-up kernel quantizes its output the same way as it writes it (its column tile is one group)."""
     t, k = ids.shape
     e, two_i, d = w13.shape
     i = two_i // 2
@@ -218,19 +259,38 @@ def fused_experts(x: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor, w2: tor
         raise ValueError(f"fused_experts: x {tuple(x.shape)}, w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)}")
     dev = x.device
     offs, src, order = route(ids, e)
-    prec = "ieee" if x.dtype == torch.float32 else "tf32"  # fp32: exact products
     # A tile of rows per expert's average share: each extra tile of an expert re-reads its weights.
     bm = BLOCK_M or min(64, max(16, triton.next_power_of_2(-(-n // e))))
+    out = torch.empty(t, k, d, dtype=x.dtype, device=dev)
+    if w13.dtype == FP8_DTYPE:
+        if w13_scale is None or w2_scale is None:
+            raise ValueError("fused_experts: FP8 experts need their weight_scale_inv stacks")
+        g = FP8_GROUP
+        sbi, nkd, nki = -(-i // g), -(-d // g), -(-i // g)
+        if tuple(w13_scale.shape) != (e, 2 * sbi, nkd) or tuple(w2_scale.shape) != (e, nkd, nki):
+            raise ValueError(f"fused_experts: scales {tuple(w13_scale.shape)}, {tuple(w2_scale.shape)} for w13 "
+                             f"{tuple(w13.shape)}, w2 {tuple(w2.shape)}")
+        bm = FP8_BLOCK_M or bm
+        xq, xs = quantize_groups(x)
+        act = torch.empty(n, i, dtype=FP8_DTYPE, device=dev)
+        act_s = torch.empty(n, nki, dtype=torch.float32, device=dev)
+        _moe_gate_up[(e, nki)](
+            xq, xs, src, offs, w13, w13_scale, act, act_s, xq.stride(0), d, i, nkd, sbi,
+            BM=bm, BN=g, BK=g, PREC="ieee", FP8=True, num_warps=FP8_WARPS, num_stages=FP8_STAGES)
+        _moe_down[(e, triton.cdiv(d, BLOCK_N))](
+            act, act_s, order, offs, w2, w2_scale, out, d, i, nki, nkd,
+            BM=bm, BN=BLOCK_N, BK=g, PREC="ieee", FP8=True, num_warps=NUM_WARPS, num_stages=FP8_STAGES)
+        return out
+    prec = "ieee" if x.dtype == torch.float32 else "tf32"  # fp32: exact products
     # fp32 tiles take twice the shared memory per stage: a shorter K step and two stages fit
     bk, stages = (BLOCK_K, NUM_STAGES) if x.element_size() <= 2 else (min(BLOCK_K, 64), 2)
     act = torch.empty(n, i, dtype=x.dtype, device=dev)
     _moe_gate_up[(e, triton.cdiv(i, BLOCK_N))](
-        x, src, offs, w13, act, x.stride(0), d, i,
-        BM=bm, BN=BLOCK_N, BK=bk, PREC=prec, num_warps=NUM_WARPS, num_stages=stages)
-    out = torch.empty(t, k, d, dtype=x.dtype, device=dev)
+        x, x, src, offs, w13, w13, act, act, x.stride(0), d, i, 0, 0,
+        BM=bm, BN=BLOCK_N, BK=bk, PREC=prec, FP8=False, num_warps=NUM_WARPS, num_stages=stages)
     _moe_down[(e, triton.cdiv(d, BLOCK_N))](
-        act, order, offs, w2, out, d, i,
-        BM=bm, BN=BLOCK_N, BK=bk, PREC=prec, num_warps=NUM_WARPS, num_stages=stages)
+        act, act, order, offs, w2, w2, out, d, i, 0, 0,
+        BM=bm, BN=BLOCK_N, BK=bk, PREC=prec, FP8=False, num_warps=NUM_WARPS, num_stages=stages)
     return out
 
 

@@ -25,12 +25,13 @@ from safetensors import safe_open
 
 from engine.config import ModelConfig
 from engine.fp8 import FP8_DTYPE, SCALE_SUFFIX, Fp8Config, dequantize_blocks, is_quantized_linear, quantize_blocks
+from engine.fp8_compute import runs_fp8, use_fp8_compute
 from engine.kv_format import KVFormat
 from engine.model import DeepseekForCausalLM
 from engine.parallel.expert_parallel import ExpertShard
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.*)$")
-_EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight(_scale_inv)?$")
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 _FUSED = "fused"  # transformers-5's stacked expert tensor [E, ...]: under EP, this rank's rows of it
 
@@ -51,9 +52,12 @@ def build_empty_model(
 ) -> DeepseekForCausalLM:
     """Allocate the model (uninitialised) directly on ``device`` in ``dtype`` (router kept in fp32), its
     attention reading and writing a cache of ``kv_format`` (default: in ``dtype``), holding only the
-    routed ``experts`` of its EP rank (default: all)."""
+    routed ``experts`` of its EP rank (default: all). A block-FP8 config on a CUDA device holds the
+    routed experts in FP8 (``engine.fp8_compute``); every other FP8 weight is dequantized into ``dtype``."""
     with _default_dtype(dtype), torch.device("meta"):
         model = DeepseekForCausalLM(cfg, layer_range, kv_format, experts)
+        if cfg.quantization is not None and runs_fp8(device):
+            use_fp8_compute(model)
     model = model.to_empty(device=device)
     model.init_rope(device)
     return model.eval().requires_grad_(False)
@@ -88,7 +92,7 @@ def _target(model: DeepseekForCausalLM, name: str) -> tuple[str, int | None, str
     e = _EXPERT.match(rest)
     if e is not None:
         part = e.group(2)
-        param = "w2" if part == "down_proj" else "w13"
+        param = ("w2" if part == "down_proj" else "w13") + (e.group(3) or "")
         expert = int(e.group(1))
         if model.experts is not None:  # expert parallelism: only this rank's experts, at their local index
             local = model.experts.local(expert)
@@ -113,16 +117,17 @@ def load_weights(model: DeepseekForCausalLM, model_dir: str | Path) -> None:
         for name, (path, f) in where.items():
             if name.endswith(SCALE_SUFFIX):
                 _check_scale_owner(name, where)
-                continue
             tgt = _target(model, name)
             if tgt is None:
                 continue
             pname, expert, part = tgt
+            if name.endswith(SCALE_SUFFIX) and pname not in params:
+                continue  # the scale of a weight dequantized at load (CPU, kv_b_proj)
             if pname not in params:
                 if pname.startswith(("model.embed_tokens", "model.norm", "lm_head")):
                     continue  # belongs to the first / last stage only
                 raise ValueError(f"unexpected tensor {name!r} in {path.name}: no such parameter in the model")
-            t = _tensor(model.cfg, name, f, where)
+            t = _tensor(model.cfg, name, f, where, raw=_held_fp8(params, pname))
             if part == _FUSED:
                 part = None
                 if model.experts is not None:
@@ -136,9 +141,25 @@ def load_weights(model: DeepseekForCausalLM, model_dir: str | Path) -> None:
     _check_complete(model, params, filled)
 
 
-def _tensor(cfg: ModelConfig, name: str, f: Any, where: Mapping[str, tuple[Path, Any]]) -> torch.Tensor:
-    """The checkpoint's tensor ``name``, dequantized (float32) if it is a block-FP8 weight."""
+def _held_fp8(params: Mapping[str, torch.Tensor], pname: str) -> bool:
+    """Whether parameter ``pname`` is an FP8 weight the model computes with, or such a weight's scale."""
+    weight = pname[: -len(SCALE_SUFFIX)] if pname.endswith(SCALE_SUFFIX) else pname
+    return weight in params and params[weight].dtype == FP8_DTYPE
+
+
+def _tensor(cfg: ModelConfig, name: str, f: Any, where: Mapping[str, tuple[Path, Any]],
+            raw: bool = False) -> torch.Tensor:
+    """The checkpoint's tensor ``name``, dequantized (float32) if it is a block-FP8 weight; with ``raw`` (the
+    model holds it in FP8) as stored, after the same checks of it and its scale."""
     t = f.get_tensor(name)
+    if raw and name.endswith(SCALE_SUFFIX):
+        s = t.float()
+        if not bool(torch.isfinite(s).all()) or not bool((s > 0).all()):
+            raise ValueError(f"tensor {name!r} holds scales that are not finite and positive")
+        return t
+    if raw and t.dtype != FP8_DTYPE:
+        raise ValueError(f"tensor {name!r} is {t.dtype}; the FP8 quantization_config says it is FP8 (e4m3) "
+                         "with a weight_scale_inv")
     if t.dtype != FP8_DTYPE:
         return t
     if cfg.quantization is None:
@@ -146,6 +167,8 @@ def _tensor(cfg: ModelConfig, name: str, f: Any, where: Mapping[str, tuple[Path,
     scale = where.get(name + SCALE_SUFFIX)
     if scale is None:
         raise ValueError(f"tensor {name!r} is FP8 but the checkpoint has no {name + SCALE_SUFFIX!r}")
+    if raw:
+        return t
     return dequantize_blocks(t, scale[1].get_tensor(name + SCALE_SUFFIX), cfg.quantization.block, name=name)
 
 
@@ -182,13 +205,14 @@ def _check_complete(
     for pname, p in params.items():
         if (pname, None, None) in filled:
             continue
-        if pname.endswith((".w13", ".w2")):
-            parts = ("down_proj",) if pname.endswith(".w2") else ("gate_proj", "up_proj")
+        if pname.endswith((".w13", ".w2", ".w13" + SCALE_SUFFIX, ".w2" + SCALE_SUFFIX)):
+            scale = SCALE_SUFFIX if pname.endswith(SCALE_SUFFIX) else ""
+            parts = ("down_proj",) if pname.endswith((".w2", ".w2" + SCALE_SUFFIX)) else ("gate_proj", "up_proj")
             absent = [(e, pt) for e in range(p.shape[0]) for pt in parts if (pname, e, pt) not in filled]
             if not absent:
                 continue
             layer = pname.split(".")[2]
-            missing += [f"model.layers.{layer}.mlp.experts.{e}.{pt}.weight" for e, pt in absent]
+            missing += [f"model.layers.{layer}.mlp.experts.{e}.{pt}.weight{scale}" for e, pt in absent]
         else:
             missing.append(pname)
     if missing:
@@ -198,15 +222,27 @@ def _check_complete(
 
 def init_random_weights(model: DeepseekForCausalLM, seed: int = 0) -> None:
     """Dummy weights (vLLM's ``load_format="dummy"``): for benchmarks of real-size shapes without files. With
-    an FP8 config every weight DeepSeek quantizes goes through our block quantizer and back, so it holds
-    what such a checkpoint's dequantized weights hold (values on each block's e4m3 grid)."""
+    an FP8 config every weight DeepSeek quantizes goes through our block quantizer: held in FP8 (with its
+    scales) where the model computes in FP8, else back into the model's dtype, so it holds what such a
+    checkpoint's weights load to (values on each block's e4m3 grid)."""
     g = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
     fp8 = model.cfg.quantization
-    for name, p in model.named_parameters():
+    params = dict(model.named_parameters())
+    for name, p in params.items():
         if name.endswith("layernorm.weight") or name.endswith("norm.weight"):
             p.fill_(1.0)
         elif name.endswith("e_score_correction_bias"):
             p.zero_()
+        elif name.endswith(SCALE_SUFFIX):
+            continue  # filled with its weight
+        elif p.dtype == FP8_DTYPE:
+            assert fp8 is not None
+            for m, scale in _fp8_matrices(p, params[name + SCALE_SUFFIX], name):
+                w = torch.empty(m.shape, dtype=torch.float32, device=m.device).normal_(0.0, m.shape[-1] ** -0.5,
+                                                                                      generator=g)
+                q, s = quantize_blocks(w, fp8.block, fp8.ue8m0)
+                m.copy_(q)
+                scale.copy_(s)
         else:
             fan_in = p.shape[-1]
             p.normal_(0.0, fan_in**-0.5, generator=g)
@@ -214,9 +250,19 @@ def init_random_weights(model: DeepseekForCausalLM, seed: int = 0) -> None:
                 _round_to_fp8(p, name, fp8)
 
 
+def _fp8_matrices(p: torch.Tensor, scale: torch.Tensor, name: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The checkpoint's matrices in the parameter ``p`` with their scales: a linear's one, or a stack of
+    experts' one per expert and projection (w13: gate_proj's, then up_proj's)."""
+    if name.endswith(".mlp.w13"):
+        return [(m, s) for e in range(p.shape[0]) for m, s in zip(p[e].chunk(2), scale[e].chunk(2))]
+    if name.endswith(".mlp.w2"):
+        return [(p[e], scale[e]) for e in range(p.shape[0])]
+    return [(p, scale)]
+
+
 def _round_to_fp8(p: torch.Tensor, name: str, fp8: Fp8Config) -> None:
-    """``p`` (a parameter named ``name``) as its FP8 checkpoint tensors would load, where DeepSeek's FP8
-    checkpoints quantize it: stacked experts one expert and one projection at a time."""
+    """``p`` (a parameter named ``name``) as its FP8 checkpoint tensors would load dequantized, where
+    DeepSeek's FP8 checkpoints quantize it: stacked experts one expert and one projection at a time."""
     block, ue8m0 = fp8.block, fp8.ue8m0
     if name.endswith((".mlp.w13", ".mlp.w2")):
         mats = [half for e in p for half in (e.chunk(2) if name.endswith(".w13") else (e,))]

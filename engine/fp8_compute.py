@@ -1,0 +1,43 @@
+"""Where a block-FP8 checkpoint computes in FP8: the routed experts, on CUDA (W8A8 fused kernels,
+``engine.moe_kernels``; per-token 1 x 128 activation groups, the checkpoint's 128 x 128 weight blocks).
+
+``use_fp8_compute(model)`` turns a freshly built (meta) model's MoE layers into that form: the stacked
+experts in e4m3 with their scale stacks (``MoE.hold_fp8``), so the loader copies the stored bytes. Every
+other FP8 weight (attention's projections, dense MLPs, shared experts) is dequantized at load into the
+model's dtype and runs on cuBLAS: on an H200 at V2-Lite's shapes bf16 cuBLAS beat both our W8A8 Triton GEMM
+(``engine.fp8_kernels.gemm``) and torch's block-scaled ``_scaled_mm`` at every batch size
+(``benchmarks/fp8_gemm.py``, docs/benchmarks.md), and those linears are a small share of an MoE model's
+bytes. ``kv_b_proj`` would be dequantized anyway: the absorbed MLA path multiplies by its halves. Off CUDA
+(the CPU engine) every FP8 weight is dequantized at load.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine import fp8_kernels
+
+
+def runs_fp8(device: torch.device) -> bool:
+    """Whether FP8 checkpoints compute in FP8 on ``device`` (else they are dequantized at load); ValueError
+    for a CUDA device that cannot (no FP8 tensor cores, or no Triton), so an FP8 checkpoint fails at load."""
+    if device.type != "cuda":
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if not fp8_kernels.supported(index):
+        name = torch.cuda.get_device_name(index)
+        cap = torch.cuda.get_device_capability(index)
+        raise ValueError(f"FP8 checkpoint on {name} (sm{cap[0]}{cap[1]}): FP8 compute needs sm89 or newer "
+                         f"(Ada, Hopper) and Triton{'' if fp8_kernels.HAS_TRITON else ' (not installed)'}")
+    return True
+
+
+def use_fp8_compute(model: nn.Module) -> None:
+    """Hold ``model``'s routed experts in block FP8 (call on the meta-device model, before its storage is
+    allocated)."""
+    from engine.layers import MoE
+
+    for module in model.modules():
+        if isinstance(module, MoE):
+            module.hold_fp8()
