@@ -2,6 +2,7 @@
 
   python benchmarks/engine.py                      # tiny model on CPU (made on the fly)
   python benchmarks/engine.py --preset v2-lite     # DeepSeek-V2-Lite-shaped random bf16 model on a GPU
+  python benchmarks/engine.py --preset v3 --layers 8 --quantization fp8   # 8 of DeepSeek-V3's layers, FP8
 
 The last line of output is one JSON object with all figures.
 """
@@ -19,12 +20,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from presets import H200_BF16_PEAK_TFLOPS, H200_HBM_TB_S, V2_LITE, decode_step_bytes, prefill_flops  # noqa: E402
+from presets import H200_BF16_PEAK_TFLOPS, H200_FP8_PEAK_TFLOPS, H200_HBM_TB_S, decode_step_bytes, prefill_flops  # noqa: E402
 
 from engine.engine_config import EngineConfig  # noqa: E402
 from engine.executor import LocalExecutor  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
+from pdctl.model_presets import preset_config  # noqa: E402
 
 # decode mode -> (replay CUDA graphs, engine.mla.DECODE_KERNEL, overlapped steps: async_scheduling)
 MODES = {"graph": (True, "triton", True), "graph-sync": (True, "triton", False), "eager": (False, "triton", True),
@@ -128,7 +130,9 @@ def profile(eng: LLMEngine, n: int) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--preset", choices=["tiny", "v2-lite"], default="tiny")
+    ap.add_argument("--preset", choices=["tiny", "v2-lite", "v3"], default="tiny")
+    ap.add_argument("--layers", type=int, default=None,
+                    help="decoder layers of the v2-lite / v3 shape (default: the published count)")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--prefill-tokens", type=int, nargs="+", default=None)
     ap.add_argument("--decode-batches", type=int, nargs="+", default=[1, 64])
@@ -159,10 +163,10 @@ def main() -> None:
         kw = dict(dtype="float32", max_model_len=4096, max_num_batched_tokens=4096, load_format="auto")
         prefill = args.prefill_tokens or [512, 2048]
     else:
-        model_dir = tmp / "v2-lite"
+        model_dir = tmp / args.preset
         model_dir.mkdir()
-        fp8 = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128], "activation_scheme": "dynamic"}
-        cfg = V2_LITE if args.quantization == "none" else {**V2_LITE, "quantization_config": fp8}
+        cfg = preset_config(args.preset, None if args.quantization == "none" else args.quantization,
+                            num_layers=args.layers)
         (model_dir / "config.json").write_text(json.dumps(cfg))
         kw = dict(dtype="bfloat16", max_model_len=32768, max_num_batched_tokens=32768, load_format="dummy")
         prefill = args.prefill_tokens or [4096, 16384]
@@ -179,7 +183,8 @@ def main() -> None:
     if args.profile:
         profile(eng, prefill[0])
     kv_row = eng.config.kv_format(cfg).row_bytes
-    res: dict = {"bench": "engine", "preset": args.preset, "device": name, "dtype": str(ex.dtype).split(".")[-1],
+    res: dict = {"bench": "engine", "preset": args.preset, "layers": cfg.num_hidden_layers, "device": name,
+                 "dtype": str(ex.dtype).split(".")[-1],
                  "kv_cache_dtype": args.kv_cache_dtype, "quantization": args.quantization, "kv_row_bytes": kv_row,
                  "kv_blocks": ex.cache.num_blocks}
     for n in prefill:
@@ -193,6 +198,8 @@ def main() -> None:
         res[f"prefill_{n}_tflops"] = round(flops / s / 1e12, 2)
         if mfu is not None:
             res[f"prefill_{n}_mfu"] = round(mfu, 4)
+            if args.quantization == "fp8":  # the same FLOPs against the FP8 tensor-core peak
+                res[f"prefill_{n}_mfu_fp8_peak"] = round(flops / s / (H200_FP8_PEAK_TFLOPS * 1e12), 4)
     from engine import mla
 
     runner = getattr(ex, "runner", None)

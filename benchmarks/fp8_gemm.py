@@ -40,7 +40,6 @@ DENSE = {
            ("dense_down", 7168, 18432)],
 }
 EXPERTS = {"v2-lite": (64, 2048, 1408, 6), "v3": (256, 7168, 2048, 8)}
-FP8_PEAK_TFLOPS = 1979.0  # H200 dense FP8 tensor-core peak (datasheet)
 
 
 # Layouts of the two scale tensors torch._scaled_mm might take for 1x128 x 128x128 block scaling (torch's
@@ -107,8 +106,16 @@ def dense(preset: str, rows: list[int], res: dict) -> None:
             res[f"{preset}/{name}/m{m}"] = row
 
 
-# (rows per tile or None, warps, stages) tried by --sweep
-FP8_TILES = [(bm, w, st) for bm in (None, 16, 32, 64, 128) for w in (4, 8) for st in (3, 4)]
+# (rows per tile, gate-up warps, stages, down columns per tile, down warps) tried by --sweep; None: the table's
+KNOBS = ("FP8_BLOCK_M", "FP8_WARPS", "FP8_STAGES", "FP8_DOWN_BN", "FP8_DOWN_WARPS")
+DEFAULT = (None,) * len(KNOBS)
+FP8_TILES = [DEFAULT] + [(bm, w, st, dbn, dw) for bm in (16, 32, 64, 128) for w in (4, 8) for st in (3, 4)
+                         for dbn, dw in ((64, 4), (128, 8)) if dbn == 64 or bm >= 64]
+
+
+def set_tiles(cfg: tuple) -> None:
+    for knob, value in zip(KNOBS, cfg, strict=True):
+        setattr(moe_kernels, knob, value)
 
 
 def experts(preset: str, tokens: list[int], res: dict, sweep: bool) -> None:
@@ -144,22 +151,23 @@ def experts(preset: str, tokens: list[int], res: dict, sweep: bool) -> None:
         err = float((fp8(0).float() - ref).abs().max() / ref.abs().max())
         iters = 20 if t > 1024 else 200
         base = time_graph(lambda: [bf16(j) for j in range(layers)], iters=iters) / layers
-        default = (moe_kernels.FP8_BLOCK_M, moe_kernels.FP8_WARPS, moe_kernels.FP8_STAGES)
         tried = {}
-        for cfg in ([default] + [c for c in FP8_TILES if c != default]) if sweep else [default]:
-            moe_kernels.FP8_BLOCK_M, moe_kernels.FP8_WARPS, moe_kernels.FP8_STAGES = cfg
+        for cfg in FP8_TILES if sweep else [DEFAULT]:
+            set_tiles(cfg)
             try:
                 tried[cfg] = time_graph(lambda: [fp8(j) for j in range(layers)], iters=iters) / layers
             except Exception as exc:  # a tile that does not fit shared memory or registers
                 print(f"  T={t} tile {cfg}: {type(exc).__name__}")
-        moe_kernels.FP8_BLOCK_M, moe_kernels.FP8_WARPS, moe_kernels.FP8_STAGES = default
+        set_tiles(DEFAULT)
         best = min(tried, key=tried.__getitem__)
-        ours = tried[default]
+        ours = tried[DEFAULT]
         flops = 2 * t * top * 3 * d * i
         row = {"bf16_us": round(base, 1), "fp8_us": round(ours, 1), "fp8_vs_bf16": round(base / ours, 3),
+               "tiles": list(moe_kernels.fp8_tiles(t * top, e)),
                "fp8_err": round(err, 4), "fp8_tflops": round(flops / (ours * 1e-6) / 1e12, 1),
                "bf16_path": "fused" if moe_kernels.supported(x, ids.numel()) else "grouped_mm"}
         if sweep:
+            print(f"  T={t} sweep (us): " + ", ".join(f"{list(c)}: {us:.1f}" for c, us in tried.items()))
             row["best_tile"], row["best_us"] = list(best), round(tried[best], 1)
             row["best_vs_bf16"] = round(base / tried[best], 3)
         print(f"{preset} experts {e}x{d}x{i} top{top} T={t:6d}: {row}", flush=True)

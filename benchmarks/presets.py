@@ -30,6 +30,7 @@ MEDIUM_SCHEMA: dict[str, Any] = {
 }
 
 H200_BF16_PEAK_TFLOPS = 989.0  # dense bf16 tensor-core peak (datasheet), the MFU denominator
+H200_FP8_PEAK_TFLOPS = 1979.0  # dense FP8 tensor-core peak (datasheet)
 
 
 def prefill_flops(cfg: ModelConfig, t: int) -> float:

@@ -9,9 +9,12 @@ For ``T`` tokens choosing ``K`` experts each (``N = T*K`` rows):
    ``ROUTE_SPLIT_ROWS``): counts rows per expert, and gives every (token, choice) its row in expert order,
    without a sort: ``offs`` [E+1] (expert e's rows are ``offs[e]:offs[e+1]``),
    ``src`` [N] (row -> token) and ``order`` [N] (row -> flat (token, choice) index).
-2. ``_moe_gate_up``: program (expert, column tile) loads the expert's gate and up weight tiles once per
-   tile of up to ``BLOCK_M`` rows, reading its rows' inputs straight from ``x`` through ``src``, and
-   writes ``silu(gate) * up`` (fp32 math, one rounding) for those rows. Experts without rows exit.
+2. ``_moe_gate_up``: program (column tile, row tile) serves one tile of up to ``BLOCK_M`` rows of one
+   expert (``_row_tile``: expert e's rows make ``cdiv(rows, BLOCK_M)`` tiles, numbered in expert order), so
+   an expert with many rows is spread over many programs, as in a grouped GEMM; it loads the expert's gate
+   and up weight tiles, reads its rows' inputs straight from ``x`` through ``src``, and writes
+   ``silu(gate) * up`` (fp32 math, one rounding). Column tiles vary fastest: the programs reading one row
+   tile run together and share it in L2. Programs past the last row tile exit.
 3. ``_moe_down``: the same over ``w2``; each row's output is written to its (token, choice) slot, where
    ``combine`` reads it for the weighted sum over choices.
 
@@ -49,10 +52,20 @@ BLOCK_K = 128
 NUM_WARPS = 4
 NUM_STAGES = 4
 # FP8 experts: the gate-up tile is 128 columns wide (one activation group, quantized in the kernel): two
-# [BM, 128] fp32 sums per program. Rows per tile (None: as BLOCK_M's default), warps, stages.
+# [BM, 128] fp32 sums per program. By rows per expert (at most): (rows per tile, gate-up warps, stages,
+# down columns per tile, down warps); benchmarks/fp8_gemm.py --sweep on an H200. The FP8_* knobs below,
+# when set, override the table (the sweep sets them).
+FP8_TILES: tuple[tuple[float, tuple[int, int, int, int, int]], ...] = (
+    (1.0, (16, 8, 4, 64, 4)),
+    (8.0, (16, 4, 3, 64, 4)),
+    (32.0, (64, 8, 4, 64, 4)),
+    (float("inf"), (64, 8, 3, 64, 4)),
+)
 FP8_BLOCK_M: int | None = None
-FP8_WARPS = 8
-FP8_STAGES = 4
+FP8_WARPS: int | None = None
+FP8_STAGES: int | None = None
+FP8_DOWN_BN: int | None = None
+FP8_DOWN_WARPS: int | None = None
 MAX_ROWS = 4096  # above this many (token, choice) rows the caller's grouped GEMM is the better tool
 # From this many (token, choice) rows routing runs as three kernels over chunks of rows (count per chunk,
 # offsets, place) instead of one program walking all rows twice; 0: always one program. One MoE layer on
@@ -129,20 +142,35 @@ if HAS_TRITON:
         tl.store(ORDER + row, i, mask=m)
 
     @triton.jit
-    def _moe_gate_up(X, XS, SRC, OFFS, W, WS, OUT, OUTS, s_x, D, INTER, NKB, SBI,
-                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr, FP8: tl.constexpr):
+    def _row_tile(OFFS, b, E, EP: tl.constexpr, BM: tl.constexpr):
+        # Row tile b of all experts' tiles (expert e's rows OFFS[e]:OFFS[e+1] make cdiv(rows, BM) tiles, in
+        # expert order) -> (expert, first row, end row); past the last tile an empty range (end <= first).
+        experts = tl.arange(0, EP)
+        emask = experts < E
+        lo = tl.load(OFFS + experts, mask=emask, other=0)
+        hi = tl.load(OFFS + 1 + experts, mask=emask, other=0)
+        tiles = (hi - lo + BM - 1) // BM
+        ends = tl.cumsum(tiles, 0)
+        e = tl.sum((ends <= b).to(tl.int32), 0)
+        sel = experts == e
+        m0 = tl.sum(tl.where(sel, lo + (b - ends + tiles) * BM, 0), 0)
+        m1 = tl.minimum(m0 + BM, tl.sum(tl.where(sel, hi, 0), 0))  # e == E: no expert selected, m1 = 0
+        return e, m0, m1
+
+    @triton.jit
+    def _moe_gate_up(X, XS, SRC, OFFS, W, WS, OUT, OUTS, s_x, D, INTER, NKB, SBI, E,
+                     EP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr,
+                     FP8: tl.constexpr):
         # FP8: X e4m3 with per-token scales XS [T, NKB] (one per BK = 128 channels), W e4m3 with block scales
         # WS [E, 2 * SBI, NKB] (gate_proj's SBI row blocks, then up_proj's); the output is quantized per row
         # over its BN = 128 columns (one group) into OUT e4m3 and OUTS [N, cdiv(INTER, 128)].
-        e = tl.program_id(0)
-        tile = tl.program_id(1)
+        tile = tl.program_id(0)
+        e, start, end = _row_tile(OFFS, tl.program_id(1), E, EP, BM)
         cols = tile * BN + tl.arange(0, BN)
         cmask = cols < INTER
-        start = tl.load(OFFS + e)
-        end = tl.load(OFFS + e + 1)
         w = W + e.to(tl.int64) * (2 * INTER * D)  # expert e: [2I, D], gate rows then up rows
         ws = WS + e.to(tl.int64) * (2 * SBI * NKB)
-        for m0 in range(start, end, BM):
+        for m0 in range(start, end, BM):  # one tile, or none
             rows = m0 + tl.arange(0, BM)
             rmask = rows < end
             tok = tl.load(SRC + rows, mask=rmask, other=0).to(tl.int64)
@@ -175,17 +203,16 @@ if HAS_TRITON:
             tl.store(OUT + rows[:, None].to(tl.int64) * INTER + cols[None, :], h.to(OUT.dtype.element_ty), mask=omask)
 
     @triton.jit
-    def _moe_down(A, AS, ORDER, OFFS, W, WS, OUT, D, INTER, NKB, SBD,
-                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr, FP8: tl.constexpr):
+    def _moe_down(A, AS, ORDER, OFFS, W, WS, OUT, D, INTER, NKB, SBD, E,
+                  EP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr,
+                  FP8: tl.constexpr):
         # FP8: A e4m3 with row scales AS [N, NKB] (NKB = cdiv(INTER, 128)), W e4m3 with WS [E, SBD, NKB]
-        e = tl.program_id(0)
-        cols = tl.program_id(1) * BN + tl.arange(0, BN)
+        cols = tl.program_id(0) * BN + tl.arange(0, BN)
+        e, start, end = _row_tile(OFFS, tl.program_id(1), E, EP, BM)
         cmask = cols < D
-        start = tl.load(OFFS + e)
-        end = tl.load(OFFS + e + 1)
         w = W + e.to(tl.int64) * (D * INTER)  # expert e: [D, INTER]
         ws = WS + e.to(tl.int64) * (SBD * NKB)
-        for m0 in range(start, end, BM):
+        for m0 in range(start, end, BM):  # one tile, or none
             rows = m0 + tl.arange(0, BM)
             rmask = rows < end
             acc = tl.zeros([BM, BN], tl.float32)
@@ -259,8 +286,7 @@ def fused_experts(x: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor, w2: tor
         raise ValueError(f"fused_experts: x {tuple(x.shape)}, w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)}")
     dev = x.device
     offs, src, order = route(ids, e)
-    # A tile of rows per expert's average share: each extra tile of an expert re-reads its weights.
-    bm = BLOCK_M or min(64, max(16, triton.next_power_of_2(-(-n // e))))
+    ep = triton.next_power_of_2(e)
     out = torch.empty(t, k, d, dtype=x.dtype, device=dev)
     if w13.dtype == FP8_DTYPE:
         if w13_scale is None or w2_scale is None:
@@ -270,28 +296,48 @@ def fused_experts(x: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor, w2: tor
         if tuple(w13_scale.shape) != (e, 2 * sbi, nkd) or tuple(w2_scale.shape) != (e, nkd, nki):
             raise ValueError(f"fused_experts: scales {tuple(w13_scale.shape)}, {tuple(w2_scale.shape)} for w13 "
                              f"{tuple(w13.shape)}, w2 {tuple(w2.shape)}")
-        bm = FP8_BLOCK_M or bm
+        bm, warps, stages, down_bn, down_warps = fp8_tiles(n, e)
         xq, xs = quantize_groups(x)
         act = torch.empty(n, i, dtype=FP8_DTYPE, device=dev)
         act_s = torch.empty(n, nki, dtype=torch.float32, device=dev)
-        _moe_gate_up[(e, nki)](
-            xq, xs, src, offs, w13, w13_scale, act, act_s, xq.stride(0), d, i, nkd, sbi,
-            BM=bm, BN=g, BK=g, PREC="ieee", FP8=True, num_warps=FP8_WARPS, num_stages=FP8_STAGES)
-        _moe_down[(e, triton.cdiv(d, BLOCK_N))](
-            act, act_s, order, offs, w2, w2_scale, out, d, i, nki, nkd,
-            BM=bm, BN=BLOCK_N, BK=g, PREC="ieee", FP8=True, num_warps=NUM_WARPS, num_stages=FP8_STAGES)
+        _moe_gate_up[(nki, row_tiles(n, e, bm))](
+            xq, xs, src, offs, w13, w13_scale, act, act_s, xq.stride(0), d, i, nkd, sbi, e,
+            EP=ep, BM=bm, BN=g, BK=g, PREC="ieee", FP8=True, num_warps=warps, num_stages=stages)
+        _moe_down[(triton.cdiv(d, down_bn), row_tiles(n, e, bm))](
+            act, act_s, order, offs, w2, w2_scale, out, d, i, nki, nkd, e,
+            EP=ep, BM=bm, BN=down_bn, BK=g, PREC="ieee", FP8=True, num_warps=down_warps, num_stages=stages)
         return out
+    # A tile of rows per expert's average share: each extra tile of an expert re-reads its weights.
+    bm = BLOCK_M or _auto_block_m(n, e)
     prec = "ieee" if x.dtype == torch.float32 else "tf32"  # fp32: exact products
     # fp32 tiles take twice the shared memory per stage: a shorter K step and two stages fit
     bk, stages = (BLOCK_K, NUM_STAGES) if x.element_size() <= 2 else (min(BLOCK_K, 64), 2)
     act = torch.empty(n, i, dtype=x.dtype, device=dev)
-    _moe_gate_up[(e, triton.cdiv(i, BLOCK_N))](
-        x, x, src, offs, w13, w13, act, act, x.stride(0), d, i, 0, 0,
-        BM=bm, BN=BLOCK_N, BK=bk, PREC=prec, FP8=False, num_warps=NUM_WARPS, num_stages=stages)
-    _moe_down[(e, triton.cdiv(d, BLOCK_N))](
-        act, act, order, offs, w2, w2, out, d, i, 0, 0,
-        BM=bm, BN=BLOCK_N, BK=bk, PREC=prec, FP8=False, num_warps=NUM_WARPS, num_stages=stages)
+    _moe_gate_up[(triton.cdiv(i, BLOCK_N), row_tiles(n, e, bm))](
+        x, x, src, offs, w13, w13, act, act, x.stride(0), d, i, 0, 0, e,
+        EP=ep, BM=bm, BN=BLOCK_N, BK=bk, PREC=prec, FP8=False, num_warps=NUM_WARPS, num_stages=stages)
+    _moe_down[(triton.cdiv(d, BLOCK_N), row_tiles(n, e, bm))](
+        act, act, order, offs, w2, w2, out, d, i, 0, 0, e,
+        EP=ep, BM=bm, BN=BLOCK_N, BK=bk, PREC=prec, FP8=False, num_warps=NUM_WARPS, num_stages=stages)
     return out
+
+
+def _auto_block_m(n: int, e: int) -> int:
+    return min(64, max(16, triton.next_power_of_2(-(-n // e))))
+
+
+def row_tiles(n: int, e: int, bm: int) -> int:
+    """Programs along the rows for ``n`` rows over ``e`` experts in tiles of ``bm``: at least every expert's
+    tiles (sum of cdiv(rows_e, bm) < n / bm + min(e, n)), from shapes only (capturable in a CUDA graph)."""
+    return triton.cdiv(n, bm) + min(e, n)
+
+
+def fp8_tiles(n: int, e: int) -> tuple[int, int, int, int, int]:
+    """FP8 experts' tiles for ``n`` (token, choice) rows over ``e`` experts: (rows per tile, gate-up warps,
+    stages, down kernel's columns per tile, down warps); the FP8_* globals override the table."""
+    bm, warps, stages, down_bn, down_warps = next(tiles for upto, tiles in FP8_TILES if n / e <= upto)
+    return (FP8_BLOCK_M or bm, FP8_WARPS or warps, FP8_STAGES or stages, FP8_DOWN_BN or down_bn,
+            FP8_DOWN_WARPS or down_warps)
 
 
 def route(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

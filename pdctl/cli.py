@@ -54,7 +54,7 @@ def make_model(
     arch: str = typer.Option("v2", help="v2 (DeepseekV2ForCausalLM) or v3 (DeepseekV3ForCausalLM)"),
     layers: int = typer.Option(3, min=1, help="number of decoder layers"),
     preset: str | None = typer.Option(None, help="a published shape instead of the tiny one: v2-lite "
-                                                 "(DeepSeek-V2-Lite); needs --config-only"),
+                                                 "(DeepSeek-V2-Lite) or v3 (DeepSeek-V3); needs --config-only"),
     config_only: bool = typer.Option(False, "--config-only", help="config and tokenizer, no weights (nodes "
                                                                   "then run with load_format: dummy)"),
     quantize: str | None = typer.Option(None, help="fp8: the linears in DeepSeek's block-FP8 format (e4m3, 128x128 "
@@ -65,21 +65,23 @@ def make_model(
     --preset and --config-only a published model's shape without weights."""
     from pdctl.tiny_model import make_tiny_model, write_config_only
 
-    if preset is not None or config_only:
-        from pdctl.model_presets import PRESETS
-
-        if preset not in PRESETS or not config_only:
-            raise typer.BadParameter(f"use --preset {{{','.join(PRESETS)}}} with --config-only", param_hint="--preset")
-        path = write_config_only(out_dir, PRESETS[preset])
-        console.print(f"wrote the {preset} config and a tokenizer (no weights: start nodes with load_format "
-                      f"dummy) to [bold]{path}[/bold]")
-        return
-    if arch not in ("v2", "v3"):
-        raise typer.BadParameter("arch must be v2 or v3", param_hint="--arch")
     if quantize not in (None, "fp8"):
         raise typer.BadParameter("the only quantization is fp8", param_hint="--quantize")
     if scale_fmt not in (None, "ue8m0") or (scale_fmt is not None and quantize is None):
         raise typer.BadParameter("ue8m0, with --quantize fp8", param_hint="--scale-fmt")
+    if preset is not None or config_only:
+        from pdctl.model_presets import PRESETS, preset_config
+
+        if preset not in PRESETS or not config_only:
+            raise typer.BadParameter(f"use --preset {{{','.join(PRESETS)}}} with --config-only", param_hint="--preset")
+        config = preset_config(preset, quantize, scale_fmt)
+        path = write_config_only(out_dir, config)
+        fp8 = "" if quantize is None else " (block FP8: dummy weights are made in FP8)"
+        console.print(f"wrote the {preset} config{fp8} and a tokenizer (no weights: start nodes with load_format "
+                      f"dummy) to [bold]{path}[/bold]")
+        return
+    if arch not in ("v2", "v3"):
+        raise typer.BadParameter("arch must be v2 or v3", param_hint="--arch")
     path = make_tiny_model(out_dir, arch=arch, moe=moe, seed=seed, num_layers=layers, quantize=quantize,
                            scale_fmt=scale_fmt)
     kind = "MoE" if moe else "dense"

@@ -172,3 +172,21 @@ def test_config_only_preset_has_a_tokenizer_for_its_whole_vocabulary(tmp_path) -
     r = subprocess.run([sys.executable, "-m", "pdctl.cli", "make-model", str(tmp_path / "x"), "--config-only"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode != 0 and "--preset" in r.stdout + r.stderr
+
+
+def test_config_only_v3_preset_in_block_fp8(tmp_path) -> None:
+    """``--preset v3 --config-only --quantize fp8``: DeepSeek-V3's shape with its FP8 quantization_config,
+    which the engine reads as block FP8 (dummy weights are then made in FP8)."""
+    import subprocess
+    import sys
+
+    from engine.config import ModelConfig
+
+    r = subprocess.run([sys.executable, "-m", "pdctl.cli", "make-model", str(tmp_path / "v3"), "--preset", "v3",
+                        "--config-only", "--quantize", "fp8", "--scale-fmt", "ue8m0"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    cfg = ModelConfig.from_pretrained(tmp_path / "v3")
+    assert (cfg.hidden_size, cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.num_hidden_layers) == (7168, 256, 8, 61)
+    assert cfg.topk_method == "noaux_tc" and cfg.q_lora_rank == 1536
+    assert cfg.quantization is not None and cfg.quantization.ue8m0 and cfg.quantization.block == (128, 128)
