@@ -102,6 +102,11 @@ class NodeConfig:
             raise ValueError(f"engine_backend must be one of {ENGINE_BACKENDS}, got {self.engine_backend!r}")
         if self.role == "decode" and (self.engine.pcp != 1 or self.engine.pp != 1):
             raise ValueError("a decode node runs DP replicas only: pcp and pp must be 1")
+        if (self.role == "decode" and self.engine_backend == "native" and self.engine.enable_expert_parallel
+                and self.engine.dp > 1):
+            raise ValueError("enable_expert_parallel across a decode node's DP replicas (wide-EP decode) is not built "
+                             "yet: they are separate engines, not ranks of one group; use it on prefill nodes (EP = "
+                             "DP x PCP) or set dp 1 on this decode node")
         if self.tp < 1 or self.dcp < 1:
             raise ValueError(f"tp and dcp must be >= 1, got {self.tp} and {self.dcp}")
         if self.engine_backend == "native" and (self.tp != 1 or self.dcp != 1):

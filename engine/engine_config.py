@@ -72,8 +72,9 @@ class EngineConfig:
     kv_layout: str = field(default="sharded", metadata={
         "help": "sharded: each KV block on one PCP rank; replicated: on all of them", "choices": KV_LAYOUTS})
     enable_expert_parallel: bool = field(default=False, metadata={
-        "help": "MoE models: each rank of a replica's PCP group holds 1/PCP of the routed experts, and every MoE "
-                "layer dispatches tokens to their owners (engine/parallel/expert_parallel.py); with dp 1 for now"})
+        "help": "MoE models: each of a PP stage's DP x PCP ranks holds 1/(DP x PCP) of the routed experts, and "
+                "every MoE layer dispatches tokens to their owners (engine/parallel/expert_parallel.py); DP "
+                "replicas then step in lockstep"})
     kv_interleave: int | None = field(default=None, metadata={
         "help": "sharded: tokens per run on one PCP rank (default: one block)"})
     dist_host: str = field(default="127.0.0.1", metadata={"help": "torch.distributed rendezvous of the rank processes"})
@@ -109,10 +110,6 @@ class EngineConfig:
         if self.rank_timeout_s <= 0:
             raise ValueError(f"rank_timeout_s must be > 0, got {self.rank_timeout_s}")
         self.parallel().interleave(self.block_size)  # validates the topology and the interleave
-        if self.enable_expert_parallel and self.dp > 1:
-            raise ValueError("enable_expert_parallel spans one replica's PCP ranks today (EP = PCP): across DP "
-                             "replicas (EP = DP x PCP) they would have to step in lockstep, which is not built yet; "
-                             "set dp 1 (run replicas as separate nodes) or leave expert parallelism off")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if self.load_format not in LOAD_FORMATS:

@@ -18,7 +18,7 @@ from engine.cache_export import CacheExporter
 from engine.config import ModelConfig
 from engine.engine_config import EngineConfig
 from engine.llm_engine import LLMEngine, resolve_max_model_len
-from engine.parallel.expert_parallel import expert_shard
+from engine.parallel.expert_parallel import expert_shard, spans_dp
 from engine.parallel.replica import ParallelNode
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
@@ -86,7 +86,7 @@ class LLM:
                 self.cache_exports = {0: exporter.export(self.engines[0].cache_layers)}
         else:
             mc = ModelConfig.from_pretrained(config.model)
-            expert_shard(config, mc, 0)  # experts that do not divide over the ranks: refused before they start
+            expert_shard(config, mc)  # experts that do not divide over the ranks: refused before they start
             # The driver only schedules and samples on the host: small tensors, for which torch's
             # OpenMP pool costs more in wake-ups than it saves (measured: plan building 5x slower).
             torch.set_num_threads(config.cpu_threads)
@@ -97,6 +97,8 @@ class LLM:
             except BaseException:
                 self.node.shutdown()
                 raise
+            for e in self.engines:
+                e.lockstep = spans_dp(config)
         self.engine = self.engines[0]
 
     def generate(
@@ -146,8 +148,7 @@ class LLM:
 
     def _step_until_done(self) -> None:
         try:
-            while any(e.has_unfinished() for e in self.engines):
-                busy = [e for e in self.engines if e.has_unfinished()]
+            while busy := self.to_step():
                 for e in busy:  # replicas compute concurrently: launch all, then collect
                     e.launch_step()
                 for e in busy:
@@ -158,6 +159,12 @@ class LLM:
             if self.node is not None:
                 self.node.shutdown(why=f"a step was interrupted ({type(exc).__name__})")
             raise
+
+    def to_step(self) -> list[LLMEngine]:
+        """The replicas to step now: those with work, or all of them while any has work when they step in
+        lockstep (expert parallelism across DP: the idle ones run steps without rows)."""
+        busy = [e for e in self.engines if e.has_unfinished()]
+        return list(self.engines) if busy and self.engine.lockstep else busy
 
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer

@@ -113,6 +113,9 @@ class LLMEngine:
             overlap = getattr(self.executor, "device", torch.device("cpu")).type == "cuda"
         self.overlap = self._local and overlap  # may change between steps (benchmarks)
         self.overlapped_steps = 0  # steps launched on the previous step's samples, still on the device
+        # Expert parallelism across DP replicas (engine.parallel.expert_parallel): while the node steps any
+        # replica it steps every one, and a step with nothing scheduled still runs, without rows.
+        self.lockstep = False
 
     @property
     def model(self) -> torch.nn.Module:
@@ -339,7 +342,7 @@ class LLMEngine:
         scheduled = self.scheduler.schedule()
         if not scheduled and self.scheduler.has_unfinished() and not self._blocks_held_elsewhere():
             raise RuntimeError("scheduler made no progress (KV cache too small for any waiting request)")
-        if scheduled:
+        if scheduled or self.lockstep:  # lockstep: a step without rows, for the EP group's collectives
             self._launched = self._launch(scheduled)
         return len(scheduled)
 

@@ -35,7 +35,7 @@ class DecoderLayer(nn.Module):
     ) -> torch.Tensor:
         h, x = self.post_attention_layernorm.add_forward(self.self_attn(self.input_layernorm(x), batch, cache, rope), x)
         if isinstance(self.mlp, MoE) and batch.pcp is not None:  # the EP group's rows (used under EP only)
-            return x + self.mlp(h, batch.pcp.row_counts)
+            return x + self.mlp(h, batch.pcp.moe_counts)
         return x + self.mlp(h)
 
 

@@ -37,6 +37,7 @@ from cluster.net import is_loopback
 from cluster.nodes import KVEvents, NodeInfo, ReplicaLoad
 from cluster.proto_gen import pdcluster_v1_pb2 as pb
 from engine import envs as engine_envs
+from engine.parallel.expert_parallel import ep_size
 
 T = TypeVar("T")
 
@@ -165,11 +166,12 @@ def _kv_layout(config: NodeConfig) -> str:
 
 
 def _ep_size(config: NodeConfig) -> int:
-    """The EP group's size: a native replica's PCP ranks (engine.parallel.expert_parallel); vLLM's TP ranks."""
+    """The EP group's size: a native prefill node's DP x PCP ranks per stage (engine.parallel.expert_parallel);
+    vLLM's TP ranks."""
     ec = config.engine
     if not ec.enable_expert_parallel:
         return 1
-    return config.tp if config.engine_backend == "vllm" else ec.pcp
+    return config.tp if config.engine_backend == "vllm" else ep_size(ec)
 
 
 def node_info(config: NodeConfig, served: str, worker: NodeWorker) -> NodeInfo:

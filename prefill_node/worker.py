@@ -176,7 +176,7 @@ class PrefillWorker(EngineLoop):
 
     def step(self) -> int:
         self.leases.expire()
-        busy = [(d, e) for d, e in enumerate(self.engines) if e.has_unfinished()]
+        busy = [(self.engines.index(e), e) for e in self.llm.to_step()]
         scheduled = 0
         for _, e in busy:  # replicas compute concurrently: launch all, then collect
             scheduled += e.launch_step()

@@ -10,9 +10,12 @@ layers and shared experts stay replicated.
 ``ExpertComm`` is the one seam: this all-gather one moves every token to every rank; an all-to-all
 backend (DeepEP-style, each token only to its experts' owners) implements the same two calls.
 
-Today an EP group is the PCP group of one DP replica and PP stage: those ranks step together, so the
-collectives need no dummy steps. EP across DP replicas (``ep_rank = dp·PCP + pcp``) needs the replicas in
-lockstep and is refused until it is built.
+An EP group is every DP × PCP rank of one PP stage (``ep_rank = dp·PCP + pcp``, ``grid.ParallelConfig``).
+Within a replica the PCP ranks step together anyway; across DP replicas (``spans_dp``) the replicas step in
+lockstep: while any has work, every one runs a step, an idle one with no rows (the collectives only;
+``LLMEngine.lockstep``), and each step's rows per EP rank are all-gathered once (``exchange_counts``) for
+every MoE layer of that step. Decode nodes' replicas are separate engines, not ranks of one group: EP across
+them is not built (refused in ``cluster.config``).
 """
 
 from __future__ import annotations
@@ -60,11 +63,35 @@ class ExpertShard:
         return expert - self.start if self.start <= expert < self.stop else None
 
 
-def expert_shard(config: EngineConfig, mc: ModelConfig, pcp_rank: int) -> ExpertShard | None:
-    """The routed experts a PCP rank holds under ``enable_expert_parallel`` (None: all of them)."""
-    if not config.enable_expert_parallel or not mc.n_routed_experts or config.pcp == 1:
+def ep_size(config: EngineConfig) -> int:
+    """Ranks in each EP group: DP x PCP under ``enable_expert_parallel``, else 1."""
+    return config.dp * config.pcp if config.enable_expert_parallel else 1
+
+
+def spans_dp(config: EngineConfig) -> bool:
+    """Whether EP groups span DP replicas, which then step in lockstep."""
+    return config.enable_expert_parallel and config.dp > 1
+
+
+def expert_shard(config: EngineConfig, mc: ModelConfig, rank: int = 0) -> ExpertShard | None:
+    """The routed experts rank ``rank`` (of the node's rank grid) holds under ``enable_expert_parallel``
+    (None: all of them)."""
+    size = ep_size(config)
+    if size == 1 or not mc.n_routed_experts:
         return None
-    return ExpertShard(pcp_rank, config.pcp, mc.n_routed_experts)
+    return ExpertShard(config.parallel().ep_rank(rank), size, mc.n_routed_experts)
+
+
+def exchange_counts(rows: int, group: dist.ProcessGroup | None, device: torch.device) -> list[int]:
+    """Every EP rank's row count this step, in group order, from this rank's ``rows`` (one all-gather)."""
+    n = dist.get_world_size(group)
+    mine = torch.tensor([rows], dtype=torch.int64, device=device)
+    out = torch.empty(n, dtype=torch.int64, device=device)
+    if dist.get_backend(group) == "nccl":
+        dist.all_gather_into_tensor(out, mine, group=group)
+    else:
+        dist.all_gather(list(out.chunk(n)), mine, group=group)
+    return out.tolist()
 
 
 class ExpertComm(Protocol):
@@ -98,6 +125,8 @@ class GatherReduce:
         if len(counts) == 1:
             return out
         m = max(counts)
+        if m == 0:  # no rows anywhere this step (every replica idle, or waiting for blocks)
+            return out[:0]
         if dist.get_backend(self.group) == "nccl":
             part = out.new_empty((m, *out.shape[1:]))
             dist.reduce_scatter_tensor(part, out.contiguous(), group=self.group)

@@ -1,7 +1,8 @@
 """The rank grid of one prefill node, in vLLM's order: ``rank = ((dp * PP + pp) * PCP + pcp) * TP + tp``.
 
 Groups: a PCP group is the ranks with the same (dp, pp, tp); a PP group the same (dp, pcp, tp);
-a DP replica is the PCP × PP × TP ranks with the same dp.
+a DP replica is the PCP × PP × TP ranks with the same dp; an EP group (expert parallelism) every DP × PCP
+rank of one PP stage (the same (pp, tp)), DP-major: ``ep_rank = dp * PCP + pcp`` (vLLM's flattening).
 """
 
 from __future__ import annotations
@@ -55,6 +56,18 @@ class ParallelConfig:
     def pp_group(self, rank: int) -> list[int]:
         c = self.coord(rank)
         return [self.rank(c.dp, s, c.pcp, c.tp) for s in range(self.pp)]
+
+    def ep_group(self, rank: int) -> list[int]:
+        c = self.coord(rank)
+        return [self.rank(d, c.pp, q, c.tp) for d in range(self.dp) for q in range(self.pcp)]
+
+    def ep_rank(self, rank: int) -> int:
+        """``rank``'s place in its EP group."""
+        c = self.coord(rank)
+        return c.dp * self.pcp + c.pcp
+
+    def all_ep_groups(self) -> list[list[int]]:
+        return _unique(self.ep_group(r) for r in range(self.world_size))
 
     def replica_ranks(self, dp: int) -> list[int]:
         return [r for r in range(self.world_size) if self.coord(r).dp == dp]

@@ -21,7 +21,7 @@ from engine.engine_config import EngineConfig
 from engine.executor import kv_blocks_for_memory, load_model, plan_prompt_attention
 from engine.kv_cache import KVCache
 from engine.parallel.collectives import gather_padded
-from engine.parallel.expert_parallel import GatherReduce, expert_shard
+from engine.parallel.expert_parallel import GatherReduce, exchange_counts, expert_shard, spans_dp
 from engine.parallel.grid import ParallelConfig, stage_layers
 from engine.parallel.rank_group import RankContext
 from engine.parallel.rank_messages import (
@@ -65,7 +65,7 @@ class RankWorker:
         self.mc = ModelConfig.from_pretrained(cfg.model)
         self.dtype = cfg.torch_dtype(self.mc.torch_dtype)
         self.layers = stage_layers(self.mc.num_hidden_layers, self.par.pp, self.coord.pp)
-        self.experts = expert_shard(cfg, self.mc, self.coord.pcp)
+        self.experts = expert_shard(cfg, self.mc, rank)
         self.model = load_model(cfg, self.mc, self.dtype, self.device, self.layers, self.experts)
         self.max_model_len = spec.max_model_len
         # Every rank creates every PCP group, in the same order (new_group is collective).
@@ -74,8 +74,18 @@ class RankWorker:
             g = dist.new_group(ranks)
             if rank in ranks:
                 self.pcp_group = g
-        if self.experts is not None:  # the EP group is this rank's PCP group (its replica's, its stage's)
-            self.model.attach_expert_comm(GatherReduce(self.pcp_group, self.coord.pcp))
+        # The EP group: this rank's PCP group, or with DP replicas every DP x PCP rank of its stage (every
+        # rank creates every EP group, in the same order); then the replicas step in lockstep and each
+        # step's rows per EP rank are exchanged once.
+        self.ep_group: dist.ProcessGroup | None = None
+        if self.experts is not None and spans_dp(cfg):
+            for ranks in self.par.all_ep_groups():
+                g = dist.new_group(ranks)
+                if rank in ranks:
+                    self.ep_group = g
+        if self.experts is not None:
+            ep_group = self.ep_group if self.ep_group is not None else self.pcp_group
+            self.model.attach_expert_comm(GatherReduce(ep_group, self.experts.rank))
         stages = self.par.pp_group(rank)
         pp = self.coord.pp
         self.prev_rank = stages[pp - 1] if pp > 0 else None
@@ -145,6 +155,10 @@ class RankWorker:
         assert self.cache is not None
         self._mark("start")
         batch = build_rank_batch(plan, self.par, self.coord.pcp, self.cache.block_size, self.device, self.pcp_group)
+        if self.ep_group is not None:  # the other replicas' rows this step: one exchange for every MoE layer
+            st = batch.pcp
+            assert st is not None
+            st.ep_counts = exchange_counts(st.row_counts[self.coord.pcp], self.ep_group, self.device)
         self._mark("plan")
         n = batch.num_tokens
         hidden = None

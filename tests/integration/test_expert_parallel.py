@@ -1,9 +1,10 @@
-"""Expert parallelism over a replica's PCP ranks (``enable_expert_parallel``, EP = PCP): each rank loads only
-its 1/EP of the routed experts, and every MoE layer dispatches its tokens over the group and combines them
-back (gloo). Greedy tokens and logprobs equal the same topology with EP off, in PCP2 (sharded and
-replicated KV), PP2 x PCP2 (EP2 per stage), with chunked prefill, prefix-cache hits, decode rows beside
-prefill rows, and a rank with no rows in a step; EP across DP replicas and experts that do not divide are
-refused with their reasons."""
+"""Expert parallelism over a PP stage's DP x PCP ranks (``enable_expert_parallel``, EP = DP x PCP): each rank
+loads only its 1/EP of the routed experts, and every MoE layer dispatches its tokens over the group and
+combines them back (gloo). Greedy tokens and logprobs equal the same topology with EP off, in PCP2 (sharded
+and replicated KV), PP2 x PCP2 (EP2 per stage), DP2 (EP2) and DP2 x PCP2 (EP4, sharded and replicated),
+with chunked prefill, prefix-cache hits, decode rows beside prefill rows, a rank with no rows in a step,
+and (DP) a replica with no requests for many steps while the other works, and requests arriving at one
+replica in the middle of the other's; experts that do not divide are refused with their reason."""
 
 from __future__ import annotations
 
@@ -23,34 +24,56 @@ TOPOLOGIES = {
     "pcp2-sharded": dict(pcp=2, kv_layout="sharded"),
     "pcp2-replicated": dict(pcp=2, kv_layout="replicated"),
     "pp2-pcp2": dict(pp=2, pcp=2),
+    "dp2": dict(dp=2),
+    "dp2-pcp2-sharded": dict(dp=2, pcp=2, kv_layout="sharded"),
+    "dp2-pcp2-replicated": dict(dp=2, pcp=2, kv_layout="replicated"),
 }
+
+
+def ep_size(topo: dict) -> int:
+    return int(topo.get("dp", 1)) * int(topo["pcp"] if "pcp" in topo else 1)
 
 
 def run(model: Path, **kw: object) -> tuple[list, list[int]]:
     with LLM(str(model), **KW, **kw) as llm:
+        # With DP2 the first call puts one prompt on each replica (the short one finishes long before the
+        # chunked one); the next two run on replica 0 alone, the other idle for all their steps.
         outs = llm.generate(PROMPTS[:2], PARAMS)
         outs += llm.generate(PROMPTS[2:3], PARAMS) + llm.generate(PROMPTS[3:], PARAMS)  # the last hits the cache
         assert llm.engines[0].load().prefix_hit_blocks >= len(SHARED) // 16
         assert [e.num_used_blocks for e in llm.engines] == [0] * len(llm.engines)
-        return outs, list(llm.node.expert_params) if llm.node else []
+        got = [(o.token_ids, o.logprobs) for o in outs]
+        if len(llm.engines) > 1:  # a request joining replica 1 while replica 0 is mid-way through its own
+            a = llm.engines[0].add_request(PROMPTS[0], PARAMS)
+            steps = 0
+            while busy := llm.to_step():
+                if steps == 3:
+                    b = llm.engines[1].add_request(PROMPTS[2], PARAMS)
+                for e in busy:
+                    e.launch_step()
+                for e in busy:
+                    e.finish_step()
+                steps += 1
+            got += [(list(s.output_token_ids), list(s.logprobs)) for s in (a, b)]
+            assert [e.num_used_blocks for e in llm.engines] == [0] * len(llm.engines)
+        return got, list(llm.node.expert_params) if llm.node else []
 
 
 @pytest.mark.parametrize("topo", list(TOPOLOGIES), ids=list(TOPOLOGIES))
 def test_expert_parallel_equals_ep_off(tiny_model: Path, topo: str) -> None:
     want, full = run(tiny_model, **TOPOLOGIES[topo])
     got, held = run(tiny_model, **TOPOLOGIES[topo], enable_expert_parallel=True)
-    for w, g in zip(want, got):
-        assert g.token_ids == w.token_ids
+    for (w_ids, w_lp), (g_ids, g_lp) in zip(want, got):
+        assert g_ids == w_ids and len(g_ids) == PARAMS.max_tokens
         # The same products, summed in another order (per choice, then over the group): fp32 rounding.
-        assert all(math.isclose(x, y, abs_tol=1e-5) for x, y in zip(g.logprobs, w.logprobs))
-    ep = TOPOLOGIES[topo]["pcp"]
+        assert all(math.isclose(x, y, abs_tol=1e-5) for x, y in zip(g_lp, w_lp))
+    ep = ep_size(TOPOLOGIES[topo])
+    assert len(want) == len(got) == len(PROMPTS) + (2 if "dp" in TOPOLOGIES[topo] else 0)
     assert full and all(n == full[0] for n in full)  # EP off: every rank holds every expert
     assert held == [n // ep for n in full]  # EP on: each rank 1/EP of them, from its loaded modules
 
 
-def test_ep_across_dp_replicas_and_indivisible_experts_are_refused(tiny_model: Path, tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="across DP replicas"):
-        LLM(str(tiny_model), **KW, dp=2, pcp=2, enable_expert_parallel=True)
+def test_indivisible_experts_are_refused(tiny_model: Path, tmp_path: Path) -> None:
     from pdctl.tiny_model import make_tiny_model
 
     odd = make_tiny_model(tmp_path / "odd", arch="v2", moe=True, seed=1)
@@ -101,3 +124,56 @@ def test_each_rank_loads_only_its_experts_from_either_checkpoint_layout(tiny_mod
         for name, p in mine.items():
             want = full[name][shard.start : shard.stop] if name.endswith((".w13", ".w2")) else full[name]
             assert torch.equal(p, want), (layout.name, name)
+
+
+def test_a_prefill_node_with_ep_across_its_dp_replicas_serves_either_replica(tiny_model: Path) -> None:
+    """A prefill node process with DP2 and EP2: its engine loop steps both replicas in lockstep, so a prefill
+    sent to either one (the other idle) gives EP off's first token, and the node publishes EP2."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from mux_calls import mux_prefill
+    from procs import wait_registered
+
+    from cluster.config import RegistryConfig
+    from cluster.proto_gen import pdcluster_v1_pb2 as pb
+    from cluster.registry import Registry
+    from pdctl.redis_server import start_redis
+
+    prompts = PROMPTS[:2]
+    with LLM(str(tiny_model), **KW) as llm:
+        want = [o.token_ids[0] for o in llm.generate(prompts, SamplingParams(max_tokens=1, temperature=0.0))]
+    redis = start_redis()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "prefill_node", "--model", str(tiny_model), "--node-id", "p-ep", "--registry-url",
+         redis.url, "--cluster", "ep", "--dtype", "float32", "--device", "cpu", "--max-model-len", "1024",
+         "--max-num-batched-tokens", "128", "--num-kv-blocks", "64", "--dp", "2", "--enable-expert-parallel"],
+        start_new_session=True)
+    registry = Registry(RegistryConfig(url=redis.url, cluster="ep"))
+    try:
+        node = wait_registered(proc, registry)
+        assert (node.info.dp, node.info.ep) == (2, 2)
+        for replica in (1, 0, 1):
+            for i, prompt in enumerate(prompts):
+                req = pb.PrefillRequest(request_id=f"r{replica}-{i}-{len(prompt)}", token_ids=prompt, dp_rank=replica,
+                                        sampling=pb.SamplingParams(temperature=0, max_tokens=1))
+                resp = mux_prefill(node.info.address, req)
+                assert (resp.dp_rank, resp.first_token.token_id) == (replica, want[i])
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        assert proc.wait(30) == 0
+        registry.close()
+        redis.stop()
+
+
+def test_ep_across_a_decode_nodes_replicas_is_refused_but_a_prefill_nodes_is_not() -> None:
+    from cluster.config import NodeConfig
+    from engine.engine_config import EngineConfig
+
+    ep = EngineConfig(model="m", dp=2, enable_expert_parallel=True)
+    with pytest.raises(ValueError, match="across a decode node's DP replicas"):
+        NodeConfig(role="decode", node_id="d", engine=ep)
+    assert NodeConfig(role="prefill", node_id="p", engine=ep).engine.dp == 2
+    assert NodeConfig(role="decode", node_id="d", engine=EngineConfig(model="m", dp=2)).engine.dp == 2

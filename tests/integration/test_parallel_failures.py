@@ -30,13 +30,22 @@ def _gone(pids: list[int]) -> bool:
     return True
 
 
-@pytest.mark.parametrize("victim,ep", [(1, False), (3, False), (3, True)],
-                         ids=["stage0-pcp1", "stage1-pcp1", "stage1-pcp1-expert-parallel"])
-def test_killed_rank_mid_generation_fails_the_node_within_10s(tiny_model, victim, ep) -> None:
-    """With expert parallelism the survivors also wait in MoE collectives: they fail as fast."""
-    llm = LLM(str(tiny_model), **KW, pcp=2, pp=2, enable_expert_parallel=ep)
+PP2_PCP2 = dict(pcp=2, pp=2)
+
+
+EP_PP2_PCP2 = {**PP2_PCP2, "enable_expert_parallel": True}
+EP_DP2 = dict(dp=2, enable_expert_parallel=True)
+
+
+@pytest.mark.parametrize("victim,topo", [(1, PP2_PCP2), (3, PP2_PCP2), (3, EP_PP2_PCP2), (1, EP_DP2)],
+                         ids=["stage0-pcp1", "stage1-pcp1", "stage1-pcp1-expert-parallel",
+                              "dp2-replica1-expert-parallel"])
+def test_killed_rank_mid_generation_fails_the_node_within_10s(tiny_model, victim, topo) -> None:
+    """With expert parallelism the survivors also wait in MoE collectives: they fail as fast; across DP
+    replicas (lockstep), the other replica's ranks too."""
+    llm = LLM(str(tiny_model), **KW, **topo)
     pids = llm.node.pids()
-    assert len(pids) == 4
+    assert len(pids) == topo.get("dp", 1) * topo.get("pcp", 1) * topo.get("pp", 1)
     failure: list[tuple[float, BaseException]] = []
 
     def generate() -> None:
@@ -49,7 +58,7 @@ def test_killed_rank_mid_generation_fails_the_node_within_10s(tiny_model, victim
     t.start()
 
     def decoding() -> bool:  # every prompt prefilled and a decode step done: inside the decode loop
-        running = list(llm.engine.scheduler.running)
+        running = [s for e in llm.engines for s in e.scheduler.running]
         return len(running) == len(PROMPTS) and all(len(s.output_token_ids) >= 2 for s in running)
 
     wait_until(lambda: decoding() or not t.is_alive(), 30, "generation to reach the decode loop")
@@ -64,7 +73,7 @@ def test_killed_rank_mid_generation_fails_the_node_within_10s(tiny_model, victim
     assert f"rank {victim}" in str(err)
     assert when - killed_at < 10
     wait_until(lambda: _gone(pids), killed_at + 10 - time.monotonic(), "the other ranks to stop, 10 s from the crash")
-    assert llm.engine.num_used_blocks == 0  # the failed requests were aborted on the driver
+    assert [e.num_used_blocks for e in llm.engines] == [0] * len(llm.engines)  # failed requests aborted on the driver
     with pytest.raises(RankFailure):
         llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2))
     llm.shutdown()

@@ -21,6 +21,10 @@ def test_rank_order_matches_vllm() -> None:
     assert pc.all_pcp_groups() == [[0, 1], [2, 3], [4, 5], [6, 7]]
     assert pc.all_pp_groups() == [[0, 2], [1, 3], [4, 6], [5, 7]]
     assert pc.replica_ranks(1) == [4, 5, 6, 7]
+    # EP: a PP stage's DP x PCP ranks, DP-major (vLLM's flattening: ep_rank = dp * PCP + pcp)
+    assert pc.all_ep_groups() == [[0, 1, 4, 5], [2, 3, 6, 7]]
+    assert pc.ep_group(6) == [2, 3, 6, 7]
+    assert [pc.ep_rank(r) for r in pc.ep_group(6)] == [0, 1, 2, 3]
 
 
 def test_parallel_config_validation() -> None:
