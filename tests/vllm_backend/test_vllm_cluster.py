@@ -32,6 +32,12 @@ from pdctl.launcher import down, up
 from pdctl.topology import DecodeSpec, PrefillSpec, ProxySpec, RegistrySpec, Topology
 
 NODE = dict(dtype="float32", max_model_len=256)
+# CI's 2 cores have stalled this cluster for ~30 s at once (a chat request took 30 s), and a decode pull then
+# ran past the defaults (30 s lease, 30 s transfer timeout): vLLM ended the request as a failed KV load. These
+# tests are about tokens, so the KV waits longer here; the release test still checks that the decode node,
+# not the lease, frees the prefill node's blocks.
+PREFILL_KV = dict(lease_s=120.0)
+DECODE_KV = dict(transfer_timeout_s=90.0)
 
 
 @pytest.fixture(scope="module")
@@ -39,9 +45,9 @@ def proxy_url(mla_model: Path, tmp_path_factory: pytest.TempPathFactory,
               cluster_run_dirs: list[Path]) -> Iterator[str]:
     run_dir = tmp_path_factory.mktemp("vllm-cluster")
     topo = Topology(model=str(mla_model), served_model_name="tiny", engine="vllm", vllm_python=sys.executable,
-                    prefill=(PrefillSpec(max_num_batched_tokens=256, tp=2, **NODE),
-                             PrefillSpec(engine="native", pcp=2, kv_layout="sharded", **NODE)),
-                    decode=(DecodeSpec(**NODE),),
+                    prefill=(PrefillSpec(max_num_batched_tokens=256, tp=2, **NODE, **PREFILL_KV),
+                             PrefillSpec(engine="native", pcp=2, kv_layout="sharded", **NODE, **PREFILL_KV)),
+                    decode=(DecodeSpec(**NODE, **DECODE_KV),),
                     proxy=ProxySpec(port=0),
                     # Six engine processes on CI's 2 cores have stalled a vLLM node's heartbeat for ~30 s
                     # (redis "Timeout reading from socket"), and the proxy then routed to nobody.
@@ -132,7 +138,7 @@ def test_native_pcp2_prefill_then_vllm_decode(proxy_url: str, colocated: list[li
     before = _routed(proxy_url, "prefill-1")
     _completions_equal_colocated(proxy_url, colocated, Tokenizer(str(mla_model)), "prefill-1")
     assert _routed(proxy_url, "prefill-1") - before == len(PROMPTS)
-    deadline = time.monotonic() + 10  # well within the 30 s lease; the heartbeat publishes each second
+    deadline = time.monotonic() + 10  # well within the 120 s lease; the heartbeat publishes each second
     while time.monotonic() < deadline:
         nodes = {n["node_id"]: n for n in httpx.get(f"{proxy_url}/admin/nodes", timeout=10).json()["nodes"]}
         used = sum(r["used_blocks"] for r in nodes["prefill-1"]["replicas"])
