@@ -69,7 +69,8 @@ class NodeConfig:
         "choices": KV_PROTOCOLS})
     dp_processes: str = field(default="auto", metadata={
         "help": "decode: run each DP replica in its own process (on: always; off: threads of the node's "
-                "process; auto: processes on GPUs, threads on CPU)", "choices": DP_PROCESSES})
+                "process; auto: processes on GPUs or with enable_expert_parallel, threads on CPU otherwise)",
+        "choices": DP_PROCESSES})
     grace_s: float = field(default=30.0, metadata={
         "help": "on SIGTERM: how long in-flight requests may run before they are aborted"})
     engine_backend: str = field(default="native", metadata={
@@ -103,10 +104,9 @@ class NodeConfig:
         if self.role == "decode" and (self.engine.pcp != 1 or self.engine.pp != 1):
             raise ValueError("a decode node runs DP replicas only: pcp and pp must be 1")
         if (self.role == "decode" and self.engine_backend == "native" and self.engine.enable_expert_parallel
-                and self.engine.dp > 1):
-            raise ValueError("enable_expert_parallel across a decode node's DP replicas (wide-EP decode) is not built "
-                             "yet: they are separate engines, not ranks of one group; use it on prefill nodes (EP = "
-                             "DP x PCP) or set dp 1 on this decode node")
+                and self.engine.dp > 1 and self.dp_processes == "off"):
+            raise ValueError("enable_expert_parallel across a decode node's DP replicas makes them one "
+                             "torch.distributed group, one process each: dp_processes must be on or auto, not off")
         if self.tp < 1 or self.dcp < 1:
             raise ValueError(f"tp and dcp must be >= 1, got {self.tp} and {self.dcp}")
         if self.engine_backend == "native" and (self.tp != 1 or self.dcp != 1):

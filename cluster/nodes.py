@@ -31,6 +31,7 @@ class NodeInfo:
     kv_protocol: str = "tcp"  # the KV transport's Mooncake protocol: a pull needs both ends on the same one
     kv_cache_dtype: str = ""  # its KV rows' format (engine.kv_format's wire name): a pull needs both the same
     ep: int = 1  # expert parallelism: the ranks an EP group spans (each holds 1/ep of the routed experts)
+    experts_per_rank: int = 0  # the routed experts each rank holds (all of them without EP; 0: no MoE layers)
     local_prefill: bool = False  # a decode node that can prefill a request itself (DecodeRequest.local_prefill)
     prefix_caching: bool = False  # its engine shares the KV of prompts' common prefixes (enable_prefix_caching)
 

@@ -24,6 +24,10 @@ The replica is the same whether it runs as a thread of the node's process or in 
 own (``decode_node.replica_process``): it takes ``node_runtime.commands`` (``Start`` with a ``Job``,
 ``Abort``, ``AbortAll``) through ``send``, and hands what one iteration of its engine loop emitted to
 its ``ReplicaOwner`` as (request id, event) pairs, at once (``decode_node.outbox``).
+
+Under expert parallelism (in processes only) the node's replicas are one EP group: each holds its share
+of the routed experts and steps in lockstep with the others, by waves (``decode_node.waves``: a ``Wake``
+from the node joins one).
 """
 
 from __future__ import annotations
@@ -38,8 +42,10 @@ from typing import Protocol
 from cluster.proto_gen import pdcluster_v1_pb2 as pb
 from cluster.wire import token_pb
 from decode_node.outbox import Outbox
+from decode_node.waves import Wake, Waves
 from engine.engine_config import EngineConfig
 from engine.llm_engine import LLMEngine
+from engine.parallel.expert_parallel import ExpertGroup
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
 from kv_transfer.handle import KVSource
@@ -87,6 +93,10 @@ class ReplicaOwner(Protocol):
     def confirm(self, prefill_address: str, request_id: str) -> bool:
         """The Release call to the prefill node after a pull: False if it no longer held the KV."""
 
+    def wave_started(self, wave: int) -> None:
+        """This replica started EP wave ``wave``: every other replica of the node must join it (expert
+        parallelism only)."""
+
 
 @dataclass
 class _Request:
@@ -117,10 +127,12 @@ class Replica(EngineLoop):
     through ``transport``)."""
 
     def __init__(self, index: int, config: EngineConfig, transport: Transport, timeout_s: float,
-                 pool: ThreadPoolExecutor, owner: ReplicaOwner) -> None:
+                 pool: ThreadPoolExecutor, owner: ReplicaOwner, ep: ExpertGroup | None = None) -> None:
+        """``ep``: this replica's place in the node's EP group (its replicas step in lockstep)."""
         super().__init__(f"decode-engine-{index}")
         self.index = index
-        self.engine = LLMEngine(config)
+        self.engine = LLMEngine(config, ep=ep)
+        self.waves = Waves(ep, owner.wave_started) if ep is not None else None
         self.stats = TransferStats()
         self.receiver = KVReceiver(transport, register_cache(transport, self.engine.cache_layers),
                                    timeout_s=timeout_s, stats=self.stats)
@@ -144,6 +156,8 @@ class Replica(EngineLoop):
                 self._start(job)
             case Pulled(request, table, error):
                 self._admit(request, table, error)
+            case Wake(wave) if self.waves is not None:
+                self.waves.join(wave)
             case Abort(rid):
                 self._abort(rid)
             case AbortAll(why):
@@ -154,12 +168,14 @@ class Replica(EngineLoop):
 
     def step(self) -> int:
         self._free_quarantined()
-        if not self.engine.has_unfinished():
+        busy = self.engine.has_unfinished()
+        if not (self.waves.step_now(busy) if self.waves is not None else busy):
             return 0
         scheduled = self.engine.launch_step()
         self.engine.finish_step()
         self._emit_tokens()
-        return scheduled
+        # In a wave the loop goes on at once while any replica had rows (the others wait in its collectives).
+        return scheduled if self.waves is None else self.waves.group.rows
 
     def publish(self) -> None:
         self.load = replica_load(self.index, self.engine.load())

@@ -7,12 +7,17 @@ runs the same ``decode_node.replica.Replica`` as the threaded mode does, with it
 confirmer.
 
 Pipe protocol (pickled; ``engine.parallel.rank_group``): the node sends the replica's own commands
-(``node_runtime.commands``: ``Start`` with a ``Job``, ``Abort``, ``AbortAll``) and ``Stop``; a
-replica sends ``ReplicaUp`` once its engine is ready, then ``Events`` (what one iteration of its
-engine loop emitted: (request id, event) pairs, each event a serialized ``DecodeEvent``, an
-exception, or None at the end), and ``LoadReport`` when its load or transfer totals change (or its
-prefix cache does: its KV events). A replica whose engine fails ends as any failed rank does: its
-process raises, the rank launcher sends ``RankError`` and the node's reader gets ``RankFailure``.
+(``node_runtime.commands``: ``Start`` with a ``Job``, ``Abort``, ``AbortAll``; under expert parallelism
+``decode_node.waves.Wake``) and ``Stop``; a replica sends ``ReplicaUp`` once its engine is ready, then
+``Events`` (what one iteration of its engine loop emitted: (request id, event) pairs, each event a
+serialized ``DecodeEvent``, an exception, or None at the end), ``LoadReport`` when its load or transfer
+totals change (or its prefix cache does: its KV events), and under expert parallelism ``WaveStarted``,
+which the node relays to every other replica as a ``Wake``. A replica whose engine fails ends as any
+failed rank does: its process raises, the rank launcher sends ``RankError`` and the node's reader gets
+``RankFailure``.
+
+With expert parallelism the replica processes are one ``torch.distributed`` world (gloo on CPU, NCCL on
+GPUs, with the collective timeout ``rank_timeout_s``), and that world is the node's EP group.
 """
 
 from __future__ import annotations
@@ -30,7 +35,10 @@ from typing import Any
 from cluster.nodes import ReplicaLoad
 from cluster.proto_gen import pdcluster_v1_pb2 as pb
 from decode_node.replica import Event, Replica
+from decode_node.waves import Wake
+from engine.config import ModelConfig
 from engine.engine_config import EngineConfig
+from engine.parallel.expert_parallel import ExpertGroup
 from engine.parallel.rank_group import RankContext, RankFailure, RankGroup
 from engine.parallel.rank_messages import Stop
 from engine.prefix_cache import split_events
@@ -47,11 +55,17 @@ REPORT_EVERY_S = 0.05  # a replica process reports a changed load at most this o
 class ReplicaUp:
     max_model_len: int
     num_blocks: int
+    expert_params: int  # routed-expert parameters it holds (1/DP of the model's under expert parallelism)
 
 
 @dataclass(frozen=True)
 class Events:
     items: list[tuple[str, Any]]  # (request id, a pb.DecodeEvent serialized, an exception, or None: the end)
+
+
+@dataclass(frozen=True)
+class WaveStarted:
+    wave: int  # this replica started EP wave ``wave``: the others must join it (decode_node.waves)
 
 
 @dataclass(frozen=True)
@@ -68,6 +82,7 @@ class ReplicaSpec:
     transfer_host: str
     kv_protocol: str
     timeout_s: float
+    expert_parallel: bool = False  # the replica processes' world is the node's EP group
 
 
 # -- the replica process ---------------------------------------------------------------------------
@@ -105,6 +120,9 @@ class _Link:
     def confirm(self, prefill_address: str, request_id: str) -> bool:
         return self.confirmer(prefill_address, request_id)
 
+    def wave_started(self, wave: int) -> None:
+        self.send(WaveStarted(wave))
+
 
 def _pickles(item: object) -> bool:
     if item is None or isinstance(item, bytes):
@@ -122,17 +140,24 @@ def serve_replica(ctx: RankContext) -> None:
 
     spec: ReplicaSpec = ctx.payload
     link = _Link(ctx)
+    ep = None
+    if spec.expert_parallel:  # (collective: every replica process joins, before anything else of the world)
+        experts = ModelConfig.from_pretrained(spec.config.model).n_routed_experts
+        if not experts:
+            raise ValueError("enable_expert_parallel: the model has no routed experts")
+        ep = ExpertGroup.join(experts)
     transport = MooncakeTransport(host=spec.transfer_host, protocol=spec.kv_protocol)
     pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kv-pull")
-    replica = Replica(spec.index, spec.config, transport, spec.timeout_s, pool, link)
-    link.send(ReplicaUp(replica.engine.max_model_len, replica.load.free_blocks))
+    replica = Replica(spec.index, spec.config, transport, spec.timeout_s, pool, link, ep)
+    link.send(ReplicaUp(replica.engine.max_model_len, replica.load.free_blocks,
+                        replica.engine.model.routed_expert_params()))
     last: object = None
     try:
         while True:
             if ctx.conn.poll(REPORT_EVERY_S):
                 msg = ctx.conn.recv()
                 match msg:
-                    case Start() | Abort() | AbortAll():
+                    case Start() | Abort() | AbortAll() | Wake():
                         replica.send(msg)
                     case Stop():
                         return
@@ -203,11 +228,18 @@ class ReplicaProcesses:
     reader thread), stops them."""
 
     def __init__(self, configs: list[EngineConfig], gpus: list[int] | None, transfer_host: str, kv_protocol: str,
-                 timeout_s: float, start_timeout_s: float, relay: Relay, fail: Fail) -> None:
+                 timeout_s: float, start_timeout_s: float, relay: Relay, fail: Fail,
+                 expert_parallel: bool = False) -> None:
+        """``expert_parallel``: the replicas are one EP group (a ``torch.distributed`` world whose collectives
+        time out after ``start_timeout_s``, the engine's ``rank_timeout_s``)."""
         self._relay = relay
         self._fail = fail
-        specs = [ReplicaSpec(d, c, transfer_host, kv_protocol, timeout_s) for d, c in enumerate(configs)]
-        self.group = RankGroup(serve_replica, len(specs), specs, backend=None, gpus=gpus)
+        specs = [ReplicaSpec(d, c, transfer_host, kv_protocol, timeout_s, expert_parallel)
+                 for d, c in enumerate(configs)]
+        backend = ("nccl" if gpus else "gloo") if expert_parallel else None
+        c0 = configs[0]
+        self.group = RankGroup(serve_replica, len(specs), specs, backend=backend, host=c0.dist_host, port=c0.dist_port,
+                               collective_timeout_s=start_timeout_s, gpus=gpus)
         self.replicas = [ProcessReplica(d, self) for d in range(len(specs))]
         self._lock = threading.Lock()  # the pipes' sends
         self._stopping = False
@@ -219,6 +251,7 @@ class ReplicaProcesses:
             raise
         self.max_model_len = ups[0].max_model_len
         self.num_blocks = ups[0].num_blocks
+        self.expert_params = [up.expert_params for up in ups]
         for r, up in zip(self.replicas, ups):
             r.load = dataclasses.replace(r.load, free_blocks=up.num_blocks)
         self._reader = threading.Thread(target=self._read, name="decode-replicas", daemon=True)
@@ -256,6 +289,10 @@ class ReplicaProcesses:
                 self._relay(d, [(rid, _parse(item)) for rid, item in items])
             case LoadReport():
                 self.replicas[d].report(msg)
+            case WaveStarted(wave):
+                for other in self.replicas:
+                    if other.index != d:
+                        other.send(Wake(wave))
             case _:
                 log.warning("replica %d sent an unknown message %r", d, msg)
 

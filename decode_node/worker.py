@@ -34,6 +34,7 @@ from decode_node.replica import Event, Job, Replica
 from decode_node.replica_process import ReplicaProcesses
 from engine.config import ModelConfig
 from engine.engine_config import EngineConfig
+from engine.parallel.expert_parallel import expert_shard
 from kv_transfer.handoff import Totals, add_totals
 from kv_transfer.protocol import choose_protocol
 from kv_transfer.transport import Transport
@@ -87,6 +88,9 @@ class _ThreadOwner:
     def fail(self, why: str) -> None:
         self._worker.replica_failed(self._index, why)
 
+    def wave_started(self, wave: int) -> None:
+        raise RuntimeError("expert parallelism runs a decode node's replicas as processes, not threads")
+
 
 class ThreadReplica:
     """A replica on a thread of this process (a ``ReplicaHandle``)."""
@@ -127,7 +131,9 @@ class DecodeWorker:
         configs = [dataclasses.replace(ec, dp=1, device=f"cuda:{gpus[d]}" if on_gpu else ec.device, gpus=None,
                                        seed=ec.seed + d) for d in range(ec.dp)]
         mc = ModelConfig.from_pretrained(ec.model)
+        expert_shard(ec, mc)  # experts that do not divide over the replicas: refused before they start
         self.vocab_size = mc.vocab_size
+        self.routed_experts = mc.n_routed_experts or 0
         self.block_size = ec.block_size
         self.kv_cache_dtype = ec.kv_format(mc).wire_name  # a handle of another format is refused
         self.prefix_caching = ec.enable_prefix_caching
@@ -142,15 +148,18 @@ class DecodeWorker:
         self._threads: list[Replica] = []
         if transport is None:
             log.info("KV transport: Mooncake %s on %s", self.kv_protocol, transfer_host)
-        if config.dp_processes == "on" or (config.dp_processes == "auto" and on_gpu):
+        # Expert parallelism across the replicas: they are one torch.distributed world, so processes.
+        ep = ec.enable_expert_parallel and ec.dp > 1
+        if config.dp_processes == "on" or (config.dp_processes == "auto" and (on_gpu or ep)):
             if transport is not None or confirm is not None:
                 raise ValueError("decode replicas in processes use their own transport and confirmer")
             self._processes = ReplicaProcesses(configs, gpus or None, transfer_host, self.kv_protocol,
                                                config.transfer_timeout_s, ec.rank_timeout_s, self.relay,
-                                               self.replica_failed)
+                                               self.replica_failed, expert_parallel=ep)
             self.replicas: list[ReplicaHandle] = list(self._processes.replicas)
             self.max_model_len = self._processes.max_model_len
             self.num_blocks = self._processes.num_blocks
+            self.expert_params = self._processes.expert_params  # per replica
             return
         self._start_threads(configs, transfer_host, transport, confirm)
 
@@ -175,6 +184,7 @@ class DecodeWorker:
         self.replicas = [ThreadReplica(r) for r in self._threads]
         self.max_model_len = self._threads[0].engine.max_model_len
         self.num_blocks = self._threads[0].load.free_blocks
+        self.expert_params = [r.engine.model.routed_expert_params() for r in self._threads]
 
     # -- the event loop's thread ---------------------------------------------------------------
     def submit(self, job: Job, dp_rank: int, loop: asyncio.AbstractEventLoop, sink: Callable[[Any], None]) -> None:

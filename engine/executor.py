@@ -22,7 +22,7 @@ from engine.mla_decode import HAS_TRITON
 from engine.model import DeepseekForCausalLM
 from engine.model_runner import ModelRunner, StepLogits
 from engine.overlap import Feed
-from engine.parallel.expert_parallel import ExpertShard
+from engine.parallel.expert_parallel import ExpertGroup, ExpertShard, GatherReduce
 from engine.parallel.grid import ParallelConfig
 from engine.parallel.kv_layout import RankBlocks, kv_ownership
 from engine.scheduler import Scheduled
@@ -94,19 +94,27 @@ def load_model(
 
 
 class LocalExecutor:
-    """The whole model and its cache in this process, on one device."""
+    """The whole model and its cache in this process, on one device; with ``ep``, only this member's share of
+    the routed experts, every MoE layer dispatching over the EP group (``ExpertGroup``)."""
 
-    def __init__(self, config: EngineConfig, mc: ModelConfig, max_model_len: int) -> None:
+    def __init__(self, config: EngineConfig, mc: ModelConfig, max_model_len: int,
+                 ep: ExpertGroup | None = None) -> None:
         self.device = config.torch_device()
         self.dtype = config.torch_dtype(mc.torch_dtype)
         # On a GPU too: the host's tensor work (batches, sampling) is small (see EngineConfig.cpu_threads).
         torch.set_num_threads(config.cpu_threads)
         self.num_layers = mc.num_hidden_layers
-        self.model = load_model(config, mc, self.dtype, self.device)
+        self.ep = ep
+        self.model = load_model(config, mc, self.dtype, self.device, experts=ep.shard if ep else None)
+        if ep is not None:
+            self.model.attach_expert_comm(GatherReduce(ep.group, ep.shard.rank))
         n = kv_blocks_for_memory(config, mc, max_model_len, self.device, self.num_layers)
         check_kv_capacity(n, config.block_size, max_model_len)
         plan_prompt_attention(config, mc, max_model_len, self.dtype, self.device)
-        graphs = self.device.type == "cuda" and not config.enforce_eager and HAS_TRITON
+        # Under EP a captured step would need every member replaying one padded size: not built, so eager.
+        graphs = self.device.type == "cuda" and not config.enforce_eager and HAS_TRITON and ep is None
+        if ep is not None and self.device.type == "cuda" and not config.enforce_eager:
+            log.warning("expert parallelism: decode steps run eagerly (no CUDA graphs across an EP group yet)")
         self.cache = KVCache(config.kv_format(mc), range(self.num_layers), n, config.block_size, self.device,
                              spare_blocks=1 if graphs else 0)
         self.graphs: DecodeGraphs | None = None
@@ -121,7 +129,8 @@ class LocalExecutor:
 
     def launch(self, scheduled: list[Scheduled], feed: Feed | None = None) -> None:
         # In process the step runs now, while the requests' block tables are as scheduled.
-        self._pending = self.runner.run(scheduled, feed)
+        counts = self.ep.counts(sum(s.num_new for s in scheduled)) if self.ep is not None else None
+        self._pending = self.runner.run(scheduled, feed, counts)
 
     def collect(self) -> list[StepLogits | None]:
         assert self._pending is not None, "collect() without launch()"

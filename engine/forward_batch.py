@@ -39,6 +39,9 @@ class ForwardBatch:
     decode_grouped: torch.Tensor | None = None
     # Set on a rank of a parallel replica: this rank's share of the step (engine.parallel.pcp_step).
     pcp: PCPStep | None = None
+    # Expert parallelism: every EP rank's rows this step, in group order (the MoE layers' dispatch sizes),
+    # found once per step (engine.parallel.expert_parallel); None without EP.
+    ep_counts: list[int] | None = None
 
     @property
     def num_tokens(self) -> int:

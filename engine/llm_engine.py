@@ -21,8 +21,10 @@ import torch
 from engine.config import ModelConfig
 from engine.engine_config import EngineConfig
 from engine.executor import Executor, LocalExecutor
+from engine.model import DeepseekForCausalLM
 from engine.model_runner import StepLogits
 from engine.overlap import Feed, NextRows, advance, grow, next_decode_rows
+from engine.parallel.expert_parallel import ExpertGroup
 from engine.parallel.kv_layout import RankBlocks
 from engine.prefix_cache import PrefixCache
 from engine.sampler import PendingSamples, launch_sample, top_logprobs
@@ -82,12 +84,15 @@ class LLMEngine:
     """Scheduling, sampling and request state for one model replica; ``executor`` runs the steps
     (default: the whole model in this process)."""
 
-    def __init__(self, config: EngineConfig, executor: Executor | None = None) -> None:
+    def __init__(self, config: EngineConfig, executor: Executor | None = None, ep: ExpertGroup | None = None) -> None:
+        """``ep``: this engine is one member of an EP group of in-process engines (``ExpertGroup``): it holds
+        only its share of the routed experts and steps in lockstep with the others."""
         self.config = config
         self.model_config = ModelConfig.from_pretrained(config.model)
         mc = self.model_config
         self.max_model_len = resolve_max_model_len(config, mc)
-        self.executor: Executor = executor if executor is not None else LocalExecutor(config, mc, self.max_model_len)
+        self.executor: Executor = (executor if executor is not None
+                                   else LocalExecutor(config, mc, self.max_model_len, ep))
         self.prefix_cache = PrefixCache(self.executor.allocator) if config.enable_prefix_caching else None
         self.scheduler = Scheduler(
             self.prefix_cache or self.executor.allocator, config.block_size, config.max_num_batched_tokens,
@@ -115,15 +120,14 @@ class LLMEngine:
         self.overlapped_steps = 0  # steps launched on the previous step's samples, still on the device
         # Expert parallelism across DP replicas (engine.parallel.expert_parallel): while the node steps any
         # replica it steps every one, and a step with nothing scheduled still runs, without rows.
-        self.lockstep = False
+        self.lockstep = ep is not None
 
     @property
-    def model(self) -> torch.nn.Module:
+    def model(self) -> DeepseekForCausalLM:
         """The in-process model (local executor only)."""
-        model = getattr(self.executor, "model", None)
-        if model is None:
+        if not isinstance(self.executor, LocalExecutor):
             raise AttributeError("the model runs on rank processes, not in this process")
-        return model
+        return self.executor.model
 
     @property
     def cache_layers(self) -> dict[int, torch.Tensor]:

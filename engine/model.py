@@ -34,8 +34,8 @@ class DecoderLayer(nn.Module):
         self, x: torch.Tensor, batch: ForwardBatch, cache: torch.Tensor, rope: RotaryEmbedding
     ) -> torch.Tensor:
         h, x = self.post_attention_layernorm.add_forward(self.self_attn(self.input_layernorm(x), batch, cache, rope), x)
-        if isinstance(self.mlp, MoE) and batch.pcp is not None:  # the EP group's rows (used under EP only)
-            return x + self.mlp(h, batch.pcp.moe_counts)
+        if isinstance(self.mlp, MoE):
+            return x + self.mlp(h, batch.ep_counts)
         return x + self.mlp(h)
 
 
@@ -94,6 +94,19 @@ class DeepseekForCausalLM(nn.Module):
         for layer in self.model.layers.values():
             if isinstance(layer.mlp, MoE) and layer.mlp.ep is not None:
                 layer.mlp.ep.comm = comm
+
+    def routed_expert_params(self) -> int:
+        """Parameters of the routed experts this model holds (1/EP of them under expert parallelism)."""
+        return sum(p.numel() for n, p in self.named_parameters() if n.endswith((".mlp.w13", ".mlp.w2")))
+
+    def expert_collectives(self, ep_counts: list[int]) -> None:
+        """A step without rows on one member of an EP group (``engine.parallel.expert_parallel.ExpertGroup``):
+        every MoE layer's dispatch and combine, for the other members' rows; nothing else runs."""
+        for layer in self.model.layers.values():
+            assert isinstance(layer, DecoderLayer)
+            if isinstance(layer.mlp, MoE):
+                norm = layer.post_attention_layernorm.weight  # the MoE's input: [T, D] in the model's dtype
+                layer.mlp(norm.new_empty((0, self.cfg.hidden_size)), ep_counts)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, D] -> logits [N, V] in fp32."""

@@ -95,14 +95,22 @@ class ModelRunner:
         self.graphs = graphs  # decode-only steps replay these when they fit
 
     @torch.inference_mode()
-    def run(self, scheduled: list[Scheduled], feed: Feed | None = None) -> list[StepLogits | None]:
+    def run(self, scheduled: list[Scheduled], feed: Feed | None = None,
+            ep_counts: list[int] | None = None) -> list[StepLogits | None]:
         """One forward step -> per scheduled request its logits (None if it needs none this step).
-        ``feed``: input tokens of decode rows still on the device (engine.overlap)."""
+        ``feed``: input tokens of decode rows still on the device (engine.overlap). ``ep_counts``: under
+        expert parallelism, every EP member's rows this step; a member without rows still runs the MoE
+        layers' collectives, unless no member has rows."""
+        if ep_counts is not None and not scheduled:
+            if any(ep_counts):
+                self.model.expert_collectives(ep_counts)
+            return []
         if self.graphs is not None and self.model.decode_form == "absorbed" and scheduled:
             replayed = self._replay(scheduled, self.graphs, feed)
             if replayed is not None:
                 return replayed
         batch = build_batch(scheduled, self.cache.block_size, self.device)
+        batch.ep_counts = ep_counts
         if feed is not None:
             feed.apply(batch.input_ids)
         hidden = self.model(batch, self.cache.layers)

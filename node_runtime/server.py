@@ -53,6 +53,7 @@ class NodeWorker(Protocol):
     prefix_caching: bool  # whether its engine really caches prefixes (vLLM may turn it off)
     kv_protocol: str  # the Mooncake protocol its KV moves with (``auto`` resolved): decode and prefill must match
     kv_cache_dtype: str  # its KV rows' format (engine.kv_format's wire name): decode and prefill must match
+    routed_experts: int  # the model's routed experts (0: no MoE layers)
     address: str  # set by ``serve`` once the server listens: the address peers dial
 
     def load(self) -> list[ReplicaLoad]: ...
@@ -166,8 +167,8 @@ def _kv_layout(config: NodeConfig) -> str:
 
 
 def _ep_size(config: NodeConfig) -> int:
-    """The EP group's size: a native prefill node's DP x PCP ranks per stage (engine.parallel.expert_parallel);
-    vLLM's TP ranks."""
+    """The EP group's size: a native node's DP x PCP ranks per stage (a decode node's DP replicas;
+    engine.parallel.expert_parallel); vLLM's TP ranks."""
     ec = config.engine
     if not ec.enable_expert_parallel:
         return 1
@@ -177,12 +178,14 @@ def _ep_size(config: NodeConfig) -> int:
 def node_info(config: NodeConfig, served: str, worker: NodeWorker) -> NodeInfo:
     """What the node publishes in the registry."""
     ec = config.engine
+    ep = _ep_size(config)
     return NodeInfo(node_id=config.node_id, role=config.role, address=worker.address, model=served,
                     max_model_len=worker.max_model_len, dp=ec.dp, pcp=ec.pcp, pp=ec.pp,
                     kv_layout=_kv_layout(config),
                     block_size=worker.block_size, num_blocks=worker.num_blocks, started_at=time.time(),
                     engine=config.engine_backend, kv_protocol=worker.kv_protocol,
-                    kv_cache_dtype=worker.kv_cache_dtype, ep=_ep_size(config),
+                    kv_cache_dtype=worker.kv_cache_dtype, ep=ep,
+                    experts_per_rank=worker.routed_experts // ep,
                     local_prefill=config.role == "decode" and config.engine_backend == "native",
                     prefix_caching=worker.prefix_caching)
 

@@ -21,6 +21,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from cluster.config import DOWN_GRACE_S
+from cluster.nodes import NodeInfo
 from pdctl.admin_client import AdminClient, AdminError, AdminNode
 from pdctl.topology import DecodeSpec, PrefillSpec, ProxySpec, RegistrySpec, Topology, load_topology
 
@@ -311,7 +312,7 @@ def status(proxy: str | None = PROXY, admin_key: str | None = ADMIN_KEY, run_dir
             # Text from the proxy is escaped: it is not rich markup.
             escape(s.info.node_id), escape(s.info.role + ("" if s.info.engine == "native" else f" ({s.info.engine})")),
             escape(s.info.address),
-            f"{s.info.dp}/{s.info.pcp}/{s.info.pp}" + (f" EP{s.info.ep}" if s.info.ep > 1 else ""),
+            f"{s.info.dp}/{s.info.pcp}/{s.info.pp}" + _ep_text(s.info),
             escape(f"{s.info.kv_layout}, {s.info.kv_cache_dtype or '?'}, {s.info.kv_protocol}"),
             ("[green]healthy[/green]" if s.healthy else "[red]unhealthy[/red]")
             + ("" if n.circuit == "closed" else f" [red](circuit {n.circuit.replace('_', '-')})[/red]"),
@@ -437,11 +438,16 @@ def _state(run_dir: Path | None, cluster: str) -> RunState | None:
     return running[0] if running else None
 
 
+def _ep_text(info: NodeInfo) -> str:
+    """Under expert parallelism a second line, "EP4, 16 experts/rank"; else nothing."""
+    return f"\nEP{info.ep}, {info.experts_per_rank} experts/rank" if info.ep > 1 else ""
+
+
 def _node_line(n: AdminNode) -> str:
     s = n.state
     flags = (["healthy" if s.healthy else "UNHEALTHY"] + (["draining"] if s.draining else [])
              + ([f"circuit={n.circuit}"] if n.circuit != "closed" else []))
-    ep = f" ep={s.info.ep}" if s.info.ep > 1 else ""
+    ep = f" ep={s.info.ep} experts/rank={s.info.experts_per_rank}" if s.info.ep > 1 else ""
     return (f"{s.info.node_id}  {s.info.role}  {s.info.address}  dp={s.info.dp} pcp={s.info.pcp} pp={s.info.pp}{ep}  "
             f"{s.info.kv_layout}  {s.info.kv_cache_dtype or '?'}  {' '.join(flags)}  inflight={n.inflight}")
 

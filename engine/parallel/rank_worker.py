@@ -99,9 +99,6 @@ class RankWorker:
         self.steps = 0
         self._t = 0.0
 
-    def expert_params(self) -> int:
-        return sum(p.numel() for n, p in self.model.named_parameters() if n.endswith((".mlp.w13", ".mlp.w2")))
-
     def capacity_blocks(self) -> int:
         return kv_blocks_for_memory(
             self.config, self.mc, self.max_model_len, self.device, len(self.layers)
@@ -155,10 +152,12 @@ class RankWorker:
         assert self.cache is not None
         self._mark("start")
         batch = build_rank_batch(plan, self.par, self.coord.pcp, self.cache.block_size, self.device, self.pcp_group)
-        if self.ep_group is not None:  # the other replicas' rows this step: one exchange for every MoE layer
+        if self.experts is not None:  # the MoE layers' dispatch sizes, once for all of them
             st = batch.pcp
             assert st is not None
-            st.ep_counts = exchange_counts(st.row_counts[self.coord.pcp], self.ep_group, self.device)
+            # Within a replica the plan says every PCP rank's rows; the other replicas' are exchanged.
+            batch.ep_counts = (st.row_counts if self.ep_group is None
+                               else exchange_counts(st.row_counts[self.coord.pcp], self.ep_group, self.device))
         self._mark("plan")
         n = batch.num_tokens
         hidden = None
@@ -189,7 +188,7 @@ class RankWorker:
 def serve_rank(ctx: RankContext) -> None:
     """RankGroup target: load, size the cache with the driver, then serve steps until ``Stop``."""
     worker = RankWorker(ctx.payload, ctx.rank)
-    ctx.conn.send(Loaded(worker.capacity_blocks(), worker.expert_params()))
+    ctx.conn.send(Loaded(worker.capacity_blocks(), worker.model.routed_expert_params()))
     msg = ctx.conn.recv()
     if isinstance(msg, Stop):
         return

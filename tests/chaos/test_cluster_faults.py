@@ -1,9 +1,11 @@
 """Faults injected into a whole running cluster (started as ``pdctl up`` starts it), under load.
 
-One PCP2 prefill node (its rank processes are real processes), two DP1 decode nodes, the proxy with
-a 4 s token timeout, 6 s prefill leases. In file order: a decode node hung with SIGSTOP mid-stream,
-Redis SIGKILLed under load and restarted on its port, a prefill rank SIGKILLed under load, the proxy
-SIGKILLed with requests in flight. Each test ends with every node at 0 used KV blocks.
+One PCP2 prefill node with expert parallelism over its two rank processes (EP2), a DP1 decode node and
+a DP2 decode node with expert parallelism over its two replica processes (EP2, a 15 s collective timeout),
+the proxy with a 4 s token timeout, 6 s prefill leases. In file order: a decode node hung with SIGSTOP
+mid-stream, Redis SIGKILLed under load and restarted on its port, a prefill EP rank SIGKILLed under load,
+one replica of the EP decode node hung with SIGSTOP under load, the proxy SIGKILLed with requests in
+flight. Each test ends with every node at 0 used KV blocks.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from pdctl.topology import Topology
 MODEL = "tiny"
 TOKEN_TIMEOUT_S = 4.0
 LEASE_S = 6.0
+EP_TIMEOUT_S = 15.0  # the EP decode node's rank_timeout_s: a hung replica fails the group after this
 
 
 @pytest.fixture(scope="module")
@@ -42,9 +45,10 @@ def cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory,
         "registry": {"cluster": f"chaos-{run_dir.name}"},
         "proxy": {"port": 0, "admin_key": ADMIN_KEY, "token_timeout_s": TOKEN_TIMEOUT_S},
         "prefill": [{"pcp": 2, "kv_layout": "sharded", "max_model_len": 1024, "max_num_batched_tokens": 256,
-                     "num_kv_blocks": 256, "lease_s": LEASE_S}],
+                     "num_kv_blocks": 256, "lease_s": LEASE_S, "enable_expert_parallel": True}],
         "decode": [{"max_model_len": 1024, "num_kv_blocks": 256, "transfer_timeout_s": 5},
-                   {"max_model_len": 1024, "num_kv_blocks": 256, "transfer_timeout_s": 5}],
+                   {"dp": 2, "max_model_len": 1024, "num_kv_blocks": 256, "transfer_timeout_s": 5,
+                    "enable_expert_parallel": True, "rank_timeout_s": EP_TIMEOUT_S}],
     })
     with running_cluster(topo, run_dir, tiny_model, cluster_run_dirs) as c:
         yield c
@@ -174,10 +178,17 @@ def test_redis_killed_under_load_and_restarted_on_its_port(cluster: Cluster) -> 
     assert not any(used.values()), used
 
 
-def test_a_prefill_rank_killed_under_load_fails_only_its_requests(cluster: Cluster) -> None:
-    node = psutil.Process(pid_of(cluster, "prefill-0"))
-    ranks = [p for p in node.children(recursive=True) if "spawn_main" in " ".join(p.cmdline())]
-    assert ranks, "the PCP2 prefill node has no rank processes"
+def spawned(c: Cluster, node: str) -> list[psutil.Process]:
+    """A node's rank or replica processes."""
+    return [p for p in psutil.Process(pid_of(c, node)).children(recursive=True)
+            if "spawn_main" in " ".join(p.cmdline())]
+
+
+def test_a_prefill_ep_rank_killed_under_load_fails_only_its_requests(cluster: Cluster) -> None:
+    """Its peer waits on it in every MoE layer's collectives: the node fails as fast as without EP."""
+    ranks = spawned(cluster, "prefill-0")
+    assert len(ranks) == 2, "the PCP2 prefill node has no rank processes"
+    assert cluster.nodes()["prefill-0"]["ep"] == 2
     load = Load(cluster)
     time.sleep(1.5)
     ranks[-1].kill()
@@ -189,6 +200,34 @@ def test_a_prefill_rank_killed_under_load_fails_only_its_requests(cluster: Clust
     assert all(s in (502, 503) for s in failed), failed  # the requests on the dead node, as errors
     assert len(failed) <= 12, failed
     assert all(s == 200 for s in statuses[-6:]), statuses[-6:]  # served again, without the prefill node
+    used = wait_all_free(cluster)
+    assert not any(used.values()), used
+
+
+def test_a_hung_replica_of_an_ep_decode_node_fails_its_group_and_is_routed_around(cluster: Cluster) -> None:
+    """One replica process of decode-1 (EP2) SIGSTOPped under load: its peer blocks in a collective until the
+    group's timeout, then the node fails and leaves the registry; meanwhile its requests end with errors
+    (the proxy's token timeout); afterwards decode-0 serves everything and no block stays used."""
+    assert cluster.nodes()["decode-1"]["ep"] == 2
+    replicas = spawned(cluster, "decode-1")
+    assert len(replicas) == 2
+    load = Load(cluster)
+    time.sleep(1.5)
+    stopped_at = time.monotonic()
+    replicas[1].suspend()
+    try:
+        assert wait_until(lambda: "decode-1" not in cluster.nodes(), EP_TIMEOUT_S + 20)
+        failed_after = time.monotonic() - stopped_at
+    finally:
+        for p in replicas:
+            if p.is_running():
+                p.resume()
+    time.sleep(2.0)
+    statuses = load.stop()
+    failed = [s for s in statuses if s != 200]
+    assert all(s in (502, 503, 504) for s in failed), failed  # the requests that reached decode-1, as errors
+    assert all(s == 200 for s in statuses[-6:]), statuses[-6:]  # served again, by decode-0
+    assert failed_after > EP_TIMEOUT_S - 1, failed_after  # (it was the collective's timeout, not a crash)
     used = wait_all_free(cluster)
     assert not any(used.values()), used
 

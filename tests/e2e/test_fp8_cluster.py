@@ -1,15 +1,17 @@
-"""The FP8 deployment through a whole local cluster: a block-FP8 checkpoint (``pdctl make-model --quantize
-fp8``) with DeepSeek's FP8 KV rows (``kv_cache_dtype: fp8_ds_mla``) on a PCP2 prefill node with sharded
-KV and expert parallelism over its two ranks (each holds half the routed experts), and a decode node on a
-replica process, beside a second decode node whose cache is plain. With the
-openai client, chat and completions, streamed or not, give the greedy tokens of the dequantized twin on
-one engine with the same cache format; the FP8 rows are what moves; the router never pairs the prefill
-node with the plain decode node and says why, and that node refuses the prefill node's handle
-(INVALID_ARGUMENT) when it is sent one anyway."""
+"""The deployment the design starts from, through a whole local cluster: a block-FP8 checkpoint (``pdctl
+make-model --quantize fp8``) with DeepSeek's FP8 KV rows (``kv_cache_dtype: fp8_ds_mla``) on a DP2 x PCP2
+prefill node with sharded KV and expert parallelism over its four ranks (EP4: each holds a quarter of the
+routed experts; its replicas step in lockstep), and a DP2 decode node with expert parallelism over its two
+replica processes (EP2, lockstep by waves), beside a second decode node whose cache is plain and which holds
+every expert. With the openai client, chat and completions, streamed or not, one at a time and several at
+once, give the greedy tokens of the dequantized twin on one engine with EP off and the same cache format;
+the FP8 rows are what moves; the router never pairs the prefill node with the plain decode node and says
+why, and that node refuses the prefill node's handle (INVALID_ARGUMENT) when it is sent one anyway."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
@@ -34,9 +36,11 @@ def fp8_cluster(fp8_model: tuple[Path, Path], tmp_path_factory: pytest.TempPathF
     topo = Topology.from_dict({
         "model": str(fp8_model[0]), "served_model_name": MODEL, "registry": {"cluster": f"fp8-{run_dir.name}"},
         "proxy": {"port": 0, "admin_key": ADMIN_KEY},
-        "prefill": [{"pcp": 2, "kv_layout": "sharded", "max_model_len": 1024, "num_kv_blocks": 128,
+        "prefill": [{"dp": 2, "pcp": 2, "kv_layout": "sharded", "max_model_len": 1024, "num_kv_blocks": 128,
                      "kv_cache_dtype": KV, "enable_expert_parallel": True}],
-        "decode": [{"max_model_len": 1024, "num_kv_blocks": 128, "dp_processes": "on", "kv_cache_dtype": KV},
+        # decode-0 runs overlapped steps, as GPU nodes do by default (a CPU's default is off)
+        "decode": [{"dp": 2, "max_model_len": 1024, "num_kv_blocks": 128, "kv_cache_dtype": KV,
+                    "enable_expert_parallel": True, "async_scheduling": True},
                    {"max_model_len": 1024, "num_kv_blocks": 64}],
     })
     with running_cluster(topo, run_dir, fp8_model[0], cluster_run_dirs) as c:
@@ -60,11 +64,28 @@ def test_an_fp8_checkpoint_through_the_cluster_equals_its_dequantized_twin(fp8_c
     assert not any(wait_all_free(fp8_cluster).values())
 
 
+def test_several_requests_at_once_over_both_ep_groups_equal_the_twin(fp8_cluster: Cluster,
+                                                                     fp8_model: tuple[Path, Path]) -> None:
+    """Concurrent requests spread over both prefill replicas and both decode replicas (each EP group steps
+    them together, an idle member running the MoE collectives only) and end with the twin's tokens."""
+    prompts = [[(i * k + 5) % 1000 + 2 for i in range(n)] for k, n in ((3, 40), (7, 200), (11, 90), (13, 17))]
+    tokens = [12, 5, 9, 16]
+    with LLM(str(fp8_model[1]), **KW, kv_cache_dtype=KV) as twin:
+        want = twin.generate(prompts, [SamplingParams(max_tokens=m, temperature=0.0) for m in tokens])
+    oa = client(fp8_cluster)
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        got = list(pool.map(lambda pm: oa.completions.create(model=MODEL, prompt=pm[0], max_tokens=pm[1],
+                                                             temperature=0), zip(prompts, tokens)))
+    assert [g.choices[0].text for g in got] == [w.text for w in want]
+    assert not any(wait_all_free(fp8_cluster).values())
+
+
 def test_the_fp8_rows_are_what_moves_and_only_to_a_node_that_holds_them(fp8_cluster: Cluster) -> None:
     nodes = fp8_cluster.nodes()
     assert [nodes[n]["kv_cache_dtype"] for n in ("prefill-0", "decode-0", "decode-1")] == [
         KV, KV, "float32"]
-    assert [nodes[n]["ep"] for n in ("prefill-0", "decode-0")] == [2, 1]
+    assert [nodes[n]["ep"] for n in ("prefill-0", "decode-0", "decode-1")] == [4, 2, 1]
+    assert [nodes[n]["experts_per_rank"] for n in ("prefill-0", "decode-0", "decode-1")] == [2, 4, 8]
     plan = fp8_cluster.admin.get("/admin/route", params={"prompt_tokens": len(PROMPT), "max_tokens": 8}).json()
     assert plan["prefill"]["node_id"] == "prefill-0" and plan["decode"]["node_id"] == "decode-0"
     refused = {c["node_id"]: c for c in plan["decode_candidates"]}["decode-1"]

@@ -167,13 +167,3 @@ def test_a_prefill_node_with_ep_across_its_dp_replicas_serves_either_replica(tin
         registry.close()
         redis.stop()
 
-
-def test_ep_across_a_decode_nodes_replicas_is_refused_but_a_prefill_nodes_is_not() -> None:
-    from cluster.config import NodeConfig
-    from engine.engine_config import EngineConfig
-
-    ep = EngineConfig(model="m", dp=2, enable_expert_parallel=True)
-    with pytest.raises(ValueError, match="across a decode node's DP replicas"):
-        NodeConfig(role="decode", node_id="d", engine=ep)
-    assert NodeConfig(role="prefill", node_id="p", engine=ep).engine.dp == 2
-    assert NodeConfig(role="decode", node_id="d", engine=EngineConfig(model="m", dp=2)).engine.dp == 2

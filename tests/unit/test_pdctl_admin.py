@@ -105,7 +105,7 @@ class FakeProxy(BaseHTTPRequestHandler):
 @pytest.fixture
 def proxy_url() -> Iterator[str]:
     FakeProxy.nodes = {n["node_id"]: n for n in (node("decode-0", "decode", engine="vllm"),
-                                                  node("prefill-0", "prefill", ep=2),
+                                                  node("prefill-0", "prefill", ep=2, experts_per_rank=128),
                                                   node("prefill-1", "prefill", healthy=False, draining=True))}
     server = ThreadingHTTPServer(("127.0.0.1", 0), FakeProxy)
     thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
@@ -129,8 +129,8 @@ def test_status_table(pdctl, proxy_url) -> None:
     assert result.exit_code == 0, result.output
     out = result.output
     assert f"proxy {proxy_url}" in out
-    for expected in ("decode-0", "decode (vllm)", "prefill-0", "prefill-1", "2/2/1 EP2", "sharded, fp8_ds_mla, tcp",
-                     "unhealthy", "draining", "120 / 3", "15 / 113"):
+    for expected in ("decode-0", "decode (vllm)", "prefill-0", "prefill-1", "EP2, 128 experts/rank",
+                     "sharded, fp8_ds_mla, tcp", "unhealthy", "draining", "120 / 3", "15 / 113"):
         assert expected in out
 
 
@@ -140,7 +140,7 @@ def test_nodes_lines_and_json(pdctl, proxy_url) -> None:
     lines = result.output.strip().splitlines()
     assert len(lines) == 3
     assert lines[2].startswith("prefill-1  prefill") and "UNHEALTHY draining" in lines[2] and "inflight=3" in lines[2]
-    assert "dp=2 pcp=2 pp=1 ep=2  sharded  fp8_ds_mla" in lines[1] and "ep=" not in lines[2]
+    assert "dp=2 pcp=2 pp=1 ep=2 experts/rank=128  sharded  fp8_ds_mla" in lines[1] and "ep=" not in lines[2]
     raw = pdctl("nodes", "--json", "--proxy", proxy_url, "--admin-key", ADMIN_KEY)
     assert json.loads(raw.output) == {"nodes": list(FakeProxy.nodes.values())}
 
@@ -279,3 +279,4 @@ def test_up_with_no_prefill_nodes_is_a_colocated_cluster(pdctl, monkeypatch) -> 
 def test_up_refuses_gpu_lists_that_do_not_divide(pdctl, monkeypatch, flags, message) -> None:
     topo, result = _flag_topology(pdctl, monkeypatch, *flags)
     assert topo is None and result.exit_code == 2 and message in result.output
+
