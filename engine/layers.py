@@ -120,9 +120,8 @@ class MoE(nn.Module):
     def hold_fp8(self) -> None:
         """Hold the routed experts in block FP8: w13 / w2 in e4m3 and each expert's ``weight_scale_inv``
         stacked the same way (``w13_scale_inv`` [E, 2 * cdiv(I, 128), cdiv(D, 128)]: gate_proj's blocks, then
-        up_proj's; ``w2_scale_inv`` [E, cdiv(D, 128), cdiv(I, 128)]), run by the fused W8A8 kernels."""
-        if self.ep is not None:
-            raise ValueError("FP8 experts under expert parallelism are not supported yet")
+        up_proj's; ``w2_scale_inv`` [E, cdiv(D, 128), cdiv(I, 128)]), run by the fused W8A8 kernels. Under
+        expert parallelism E is this rank's share."""
         e, two_i, d = self.w13.shape
         i = two_i // 2
         dev = self.w13.device
@@ -185,7 +184,13 @@ class MoE(nn.Module):
         per_expert = local.new_zeros(self.w13.shape[0]).index_add_(0, local, torch.ones_like(local))
         rows = pos // k
         xs = xs_all[rows]  # grouped by local expert
-        out = self._experts_grouped(xs, per_expert) if _use_grouped_mm(xs) else self._experts_loop(xs, per_expert)
+        if self.w13_scale_inv is not None:  # block FP8: the fused W8A8 kernels, one choice per gathered row
+            out = moe_kernels.fused_experts(xs, local.unsqueeze(1), self.w13, self.w2, self.w13_scale_inv,
+                                            self.w2_scale_inv)[:, 0] if len(local) else xs
+        elif _use_grouped_mm(xs):
+            out = self._experts_grouped(xs, per_expert)
+        else:
+            out = self._experts_loop(xs, per_expert)
         contrib = out * w_all.flatten()[pos].unsqueeze(1).to(out.dtype)
         partial = xs_all.new_zeros(xs_all.shape).index_add_(0, rows, contrib)
         routed = ep.comm.combine(partial, counts)

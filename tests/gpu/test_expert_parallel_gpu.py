@@ -3,9 +3,10 @@
 - a prefill-style engine with PCP2 and EP2 (the MoE layers' all-gather and reduce-scatter over NCCL);
 - DP2 with EP2 across the replicas (lockstep, the row counts exchanged over NCCL each step);
 - a decode worker's two replica processes as one EP group (NCCL for the MoE layers, gloo for the per-step
-  agreement), decoding requests it prefills itself, one replica idle while the other works.
+  agreement), decoding requests it prefills itself, one replica idle while the other works;
+- FP8 experts under EP (each rank holds its half in e4m3) against FP8 experts on one GPU.
 
-fp32 on the tiny model, so the comparison is exact up to summation order. Needs 2 GPUs.
+fp32 activations on the tiny model, so the comparison is exact up to summation order. Needs 2 GPUs.
 """
 
 from __future__ import annotations
@@ -80,4 +81,18 @@ def test_ep_decode_replicas_on_gpus_equal_ep_off(tiny_model: Path, want) -> None
         assert worker.expert_params[0] == worker.expert_params[1] > 0
     finally:
         worker.shutdown()
+    _same(got, want)
+
+
+def test_fp8_experts_under_ep_equal_fp8_experts_without(fp8_model: tuple[Path, Path]) -> None:
+    """FP8 weights and EP compose: each of two ranks holds half the routed experts in e4m3 (the fused W8A8
+    kernels run on the choices gathered for them) and the tokens equal the FP8 model on one GPU."""
+    with LLM(str(fp8_model[0]), **GPU) as one:
+        want = [(o.token_ids, o.logprobs) for o in one.generate(PROMPTS, PARAMS)]
+    with LLM(str(fp8_model[0]), **GPU, pcp=2, enable_expert_parallel=True) as llm:
+        got = [(o.token_ids, o.logprobs) for o in llm.generate(PROMPTS, PARAMS)]
+        held = llm.node.expert_params if llm.node is not None else []
+    with LLM(str(fp8_model[0]), **GPU, pcp=2) as full:
+        whole = full.node.expert_params if full.node is not None else []
+    assert held and held == [n // 2 for n in whole]
     _same(got, want)
