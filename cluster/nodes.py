@@ -44,6 +44,24 @@ class NodeInfo:
 
 
 @dataclass(frozen=True)
+class NodeFailure:
+    """Why a node stopped serving on its own (its engine failed: a rank or replica died or hung), kept in
+    the registry for a while after it left (``cluster.registry.FAILURE_TTL_S``) so ``pdctl status`` can say."""
+
+    node_id: str
+    role: str
+    why: str
+    at: float  # unix time
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @staticmethod
+    def from_dict(d: dict[str, Any]) -> NodeFailure:
+        return NodeFailure(str(d["node_id"]), str(d["role"]), str(d["why"]), float(d["at"]))
+
+
+@dataclass(frozen=True)
 class ReplicaLoad:
     """One DP replica's load, as last published."""
 

@@ -17,6 +17,9 @@ Key layout, all under ``<cluster>:`` so that clusters can share one Redis:
   flags back from the draining nodes' next heartbeats (each remembers the flag it last heard).
 - ``<cluster>:events``: pub/sub channel; a message whenever a node joins or leaves or a draining
   flag changes, so watchers refresh at once instead of at their next poll.
+- ``<cluster>:failed:<node_id>``: why a node whose engine failed stopped serving (``NodeFailure`` as
+  JSON), written as it leaves, kept ``FAILURE_TTL_S``, and cleared when a node of that id registers again;
+  ``<cluster>:failed`` indexes them as ``nodes`` does the records.
 - ``<cluster>:kv_events``: pub/sub channel; each heartbeat, a message per replica whose prefix
   cache changed (``KVEvents`` as JSON: block hashes stored and evicted), for the proxy's prefix
   index. Fire and forget: a reader that misses one guesses worse, nothing breaks.
@@ -39,12 +42,13 @@ from urllib.parse import urlsplit, urlunsplit
 import redis
 
 from cluster.config import RegistryConfig
-from cluster.nodes import KVEvents, NodeInfo, NodeState, ReplicaLoad
+from cluster.nodes import KVEvents, NodeFailure, NodeInfo, NodeState, ReplicaLoad
 
 log = logging.getLogger(__name__)
 
 SOCKET_TIMEOUT_S = 2.0  # the longest any one Redis round trip may take (capped at the TTL)
 _STOP_POLL_S = 0.2  # how often the view's thread checks for stop() while waiting for notifications
+FAILURE_TTL_S = 3600.0  # how long a failed node's reason stays for `pdctl status`
 
 # Set or clear a draining flag only if the node is registered, atomically: a check-then-set from
 # Python could leave a flag behind for a node that deregistered in between.
@@ -80,6 +84,7 @@ class Registry:
         self._prefix = f"{config.cluster}:"
         self._index_key = f"{self._prefix}nodes"
         self._draining_key = f"{self._prefix}draining"
+        self._failed_key = f"{self._prefix}failed"
         self.channel = f"{self._prefix}events"
         self.kv_channel = f"{self._prefix}kv_events"
         self._set_draining_script = self._client.register_script(_SET_DRAINING)
@@ -106,6 +111,8 @@ class Registry:
             pipe.sismember(self._draining_key, info.node_id)
             existed, _, _, draining = pipe.execute()
             if not existed:  # first heartbeat, or back after its record expired or Redis restarted
+                self._client.delete(self._failure_key(info.node_id))  # serving again: an old failure is past
+                self._client.srem(self._failed_key, info.node_id)
                 if was_draining and not draining:
                     self._client.sadd(self._draining_key, info.node_id)
                     draining = True
@@ -137,6 +144,32 @@ class Registry:
             pipe.srem(self._draining_key, node_id)
             pipe.execute()
             self._notify("leave", node_id)
+
+    def record_failure(self, failure: NodeFailure) -> None:
+        """Keep why ``failure.node_id`` stopped serving (it deregisters next), for ``FAILURE_TTL_S``."""
+        with self._errors("record a failure"):
+            pipe = self._client.pipeline(transaction=True)
+            pipe.set(self._failure_key(failure.node_id), json.dumps(failure.to_dict()), px=_ms(FAILURE_TTL_S))
+            pipe.sadd(self._failed_key, failure.node_id)
+            pipe.execute()
+
+    def failures(self) -> list[NodeFailure]:
+        """The nodes that failed within ``FAILURE_TTL_S`` and have not registered again, newest first."""
+        with self._errors("read failures"):
+            ids = sorted(_text(i) for i in self._client.smembers(self._failed_key))
+            records = self._client.mget([self._failure_key(i) for i in ids]) if ids else []
+            out, gone = [], []
+            for node_id, record in zip(ids, records):
+                if record is None:
+                    gone.append(node_id)
+                    continue
+                try:
+                    out.append(NodeFailure.from_dict(json.loads(record)))
+                except (ValueError, KeyError, TypeError) as e:
+                    log.warning("ignoring a malformed failure record of %s: %s", node_id, e)
+            if gone:
+                self._prune_script(keys=[self._failed_key, *map(self._failure_key, gone)], args=gone)
+        return sorted(out, key=lambda f: -f.at)
 
     def set_draining(self, node_id: str, draining: bool) -> bool:
         """Set or clear the node's draining flag; False if no such node is registered."""
@@ -200,6 +233,9 @@ class Registry:
 
     def _node_key(self, node_id: str) -> str:
         return f"{self._prefix}node:{node_id}"
+
+    def _failure_key(self, node_id: str) -> str:
+        return f"{self._prefix}failed:{node_id}"
 
     def _notify(self, event: str, node_id: str) -> None:
         self._client.publish(self.channel, json.dumps({"event": event, "node_id": node_id}))

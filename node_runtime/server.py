@@ -34,7 +34,7 @@ from cluster.auth import TokenCheck
 from cluster.config import NodeConfig
 from cluster.grpc_options import SERVER_OPTIONS
 from cluster.net import is_loopback
-from cluster.nodes import KVEvents, NodeInfo, ReplicaLoad
+from cluster.nodes import KVEvents, NodeFailure, NodeInfo, ReplicaLoad
 from cluster.proto_gen import pdcluster_v1_pb2 as pb
 from engine import envs as engine_envs
 from engine.parallel.expert_parallel import ep_size
@@ -117,11 +117,14 @@ class Heartbeat(threading.Thread):
         while not self.stopped.wait(self.every_s):
             self.beat()
 
-    def stop(self) -> None:
+    def stop(self, failure: str | None = None) -> None:
+        """Leave the registry; ``failure``: why the node stops serving on its own, kept there for ``pdctl``."""
         self.stopped.set()
         if self.is_alive():
             self.join(timeout=10)  # a beat in flight must not re-register us after we leave
         try:
+            if failure is not None:
+                self.registry.record_failure(NodeFailure(self.info.node_id, self.info.role, failure, time.time()))
             self.registry.deregister(self.info.node_id)
         except Exception as e:
             log.warning("could not deregister: %s", e)
@@ -253,7 +256,7 @@ async def _serve(
         log.error("node failed: %s", worker.failure)
         code = 1
     await lifecycle.stop()
-    heartbeat.stop()  # leave the registry first: no new requests are routed here
+    heartbeat.stop((worker.failure or "the engine failed") if code else None)  # leave first: no new requests here
     deadline = time.monotonic() + (config.grace_s if code == 0 else 0.0)
     while worker.in_flight() and time.monotonic() < deadline:
         await asyncio.sleep(0.1)

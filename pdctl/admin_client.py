@@ -13,7 +13,7 @@ from urllib.parse import quote
 
 import httpx
 
-from cluster.nodes import NodeInfo, NodeState, ReplicaLoad
+from cluster.nodes import NodeFailure, NodeInfo, NodeState, ReplicaLoad
 
 KEY_HINT = "pass --admin-key or set PDCLUSTER_ADMIN_KEY"
 
@@ -39,6 +39,7 @@ class ClusterView:
     nodes: list[AdminNode]
     registry: str  # "ok", or "stale": Redis is unreachable and the proxy routes on its last view
     registry_error: str | None = None
+    failed: tuple[NodeFailure, ...] = ()  # nodes that stopped serving lately because their engine failed
 
 
 @dataclass(frozen=True)
@@ -106,7 +107,8 @@ class AdminClient:
         body = self._call("GET", "/admin/nodes")
         try:
             return ClusterView([_node(d) for d in body["nodes"]], str(body.get("registry", "ok")),
-                               body.get("registry_error"))
+                               body.get("registry_error"),
+                               tuple(NodeFailure.from_dict(f) for f in body.get("failed", ())))
         except (KeyError, TypeError, ValueError) as e:
             raise AdminError(f"unexpected answer from {self.base_url}/admin/nodes: {e!r}") from None
 

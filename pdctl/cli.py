@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -21,7 +22,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from cluster.config import DOWN_GRACE_S
-from cluster.nodes import NodeInfo
+from cluster.nodes import NodeFailure, NodeInfo
 from pdctl.admin_client import AdminClient, AdminError, AdminNode
 from pdctl.topology import DecodeSpec, PrefillSpec, ProxySpec, RegistrySpec, Topology, load_topology
 
@@ -325,20 +326,33 @@ def status(proxy: str | None = PROXY, admin_key: str | None = ADMIN_KEY, run_dir
     if view.registry != "ok":
         console.print(f"[red]registry {escape(view.registry)}[/red]: {escape(view.registry_error or '')} (the proxy "
                       "routes on its last view; node health from its own probes)", highlight=False)
+    for f in view.failed:
+        console.print(f"[red]{escape(_failure_line(f))}[/red]", highlight=False)  # (its text is the node's)
     if not nodes:
         console.print("no nodes registered")
+
+
+def _failure_line(f: NodeFailure) -> str:
+    """A node that stopped serving because its engine failed, when, and why: a traceback's first and last
+    lines (``--json`` has all of it)."""
+    lines = [line.strip() for line in f.why.splitlines() if line.strip()]
+    why = " ... ".join(lines[:1] + lines[-1:]) if len(lines) > 1 else f.why
+    return f"{f.node_id} ({f.role}) failed {time.time() - f.at:.0f} s ago and left the cluster: {why}"
 
 
 @app.command()
 def nodes(proxy: str | None = PROXY, admin_key: str | None = ADMIN_KEY, run_dir: Path | None = RUN_DIR,
           cluster: str = CLUSTER, as_json: bool = typer.Option(False, "--json", help="the raw JSON")) -> None:
     """One line per node (or --json)."""
-    found = _admin(proxy, admin_key, run_dir, cluster, lambda c: c.nodes())
+    view = _admin(proxy, admin_key, run_dir, cluster, lambda c: c.view())
     if as_json:
-        typer.echo(json.dumps({"nodes": [n.raw for n in found]}, indent=2))
+        typer.echo(json.dumps({"nodes": [n.raw for n in view.nodes], "failed": [f.to_dict() for f in view.failed]},
+                              indent=2))
         return
-    for n in found:
+    for n in view.nodes:
         typer.echo(_node_line(n))
+    for f in view.failed:
+        typer.echo(_failure_line(f))
 
 
 @app.command()

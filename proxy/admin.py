@@ -1,8 +1,8 @@
 """The admin API: list nodes, drain and undrain them, explain a routing decision.
 
-``GET /admin/nodes``, ``POST /admin/nodes/{node_id}/drain`` and ``/undrain``,
-``GET /admin/route?prompt_tokens=N[&max_tokens=M]`` or ``?prompt=TEXT`` (tokenized as is: the prefix
-caches' expected hits count then). Guarded by the admin key when one is set.
+``GET /admin/nodes`` (and the nodes that failed lately, with why), ``POST /admin/nodes/{node_id}/drain``
+and ``/undrain``, ``GET /admin/route?prompt_tokens=N[&max_tokens=M]`` or ``?prompt=TEXT`` (tokenized as
+is: the prefix caches' expected hits count then). Guarded by the admin key when one is set.
 A drain takes effect on this proxy's very next request; requests in flight finish.
 """
 
@@ -34,7 +34,7 @@ def admin_router(view: NodeView, router: Router, guard: Callable[..., Awaitable[
     async def nodes() -> dict[str, Any]:
         return {"nodes": [{**n.to_dict(), "inflight": router.load.requests(n.info.node_id),
                            "circuit": view.breakers.state(n.info.node_id)} for n in view.snapshot()],
-                **view.registry_state()}
+                "failed": [f.to_dict() for f in await view.failures()], **view.registry_state()}
 
     async def set_draining(node_id: str, draining: bool) -> dict[str, Any]:
         try:

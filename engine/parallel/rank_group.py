@@ -105,6 +105,7 @@ class RankGroup:
         self._gpus = gpus
         self._procs: list[mp.process.BaseProcess] = []
         self._stopped: str | None = None  # why the group was stopped, once it was
+        self._failure: str | None = None  # the first failure seen: every later use of the group raises it
         self._conns: list[Connection] = []
 
     def start(self, ready_timeout_s: float = 120.0) -> None:
@@ -129,6 +130,8 @@ class RankGroup:
                 raise RankFailure(f"rank {rank} sent {msg!r} instead of its ready acknowledgement")
 
     def _check_running(self) -> None:
+        if self._failure is not None:  # whichever thread uses the group next hears the cause, not its effect
+            raise RankFailure(self._failure)
         if self._stopped is not None:
             raise RankFailure(f"the rank group is stopped ({self._stopped})")
 
@@ -222,9 +225,11 @@ class RankGroup:
         return None
 
     def _fail(self, why: str) -> None:
+        if self._failure is None:
+            self._failure = why
         # Survivors are likely blocked in a collective with the dead rank: a short grace, then terminate.
         self.shutdown(grace_s=2.0, why=why)
-        raise RankFailure(why)
+        raise RankFailure(self._failure)
 
     def pids(self) -> list[int]:
         return [p.pid for p in self._procs if p.pid is not None]
@@ -234,6 +239,8 @@ class RankGroup:
 
     def shutdown(self, grace_s: float = 5.0, why: str = "shut down") -> None:
         """Ask every rank to stop, then terminate, then kill: returns within ~2 × grace_s."""
+        if self._stopped is None:  # at once: other threads stop using the group while it stops
+            self._stopped = why.splitlines()[0]
         for c in self._conns:
             try:
                 c.send(Stop())
@@ -255,8 +262,6 @@ class RankGroup:
             c.close()
         self._conns = []
         self._procs = []
-        if self._stopped is None:
-            self._stopped = why.splitlines()[0]
 
     def __enter__(self) -> RankGroup:
         self.start()

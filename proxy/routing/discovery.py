@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from dataclasses import replace
 from typing import Any, Protocol
 
-from cluster.nodes import KVEvents, NodeState
+from cluster.nodes import KVEvents, NodeFailure, NodeState
 from proxy.routing.breaker import Breakers
 
 
@@ -35,6 +35,10 @@ class NodeSource(Protocol):
 
     def kv_event_stream(self) -> KVEventFeed | None:
         """A fresh subscription to the nodes' KV events, or None when the source has none. May block."""
+        ...
+
+    def failures(self) -> list[NodeFailure]:
+        """Nodes that stopped serving because their engine failed, lately, and why. May block."""
         ...
 
 
@@ -67,6 +71,9 @@ class RegistrySource:
     def kv_event_stream(self) -> Any:
         return self._registry.kv_event_stream()
 
+    def failures(self) -> list[NodeFailure]:
+        return self._registry.failures()
+
 
 class StaticNodeSource:
     """A fixed set of nodes held in memory (tests, fixed topologies)."""
@@ -89,6 +96,9 @@ class StaticNodeSource:
 
     def remove(self, node_id: str) -> None:
         self._nodes.pop(node_id, None)
+
+    def failures(self) -> list[NodeFailure]:
+        return []
 
     def registry_error(self) -> str | None:
         return None
@@ -133,6 +143,13 @@ class NodeView:
 
     def kv_event_stream(self) -> KVEventFeed | None:
         return self._source.kv_event_stream()
+
+    async def failures(self) -> list[NodeFailure]:
+        """The source's failed nodes (in a thread: a Redis round trip); none when it cannot be read."""
+        try:
+            return await asyncio.to_thread(self._source.failures)
+        except Exception:  # the registry is away: /admin/nodes says so already (registry_state)
+            return []
 
     def source_nodes(self) -> list[NodeState]:
         """The registry's list without this proxy's overlays (what the prober checks)."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import threading
 import time
@@ -194,6 +195,7 @@ def test_a_prefill_ep_rank_killed_under_load_fails_only_its_requests(cluster: Cl
     ranks[-1].kill()
     # A rank failure stops its node; the decode nodes then prefill locally (the proxy's fallback).
     assert wait_until(lambda: "prefill-0" not in cluster.nodes(), 20)
+    assert re.search(r"rank \d", failed_why(cluster, "prefill-0"))  # what `pdctl status` says of it
     time.sleep(2.0)
     statuses = load.stop()
     failed = [s for s in statuses if s != 200]
@@ -228,6 +230,7 @@ def test_a_hung_replica_of_an_ep_decode_node_fails_its_group_and_is_routed_aroun
     assert all(s in (502, 503, 504) for s in failed), failed  # the requests that reached decode-1, as errors
     assert all(s == 200 for s in statuses[-6:]), statuses[-6:]  # served again, by decode-0
     assert failed_after > EP_TIMEOUT_S - 1, failed_after  # (it was the collective's timeout, not a crash)
+    assert "Timed out" in failed_why(cluster, "decode-1")  # what `pdctl status` says of it
     used = wait_all_free(cluster)
     assert not any(used.values()), used
 
@@ -241,6 +244,12 @@ def test_the_proxy_killed_with_requests_in_flight_leaves_no_kv_held(cluster: Clu
     # The decode streams were cancelled with the connection; anything still held under a lease expires.
     used = wait_all_free(cluster, timeout_s=LEASE_S + 15)
     assert not any(used.values()), used
+
+
+def failed_why(c: Cluster, node_id: str) -> str:
+    """Why ``node_id`` failed, as the admin API (and so ``pdctl status``) reports it."""
+    failed = {f["node_id"]: f for f in c.admin.get("/admin/nodes").json()["failed"]}
+    return failed[node_id]["why"]
 
 
 def wait_until(predicate, timeout_s: float) -> bool:  # noqa: ANN001

@@ -11,8 +11,8 @@ import redis
 
 from cluster.config import RegistryConfig
 from cluster.net import free_port
-from cluster.nodes import NodeInfo, NodeState, ReplicaLoad
-from cluster.registry import Registry, RegistryError, RegistryView
+from cluster.nodes import NodeFailure, NodeInfo, NodeState, ReplicaLoad
+from cluster.registry import FAILURE_TTL_S, Registry, RegistryError, RegistryView
 from pdctl.redis_server import RedisServer, start_redis
 
 _clusters = itertools.count()
@@ -109,6 +109,29 @@ def test_a_silent_node_expires_and_leaves_the_index(registry: Registry, config: 
     raw = redis.Redis.from_url(config.url, decode_responses=True)
     assert raw.smembers(f"{config.cluster}:nodes") == {"decode-0"}
     raw.close()
+
+
+def test_a_failed_node_leaves_its_reason_until_it_registers_again(registry: Registry, config: RegistryConfig,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    registry.heartbeat(info("prefill-0"), LOADS)
+    registry.heartbeat(info("decode-0", "decode"), ())
+    registry.record_failure(NodeFailure("prefill-0", "prefill", "rank 3 exited with code -9", 100.0))
+    registry.record_failure(NodeFailure("decode-0", "decode", "replica 1: timed out", 200.0))
+    registry.deregister("prefill-0")
+    registry.deregister("decode-0")
+    assert registry.nodes() == []
+    assert [(f.node_id, f.why) for f in registry.failures()] == [  # newest first
+        ("decode-0", "replica 1: timed out"), ("prefill-0", "rank 3 exited with code -9")]
+    registry.heartbeat(info("prefill-0"), LOADS)  # restarted: serving again, the old failure is past
+    assert [f.node_id for f in registry.failures()] == ["decode-0"]
+    raw = redis.Redis.from_url(config.url, decode_responses=True)
+    try:
+        assert raw.pttl(f"{config.cluster}:failed:decode-0") > (FAILURE_TTL_S - 60) * 1000
+        raw.delete(f"{config.cluster}:failed:decode-0")  # as its TTL would: the index is pruned by readers
+        assert registry.failures() == []
+        assert raw.smembers(f"{config.cluster}:failed") == set()
+    finally:
+        raw.close()
 
 
 def test_draining_survives_heartbeats_and_clears_on_deregister(registry: Registry) -> None:

@@ -46,6 +46,10 @@ ROUTE = {
 }
 
 
+FAILED = [{"node_id": "decode-1", "role": "decode", "at": 1.0,
+           "why": "rank 0: Traceback (most recent call last):\n  File ...\nRuntimeError: [gloo] Timed out waiting"}]
+
+
 class FakeProxy(BaseHTTPRequestHandler):
     nodes: dict[str, dict] = {}
     last_query: dict[str, list[str]] = {}
@@ -55,7 +59,7 @@ class FakeProxy(BaseHTTPRequestHandler):
             return
         url = urlsplit(self.path)
         if url.path == "/admin/nodes":
-            self._json(200, {"nodes": list(self.nodes.values())})
+            self._json(200, {"nodes": list(self.nodes.values()), "failed": FAILED})
         elif url.path == "/admin/route":
             query = parse_qs(url.query)
             tokens = int(query["prompt_tokens"][0])
@@ -130,7 +134,9 @@ def test_status_table(pdctl, proxy_url) -> None:
     out = result.output
     assert f"proxy {proxy_url}" in out
     for expected in ("decode-0", "decode (vllm)", "prefill-0", "prefill-1", "EP2, 128 experts/rank",
-                     "sharded, fp8_ds_mla, tcp", "unhealthy", "draining", "120 / 3", "15 / 113"):
+                     "sharded, fp8_ds_mla, tcp", "unhealthy", "draining", "120 / 3", "15 / 113",
+                     "decode-1 (decode) failed", "ago and left the cluster: rank 0: Traceback (most recent call "
+                     "last): ... RuntimeError: [gloo] Timed out waiting"):
         assert expected in out
 
 
@@ -138,11 +144,12 @@ def test_nodes_lines_and_json(pdctl, proxy_url) -> None:
     result = pdctl("nodes", "--proxy", proxy_url, "--admin-key", ADMIN_KEY)
     assert result.exit_code == 0, result.output
     lines = result.output.strip().splitlines()
-    assert len(lines) == 3
+    assert len(lines) == 4
+    assert lines[3].startswith("decode-1 (decode) failed") and lines[3].endswith("Timed out waiting")
     assert lines[2].startswith("prefill-1  prefill") and "UNHEALTHY draining" in lines[2] and "inflight=3" in lines[2]
     assert "dp=2 pcp=2 pp=1 ep=2 experts/rank=128  sharded  fp8_ds_mla" in lines[1] and "ep=" not in lines[2]
     raw = pdctl("nodes", "--json", "--proxy", proxy_url, "--admin-key", ADMIN_KEY)
-    assert json.loads(raw.output) == {"nodes": list(FakeProxy.nodes.values())}
+    assert json.loads(raw.output) == {"nodes": list(FakeProxy.nodes.values()), "failed": FAILED}
 
 
 def test_admin_key_from_the_environment(pdctl, proxy_url) -> None:
@@ -208,7 +215,7 @@ def test_proxy_from_the_state_file_of_up(pdctl, proxy_url, tmp_path: Path) -> No
     launcher.write_state(tmp_path, state)
     result = pdctl("nodes", "--run-dir", str(tmp_path), "--admin-key", ADMIN_KEY)
     assert result.exit_code == 0, result.output
-    assert len(result.output.strip().splitlines()) == 3
+    assert len(result.output.strip().splitlines()) == 3 + len(FAILED)
 
 
 def test_no_state_and_no_proxy(pdctl, tmp_path: Path) -> None:
