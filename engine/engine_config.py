@@ -72,9 +72,9 @@ class EngineConfig:
     kv_layout: str = field(default="sharded", metadata={
         "help": "sharded: each KV block on one PCP rank; replicated: on all of them", "choices": KV_LAYOUTS})
     enable_expert_parallel: bool = field(default=False, metadata={
-        "help": "MoE models: each of a PP stage's DP x PCP ranks holds 1/(DP x PCP) of the routed experts, and "
-                "every MoE layer dispatches tokens to their owners (engine/parallel/expert_parallel.py); DP "
-                "replicas then step in lockstep"})
+        "help": "MoE models: each of a PP stage's DP x PCP ranks (a decode node: each DP replica) holds 1/(DP x "
+                "PCP) of the routed experts, and every MoE layer dispatches tokens to their owners "
+                "(engine/parallel/expert_parallel.py); DP replicas then step in lockstep"})
     kv_interleave: int | None = field(default=None, metadata={
         "help": "sharded: tokens per run on one PCP rank (default: one block)"})
     dist_host: str = field(default="127.0.0.1", metadata={"help": "torch.distributed rendezvous of the rank processes"})
