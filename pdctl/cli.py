@@ -426,6 +426,8 @@ def _admin(proxy: str | None, admin_key: str | None, run_dir: Path | None, clust
             _fail(f"no cluster state in {launcher.default_run_dir(cluster)}, and no other cluster running under "
                   "~/.pdcluster: pass --run-dir DIR or --proxy URL, or start a cluster with pdctl up")
         proxy = state.proxy_url
+        if admin_key is None:  # the key of the cluster it started (else --admin-key or the environment's)
+            admin_key = launcher.admin_key(Path(state.run_dir))
     client = AdminClient(proxy, admin_key)
     try:
         return call(client)

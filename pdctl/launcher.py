@@ -41,6 +41,7 @@ from pdctl.topology import NodeSpec, Topology
 
 STATE_FILE = "state.json"
 TOKEN_FILE = "cluster-token"  # the cluster's gRPC token (cluster.auth), for nodes started by hand
+ADMIN_KEY_FILE = "admin-key"  # the proxy's admin key, for `pdctl status` and the others (this user only)
 REDIS = "redis"
 PROXY = "proxy"
 _LOG_TAIL_LINES = 30
@@ -75,7 +76,7 @@ class RunState:
     run_dir: str
     proxy_url: str
     registry_url: str
-    admin_key: bool  # whether the proxy's /admin/* needs a key (the key itself is not stored)
+    admin_key: bool  # whether the proxy's /admin/* needs a key (the key itself is in ADMIN_KEY_FILE, not here)
     api_key: bool
     started_at: float
     processes: tuple[ProcessRecord, ...] = ()
@@ -198,8 +199,8 @@ def write_state(run_dir: Path, state: RunState) -> None:
 
 
 def remove_state(run_dir: Path) -> None:
-    (run_dir / STATE_FILE).unlink(missing_ok=True)
-    (run_dir / TOKEN_FILE).unlink(missing_ok=True)
+    for name in (STATE_FILE, TOKEN_FILE, ADMIN_KEY_FILE):
+        (run_dir / name).unlink(missing_ok=True)
 
 
 def running_clusters(root: Path | None = None) -> list[RunState]:
@@ -274,6 +275,8 @@ def up(topology: Topology, run_dir: Path, timeout_s: float = 300.0, progress: Pr
             write_state(run_dir, state)
         children: dict[str, subprocess.Popen[bytes]] = {}
         env = {**_child_env(), envs.CLUSTER_TOKEN: cluster_token(run_dir)}
+        if topology.proxy.admin_key is not None:  # so that pdctl's admin commands work right after up
+            _private_file(run_dir / ADMIN_KEY_FILE, topology.proxy.admin_key)
         for spec in cluster_commands(topology, state.registry_url, proxy_port, python):
             say(f"starting {spec.name}")
             proc, record = spawn(spec.name, spec.argv, logs / f"{spec.name}.log", {**env, **dict(spec.env)},
@@ -335,11 +338,23 @@ def cluster_token(run_dir: Path) -> str:
     set, else a new random one, written to ``RUN_DIR/cluster-token`` (readable by this user only) for
     nodes started by hand to join with."""
     token = envs.cluster_token() or secrets.token_urlsafe(32)
-    path = run_dir / TOKEN_FILE
+    _private_file(run_dir / TOKEN_FILE, token)
+    return token
+
+
+def admin_key(run_dir: Path) -> str | None:
+    """The admin key of the cluster `pdctl up` started from ``run_dir`` (None: it has none, or it is gone)."""
+    try:
+        return (run_dir / ADMIN_KEY_FILE).read_text().strip() or None
+    except OSError:
+        return None
+
+
+def _private_file(path: Path, secret: str) -> None:
+    """``secret`` in ``path``, readable by this user only (made so before anything is written)."""
     path.touch(mode=0o600)
     path.chmod(0o600)
-    path.write_text(token + "\n")
-    return token
+    path.write_text(secret + "\n")
 
 
 def _child_env() -> dict[str, str]:

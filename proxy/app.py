@@ -3,14 +3,17 @@
 ``create_app(config, tokenizer, nodes, max_model_len=...)`` takes the node source as a
 dependency: ``python -m proxy`` passes the Redis registry, tests a ``StaticNodeSource``.
 
-Routes: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models`` (API key when set),
-``/health``, ``/metrics``, ``/admin/*`` (admin key when set).
+Routes: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models`` and ``/v1/models/{id}``, ``/tokenize``,
+``/detokenize`` (API key when set), ``/health`` and ``/ping`` (vLLM's, GET or POST), ``/metrics`` (GET or
+HEAD, as ``/health``), ``/version``, ``/admin/*`` (admin key when set). Anything else is a 404 in OpenAI's
+shape, which names the OpenAI endpoints this model does not serve (``proxy.errors.not_found``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import hmac
+import importlib.metadata
 import json
 import logging
 import math
@@ -30,7 +33,7 @@ from proxy.admin import admin_router
 from proxy.api.hot_path import GenerationEndpoints, ProxyApp
 from proxy.api.ratelimit import RateLimiter
 from proxy.api.serving import Serving
-from proxy.errors import APIError, install_error_handlers
+from proxy.errors import APIError, install_error_handlers, model_not_found
 from proxy.link.clients import NodeClients
 from proxy.metrics import FLUSH_S, ProxyMetrics, RequestCounter
 from proxy.pipeline import Pipeline
@@ -40,9 +43,13 @@ from proxy.routing.kv_events import follow_kv_events
 from proxy.routing.router import Router
 
 log = logging.getLogger(__name__)
+try:
+    PDCLUSTER_VERSION = importlib.metadata.version("pdcluster")
+except importlib.metadata.PackageNotFoundError:  # run from a checkout that was not installed
+    PDCLUSTER_VERSION = "unknown"
 
 _ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics", "/admin/nodes",
-              "/admin/route", "/tokenize", "/detokenize")
+              "/admin/route", "/tokenize", "/detokenize", "/ping", "/version")
 
 
 def model_limits(model_dir: str) -> tuple[int, int | None]:
@@ -164,14 +171,21 @@ def create_app(config: ProxyConfig, tokenizer: Tokenizer, nodes: NodeSource, *, 
     v1.add_api_route("/completions", handlers.completions, methods=["POST"], response_model=None)
     v1.add_api_route("/chat/completions", handlers.chat, methods=["POST"], response_model=None)
 
+    def model_card() -> dict[str, Any]:
+        limit = context_limit(view.snapshot(), name, max_model_len)
+        return {"id": name, "object": "model", "created": created, "owned_by": "pdcluster", "max_model_len": limit}
+
     @v1.get("/models")
     async def models() -> dict[str, Any]:
-        limit = context_limit(view.snapshot(), name, max_model_len)
-        return {"object": "list", "data": [
-            {"id": name, "object": "model", "created": created, "owned_by": "pdcluster", "max_model_len": limit},
-        ]}
+        return {"object": "list", "data": [model_card()]}
 
-    @app.get("/health", response_model=None)
+    @v1.get("/models/{model_id:path}")
+    async def model(model_id: str) -> dict[str, Any]:  # the openai client's models.retrieve
+        if model_id != name:
+            raise model_not_found(model_id)
+        return model_card()
+
+    @app.api_route("/health", methods=["GET", "HEAD"], response_model=None)
     async def health() -> JSONResponse:
         snapshot = view.snapshot()
         counts = {role: len(available(snapshot, name, role)) for role in ("prefill", "decode")}
@@ -185,7 +199,15 @@ def create_app(config: ProxyConfig, tokenizer: Tokenizer, nodes: NodeSource, *, 
                        code=f"no_{missing[0]}_node")
         return JSONResponse({**err.body(), **counts, **registry}, status_code=503)
 
-    @app.get("/metrics")
+    @app.api_route("/ping", methods=["GET", "POST"], response_model=None)
+    async def ping() -> JSONResponse:  # vLLM's (SageMaker's) liveness route: /health's answer
+        return await health()
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": PDCLUSTER_VERSION}
+
+    @app.api_route("/metrics", methods=["GET", "HEAD"])
     async def metrics_page() -> Response:
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
@@ -205,4 +227,6 @@ def _endpoint_label(path: str) -> str:
         return path
     if path.startswith("/admin/nodes/"):
         return "/admin/nodes/{node_id}"
+    if path.startswith("/v1/models/"):
+        return "/v1/models/{model}"
     return "other"

@@ -123,6 +123,29 @@ def error_for(exc: Exception, count: Callable[[str], None]) -> JSONResponse:
     return error_response(APIError(500, "internal server error", code="internal_error"))
 
 
+# OpenAI's (and vLLM's) endpoints a chat / completions model does not serve here, by their first path part
+# under /v1 (or at the root, vLLM's): what a 404 for them names.
+_UNSERVED = {"embeddings": "embeddings", "audio": "audio", "images": "images", "moderations": "moderations",
+             "files": "files", "fine_tuning": "fine-tuning jobs", "batches": "batches", "assistants": "assistants",
+             "threads": "threads", "vector_stores": "vector stores", "uploads": "uploads",
+             "realtime": "realtime sessions",
+             "rerank": "reranking", "score": "scoring", "pooling": "pooling", "classify": "classification",
+             "responses": "the Responses API (not yet: use /v1/chat/completions)"}
+
+
+def model_not_found(model: str) -> APIError:
+    return APIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
+
+
+def not_found(path: str) -> APIError:
+    """The 404 for ``path``: which OpenAI endpoint this server does not serve, or which path it does not know."""
+    part = path.removeprefix("/v1").strip("/").split("/")[0]
+    if part in _UNSERVED:
+        return APIError(404, f"{path}: this server does not serve {_UNSERVED[part]}; its model serves "
+                             "/v1/completions and /v1/chat/completions", code="unsupported_endpoint")
+    return APIError(404, f"{path} is not an endpoint of this server", code="not_found")
+
+
 def install_error_handlers(app: FastAPI, count: Callable[[str], None] = lambda cause: None) -> None:
     """Make every error the app answers an OpenAI error body (never a 422, never HTML);
     ``count(cause)`` is called for each (the errors metric)."""
@@ -130,6 +153,8 @@ def install_error_handlers(app: FastAPI, count: Callable[[str], None] = lambda c
     async def on_error(request: Request, exc: Exception) -> JSONResponse:
         if not isinstance(exc, (APIError, RequestValidationError, ValidationError, StarletteHTTPException)):
             log.error("unexpected error on %s %s", request.method, request.url.path)
+        if isinstance(exc, StarletteHTTPException) and exc.status_code == 404 and exc.detail == "Not Found":
+            exc = not_found(request.url.path)  # no route (a handler's own 404s say more already)
         return error_for(exc, count)
 
     for kind in (APIError, RequestValidationError, ValidationError, StarletteHTTPException, Exception):

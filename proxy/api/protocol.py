@@ -85,6 +85,8 @@ class _Sampling(_Request):
     def _check_unsupported(self) -> _Sampling:
         if self.n is not None and not 1 <= self.n <= MAX_CHOICES:
             raise ValueError(f"n must be in [1, {MAX_CHOICES}], got {self.n}")
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options can only be given with stream: true")  # (as vLLM answers)
         self.token_bias()  # raises on a bad key or value
         self._constraint = structured.resolve(self.response_format, self.structured_outputs, {
             "json": self.guided_json, "regex": self.guided_regex, "choice": self.guided_choice,

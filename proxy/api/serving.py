@@ -30,7 +30,7 @@ from proxy.api.protocol import ChatCompletionRequest, CompletionRequest, Detoken
 from proxy.api.responses import ChatFormat, CompletionFormat, Format, TokenTexts, sse, usage
 from proxy.api.sse import ClientDisconnected, ClientWatch, EventStreamResponse, until_disconnected
 from proxy.api.tool_calls import MARKERS, ToolCallStream, forced_prefix
-from proxy.errors import APIError, bad_request, error_body, validation_error
+from proxy.errors import APIError, bad_request, error_body, model_not_found, validation_error
 from proxy.metrics import ProxyMetrics
 from proxy.pipeline import Generation, GenerationError, GenerationRequest, Pipeline
 from proxy.routing.discovery import NodeView, context_limit
@@ -124,7 +124,7 @@ class Serving:
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
-            raise APIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
+            raise model_not_found(model)
 
     def _checked_max_tokens(self, req: CompletionRequest | ChatCompletionRequest, prompt_ids: list[int],
                             nodes: list[NodeState], prompt_param: str) -> int:

@@ -182,7 +182,9 @@ def test_up_then_down(run_dir, fake_python, model) -> None:
     assert httpx.get(f"{state.proxy_url}/health", timeout=2).status_code == 200
     on_disk = json.loads((run_dir / "state.json").read_text())
     assert on_disk["proxy_url"] == state.proxy_url and on_disk["admin_key"] is True
-    assert '"k"' not in (run_dir / "state.json").read_text()  # the key itself is never written
+    assert '"k"' not in (run_dir / "state.json").read_text()  # the key itself is not in the state file, but
+    key = run_dir / launcher.ADMIN_KEY_FILE  # in one only this user can read, for pdctl's admin commands
+    assert key.read_text() == "k\n" and key.stat().st_mode & 0o777 == 0o600 and launcher.admin_key(run_dir) == "k"
     assert all(is_running(p) for p in state.processes)
     log = (run_dir / "logs" / "prefill-0.log").read_text()
     assert f"--registry-url {state.registry_url} --cluster pdcluster" in log and "--pcp 2" in log
@@ -190,7 +192,7 @@ def test_up_then_down(run_dir, fake_python, model) -> None:
     with pytest.raises(ClusterRunning, match="pdctl down"):
         launcher.up(small_topology(model), run_dir, timeout_s=5, python=fake_python)
     stopped = launcher.down(run_dir, grace_s=5.0)
-    assert stopped is not None and not (run_dir / "state.json").exists()
+    assert stopped is not None and not (run_dir / "state.json").exists() and not key.exists()
     assert not any(is_running(p) for p in state.processes)  # rank children included
     assert launcher.down(run_dir) is None  # idempotent
 

@@ -68,6 +68,12 @@ BAD_REQUESTS = [
     ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400,
      None),
     ("chat/completions", {"model": "nope", "messages": [{"role": "user", "content": "x"}]}, 404, "model_not_found"),
+    ("completions", {"model": MODEL, "prompt": "x", "stream_options": {"include_usage": True}}, 400, None),
+    ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "stream": False,
+                          "stream_options": {"include_usage": True}}, 400, None),
+    ("embeddings", {"model": MODEL, "input": "x"}, 404, "unsupported_endpoint"),
+    ("audio/transcriptions", {"model": MODEL}, 404, "unsupported_endpoint"),
+    ("nothing", {"model": MODEL}, 404, "not_found"),
 ]
 
 
@@ -108,7 +114,11 @@ def test_unexpected_exception_is_500_openai_error(c: Cluster, monkeypatch: pytes
 def test_unknown_route_and_admin_query_errors(c: Cluster) -> None:
     with c.http() as h:
         r = h.get("/v1/nothing")
-        assert r.status_code == 404 and "error" in r.json()
+        assert r.status_code == 404 and r.json()["error"]["message"] == "/v1/nothing is not an endpoint of this server"
+        r = h.post("/v1/embeddings", json={"model": MODEL, "input": "x"})
+        assert r.status_code == 404 and "does not serve embeddings" in r.json()["error"]["message"]
+        r = h.get("/v1/completions")  # a known route, another method: 405 in OpenAI's shape
+        assert r.status_code == 405 and r.json()["error"]["message"] == "Method Not Allowed"
     with c.http(ADMIN_KEY) as h:
         r = h.get("/admin/route", params={"prompt_tokens": "abc"})
         assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"

@@ -4,9 +4,11 @@ what it answers (completions, chat, streaming, sampling, choices, tokenizing). T
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import re
 
+import openai
 import pytest
 from fake_cluster import MAX_MODEL_LEN, MODEL, SCRIPT_TEXT, TINY_VOCAB, Cluster
 from proxy_fakes import wait_until
@@ -257,5 +259,13 @@ def test_models_and_health(c: Cluster) -> None:
     assert models.data[0].model_extra["max_model_len"] == MAX_MODEL_LEN
     with c.http(None) as h:
         r = h.get("/health")
-    assert r.status_code == 200 and r.json() == {"status": "ok", "model": MODEL, "prefill": 2, "decode": 1,
-                                                 "local_prefill": False, "registry": "ok"}
+        assert r.status_code == 200 and r.json() == {"status": "ok", "model": MODEL, "prefill": 2, "decode": 1,
+                                                     "local_prefill": False, "registry": "ok"}
+        # vLLM's liveness route answers as /health does; HEAD as GET without a body
+        assert [h.get("/ping").json(), h.post("/ping").json()] == [r.json()] * 2
+        assert h.head("/health").status_code == 200 and h.head("/metrics").status_code == 200
+        assert h.get("/version").json() == {"version": importlib.metadata.version("pdcluster")}
+    card = c.client().models.retrieve(MODEL)  # the openai client's models.retrieve
+    assert (card.id, card.owned_by, card.model_extra["max_model_len"]) == (MODEL, "pdcluster", MAX_MODEL_LEN)
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        c.client().models.retrieve("other")

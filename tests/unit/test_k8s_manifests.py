@@ -72,6 +72,43 @@ def test_nodes_advertise_their_pod_ip_probe_grpc_health_and_read_keys_from_the_s
             assert container(deployments[f"pdcluster-{role}"])["resources"]["limits"]["nvidia.com/gpu"] == 2
 
 
+def selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
+    """Whether a label selector (matchLabels, matchExpressions with In / NotIn / Exists) picks ``labels``."""
+    if any(labels.get(k) != v for k, v in selector.get("matchLabels", {}).items()):
+        return False
+    for e in selector.get("matchExpressions", []):
+        has, value = e["key"] in labels, labels.get(e["key"])
+        ok = {"In": has and value in e.get("values", []), "NotIn": not has or value not in e.get("values", []),
+              "Exists": has, "DoesNotExist": not has}[e["operator"]]
+        if not ok:
+            return False
+    return True
+
+
+@needs_kubectl
+@pytest.mark.parametrize("overlay", OVERLAYS, ids=IDS)
+def test_only_pdclusters_pods_reach_the_nodes_and_redis(overlay: str) -> None:
+    """The nodes (every port: gRPC and Mooncake's, which it picks at start) and Redis take connections from
+    the proxy and the nodes only; nothing restricts the proxy, whose HTTP port faces clients."""
+    docs = render(overlay)
+    pods = {name: d["spec"]["template"]["metadata"]["labels"] for name, d in by_kind(docs, "Deployment").items()}
+    policies = by_kind(docs, "NetworkPolicy")
+    assert set(policies) == {"pdcluster-nodes", "pdcluster-redis"}
+    ours = {"pdcluster-proxy", "pdcluster-prefill", "pdcluster-decode"}
+    for name, guarded in (("pdcluster-nodes", {"pdcluster-prefill", "pdcluster-decode"}),
+                          ("pdcluster-redis", {"pdcluster-redis"})):
+        spec = policies[name]["spec"]
+        assert {p for p, labels in pods.items() if selects(spec["podSelector"], labels)} == guarded
+        assert spec["policyTypes"] == ["Ingress"]
+        (rule,) = spec["ingress"]
+        (peer,) = rule["from"]
+        assert set(peer) == {"podSelector"}  # pods of this namespace only
+        assert {p for p, labels in pods.items() if selects(peer["podSelector"], labels)} == ours
+    redis_port = by_kind(docs, "Service")["pdcluster-redis"]["spec"]["ports"][0]["port"]
+    assert policies["pdcluster-redis"]["spec"]["ingress"][0]["ports"] == [{"port": redis_port, "protocol": "TCP"}]
+    assert "ports" not in policies["pdcluster-nodes"]["spec"]["ingress"][0]  # Mooncake's ports are not known
+
+
 @needs_kubectl
 @pytest.mark.parametrize("overlay", OVERLAYS, ids=IDS)
 def test_every_process_starts_with_flags_its_parser_accepts(overlay: str, tiny_model: Path,

@@ -216,6 +216,10 @@ def test_proxy_from_the_state_file_of_up(pdctl, proxy_url, tmp_path: Path) -> No
     result = pdctl("nodes", "--run-dir", str(tmp_path), "--admin-key", ADMIN_KEY)
     assert result.exit_code == 0, result.output
     assert len(result.output.strip().splitlines()) == 3 + len(FAILED)
+    assert pdctl("nodes", "--run-dir", str(tmp_path)).exit_code == 1  # no key given, none kept: refused
+    (tmp_path / launcher.ADMIN_KEY_FILE).write_text(ADMIN_KEY + "\n")  # as `pdctl up` keeps it
+    result = pdctl("nodes", "--run-dir", str(tmp_path))
+    assert result.exit_code == 0 and len(result.output.strip().splitlines()) == 3 + len(FAILED), result.output
 
 
 def test_no_state_and_no_proxy(pdctl, tmp_path: Path) -> None:
