@@ -28,6 +28,9 @@ if TYPE_CHECKING:  # the proxy imports this module (to check constraints): neith
 
 MAX_CHOICES = 256  # strings in one ``choice``
 MAX_SPEC_CHARS = 1 << 20  # a schema, regex or grammar's size
+# llguidance's JSON options for compact output (vLLM's default, disable_any_whitespace): one space after each
+# separator and none elsewhere; also a schema's "x-guidance" inside a Lark grammar's %json rule.
+COMPACT_JSON: dict[str, Any] = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 @dataclass
@@ -99,9 +102,7 @@ class StructuredOutputsParams:
                 text = json.dumps(schema)
                 if len(text) > MAX_SPEC_CHARS:
                     raise ValueError(f"the JSON schema is larger than {MAX_SPEC_CHARS} characters")
-                options: Any = {"whitespace_flexible": self.any_whitespace}
-                if not self.any_whitespace:
-                    options |= {"item_separator": ", ", "key_separator": ": "}
+                options: Any = {"whitespace_flexible": True} if self.any_whitespace else COMPACT_JSON
                 grammar = LLMatcher.grammar_from_json_schema(text, defaults=options)
             elif self.regex is not None:
                 grammar = LLMatcher.grammar_from_regex(self._sized(self.regex))

@@ -176,6 +176,13 @@ class _Sampling(_Request):
         """The structured output asked for (compiled when the request was validated), or None."""
         return self._constraint
 
+    def constrain(self, constraint: StructuredOutputsParams, by: str) -> None:
+        """Hold the output to ``constraint``, which ``by`` (a field) asks for; a 400 when another one does."""
+        if self._constraint is not None:
+            raise ValueError(f"{by} constrains the output already: it cannot be combined with response_format, "
+                             "structured_outputs or guided_*")
+        self._constraint = constraint
+
 
 class CompletionRequest(_Sampling):
     """``POST /v1/completions``: one prompt, as text or token ids."""

@@ -29,7 +29,8 @@ from proxy.api.detok import OutputText
 from proxy.api.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from proxy.api.responses import ChatFormat, CompletionFormat, Format, TokenTexts, sse, usage
 from proxy.api.sse import ClientDisconnected, ClientWatch, EventStreamResponse, until_disconnected
-from proxy.api.tool_calls import MARKERS, ToolCallStream, forced_prefix
+from proxy.api.tool_calls import MARKERS, ToolCallStream, forced_prefix, lark_literal
+from proxy.api.tool_calls import constraint as tool_constraint
 from proxy.errors import APIError, bad_request, error_body, model_not_found, validation_error
 from proxy.metrics import ProxyMetrics
 from proxy.pipeline import Generation, GenerationError, GenerationRequest, Pipeline
@@ -58,6 +59,9 @@ class Serving:
         self.vocab_size = vocab_size  # token ids in a prompt must be below it (None: the nodes check)
         self.texts = TokenTexts(tokenizer)
         self.tool_markers = tokenizer.special_ids(MARKERS)  # kept in the text when tools are offered
+        # How a tool-call grammar names each marker: a special token by its id (llguidance lets a grammar
+        # produce special tokens only by id), else its text.
+        self.grammar_markers = {m: _marker_rule(m, tokenizer, self.tool_markers) for m in MARKERS}
 
     async def completions(self, request: Request) -> Response:
         arrival = time.perf_counter()
@@ -89,8 +93,15 @@ class Serving:
         except Exception as e:  # the template is the model's code: any failure is about these messages
             raise bad_request(f"the chat template failed on these messages: {e}", param="messages") from None
         prefix = forced_prefix(req.tool_choice) if req.tools_on and req.tool_choice not in (None, "auto") else ""
-        if prefix:  # "required" or a named function: the answer starts inside a call
+        if prefix:  # "required" or a named function: the answer starts inside a call, held to the tools' schemas
             ids = ids + self.tokenizer.encode(prefix, add_special_tokens=False)
+            assert req.tool_choice is not None
+            specs = [(t.function.name, t.function.parameters) for t in req.tools or []]
+            try:
+                req.constrain(tool_constraint(req.tool_choice, specs, self.grammar_markers.__getitem__,
+                                              parallel=req.parallel_tool_calls is not False), "tool_choice")
+            except ValueError as e:  # a schema that does not compile, or another constraint beside it
+                raise bad_request(str(e), param="tool_choice") from None
         tools = prefix if req.tools_on else None
         if (req.n or 1) > 1:
             return await self._several(request, req, [ids], "chat", "chatcmpl", "messages", arrival, tools=tools)
@@ -405,6 +416,12 @@ async def _json_body(request: Request) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object", code="invalid_json")
     return body
+
+
+def _marker_rule(marker: str, tokenizer: Tokenizer, special: frozenset[int]) -> str:
+    """``marker`` as a tool-call grammar names it (``proxy.api.tool_calls.constraint``)."""
+    ids = tokenizer.encode(marker, add_special_tokens=False)
+    return f"<[{ids[0]}]>" if len(ids) == 1 and ids[0] in special else lark_literal(marker)
 
 
 def _validate(model: type[R], body: dict[str, Any]) -> R:

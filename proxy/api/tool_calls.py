@@ -11,15 +11,22 @@ A DeepSeek model calls tools by writing, after any text of its own::
 reads a whole answer; ``ToolCallStream`` reads one as it streams: text before the calls goes out
 as content (holding back a tail that could start the marker), each call as soon as its end marker
 arrives. ``forced_prefix`` is what ``tool_choice`` "required" or a named function puts at the start
-of the answer (appended to the prompt): the model then continues inside a call. Arguments are
-passed on as the model wrote them (OpenAI's ``arguments`` is a string; clients parse it).
+of the answer (appended to the prompt): the model then continues inside a call, and ``constraint`` holds
+it to the tools' schemas as vLLM does (a named function: its parameters' JSON schema; "required": one or
+more calls of the tools, each with arguments its schema allows, then the end marker), so the arguments
+always parse and hold the required keys. Arguments are passed on as the model wrote them (OpenAI's
+``arguments`` is a string; clients parse it).
 """
 
 from __future__ import annotations
 
+import json
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+from engine.structured_output import COMPACT_JSON, StructuredOutputsParams
 
 CALLS_BEGIN = "<｜tool▁calls▁begin｜>"
 CALLS_END = "<｜tool▁calls▁end｜>"
@@ -27,6 +34,7 @@ CALL_BEGIN = "<｜tool▁call▁begin｜>"
 CALL_END = "<｜tool▁call▁end｜>"
 SEP = "<｜tool▁sep｜>"
 MARKERS = (CALLS_BEGIN, CALLS_END, CALL_BEGIN, CALL_END, SEP)
+FENCE_OPEN, FENCE_CLOSE = "\n```json\n", "\n```"  # around a V2/V3 call's arguments
 
 
 @dataclass(frozen=True)
@@ -44,8 +52,34 @@ class ToolCall:
 def forced_prefix(choice: str | dict[str, Any]) -> str:
     """The start of an answer that must call a tool: any ("required"), or the named one."""
     if isinstance(choice, dict):
-        return f"{CALLS_BEGIN}{CALL_BEGIN}function{SEP}{choice['function']['name']}\n```json\n"
+        return f"{CALLS_BEGIN}{CALL_BEGIN}function{SEP}{choice['function']['name']}{FENCE_OPEN}"
     return f"{CALLS_BEGIN}{CALL_BEGIN}" if choice == "required" else ""
+
+
+def constraint(choice: str | dict[str, Any], tools: list[tuple[str, dict[str, Any] | None]],
+               marker: Callable[[str], str] | None = None, parallel: bool = True) -> StructuredOutputsParams:
+    """What may follow ``forced_prefix(choice)``: for a named function its arguments as its parameters' schema
+    allows (the answer ends with the JSON); for "required" a Lark grammar of calls of ``tools`` ((name, its
+    parameters' schema) each), one or, with ``parallel``, more, then the end marker. ``marker(text)`` writes
+    a marker as the grammar names it (a special token by id, ``<[id]>``; default: as text)."""
+    params = {name: schema if schema else {"type": "object"} for name, schema in tools}
+    marker = marker or lark_literal
+    if isinstance(choice, dict):
+        return StructuredOutputsParams(json=params[choice["function"]["name"]])
+    lit = lark_literal
+    rules = []
+    for i, (name, schema) in enumerate(params.items()):
+        compact = {**schema, "x-guidance": COMPACT_JSON}  # as a named function's arguments are written
+        rules += [f"t{i}: {lit(name)} {lit(FENCE_OPEN)} a{i}", f"a{i}: %json {json.dumps(compact)}"]
+    names = " | ".join(f"t{i}" for i in range(len(params)))
+    call = f"call: {lit('function')} {marker(SEP)} ({names}) {lit(FENCE_CLOSE)} {marker(CALL_END)}"
+    more = f" ({marker(CALL_BEGIN)} call)*" if parallel else ""
+    return StructuredOutputsParams(grammar="\n".join([f"start: call{more} {marker(CALLS_END)}", call, *rules]))
+
+
+def lark_literal(text: str) -> str:
+    """``text`` as a Lark string literal."""
+    return json.dumps(text, ensure_ascii=False)
 
 
 def parse_call(body: str) -> ToolCall | None:
@@ -65,13 +99,11 @@ def parse_call(body: str) -> ToolCall | None:
 
 
 def parse(text: str) -> tuple[str | None, list[ToolCall]]:
-    """A whole answer: (its content, None when empty; its tool calls)."""
-    i = text.find(CALLS_BEGIN)
-    if i < 0:
-        return text, []
-    body = text[i + len(CALLS_BEGIN):].split(CALLS_END, 1)[0]
-    calls = [c for part in body.split(CALL_BEGIN)[1:] if (c := parse_call(part.split(CALL_END, 1)[0])) is not None]
-    return text[:i] or None, calls
+    """A whole answer: (its content, None when empty; its tool calls), as ``ToolCallStream`` reads it."""
+    stream = ToolCallStream()
+    content, calls = stream.feed(text)
+    rest, last = stream.finish()
+    return content + rest or None, calls + last
 
 
 class ToolCallStream:
@@ -110,6 +142,8 @@ class ToolCallStream:
             return rest, []
         part = rest.split(CALLS_END, 1)[0].split(CALL_BEGIN, 1)[-1]
         call = parse_call(part) if part.strip() else None
+        if call is None and part.strip():  # cut (length) before a call had its name: what was written, as text
+            return part, []
         return "", [call] if call is not None else []
 
 

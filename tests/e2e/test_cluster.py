@@ -389,6 +389,46 @@ def test_guided_choice_regex_and_json_object_through_the_cluster(cluster: Cluste
     assert not any(wait_all_free(cluster).values())
 
 
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                          "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+           "required": ["city", "days"], "additionalProperties": False}
+CLOCK = {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET", "JST"]}}, "required": ["zone"],
+         "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The forecast",
+                                           "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "get_time", "parameters": CLOCK}}]
+
+
+@pytest.mark.parametrize("choice", ["named", "required", "required-one"])
+def test_a_forced_tool_call_always_parses_and_holds_its_schema(cluster: Cluster, choice: str) -> None:
+    """tool_choice naming a function, or "required" (with and without parallel calls), on the random tiny
+    model sampled with 10 seeds: the arguments are JSON that validates against the tool's schema, as the
+    grammar the proxy sends with the request holds them to; streamed (3 seeds), the same calls arrive."""
+    import jsonschema
+
+    schemas = {"get_weather": WEATHER, "get_time": CLOCK}
+    extra = {"parallel_tool_calls": False} if choice == "required-one" else {}
+    tool_choice = {"type": "function", "function": {"name": "get_weather"}} if choice == "named" else "required"
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": "Weather in Paris, and the time?"}], tools=TOOLS,
+              tool_choice=tool_choice, temperature=1.0, max_tokens=300, **extra)
+    for seed in range(10):
+        r = client(cluster).chat.completions.create(seed=seed, **kw)
+        calls = r.choices[0].message.tool_calls
+        assert calls and r.choices[0].finish_reason == "tool_calls", r.choices[0]
+        for call in calls:
+            jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+        if choice == "named":
+            assert [c.function.name for c in calls] == ["get_weather"]
+        if choice == "required-one":
+            assert len(calls) == 1
+        if seed < 3:
+            streamed = client(cluster).chat.completions.create(seed=seed, stream=True, **kw)
+            deltas = [c for ch in streamed if ch.choices for c in ch.choices[0].delta.tool_calls or []]
+            assert [(d.function.name, d.function.arguments) for d in deltas] == [
+                (c.function.name, c.function.arguments) for c in calls]
+    assert not any(wait_all_free(cluster).values())
+
+
 def test_pdctl_route_explains_the_expected_prefix_hit_of_a_prompts_text(cluster: Cluster) -> None:
     text = "A serving cluster keeps the prompt's blocks for the next request. " * 12
     client(cluster).completions.create(model=MODEL, prompt=text, max_tokens=2, temperature=0)

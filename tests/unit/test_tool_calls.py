@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import random
 
+from engine.structured_output import COMPACT_JSON
 from proxy.api.tool_calls import (
     CALL_BEGIN,
     CALL_END,
@@ -13,6 +14,7 @@ from proxy.api.tool_calls import (
     SEP,
     ToolCall,
     ToolCallStream,
+    constraint,
     forced_prefix,
     parse,
 )
@@ -53,3 +55,31 @@ def test_a_forced_start_and_an_answer_cut_inside_a_call() -> None:
     assert stream.feed('{"city": "Rome"}\n```') == ("", [])
     assert stream.finish() == ("", [ToolCall("get_weather", '{"city": "Rome"}')])  # cut by max_tokens
     assert forced_prefix("required") == CALLS_BEGIN + CALL_BEGIN and forced_prefix("auto") == ""
+    # "required" cut before the call's name: what was written comes back as text, never an empty answer
+    stream = ToolCallStream(forced_prefix("required"))
+    assert stream.feed("funct") == ("", []) and stream.finish() == ("funct", [])
+
+
+SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+          "required": ["city"], "additionalProperties": False}
+TOOLS = [("get_weather", SCHEMA), ("get_time", None)]
+
+
+def test_a_named_choice_holds_the_arguments_to_its_schema() -> None:
+    c = constraint({"type": "function", "function": {"name": "get_weather"}}, TOOLS)
+    assert c.json == SCHEMA
+    assert constraint({"type": "function", "function": {"name": "get_time"}}, TOOLS).json == {"type": "object"}
+
+
+def test_required_is_a_grammar_of_calls_of_the_tools_each_held_to_its_schema() -> None:
+    grammar = constraint("required", TOOLS).grammar
+    assert grammar is not None
+    assert '"get_weather" "\\n```json\\n" a0' in grammar  # its arguments compact, as a named function's
+    assert f"a0: %json {json.dumps({**SCHEMA, 'x-guidance': COMPACT_JSON})}" in grammar
+    assert f'("{CALL_BEGIN}" call)*' in grammar  # several calls ...
+    assert f'("{CALL_BEGIN}" call)*' not in constraint("required", TOOLS, parallel=False).grammar  # ... or one
+    by_id = constraint("required", TOOLS, marker=lambda m: f"<[{MARKER_IDS[m]}]>").grammar
+    assert f"<[{MARKER_IDS[CALLS_END]}]>" in by_id and CALLS_END not in by_id  # special tokens by their ids
+
+
+MARKER_IDS = {CALLS_BEGIN: 1, CALLS_END: 2, CALL_BEGIN: 3, CALL_END: 4, SEP: 5}
