@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from decode_helpers import decoded
 
 from engine import LLM, SamplingParams
 
@@ -57,19 +58,7 @@ def test_ep_decode_replicas_on_gpus_equal_ep_off(tiny_model: Path, want) -> None
     worker = DecodeWorker(NodeConfig(role="decode", node_id="d", engine=ec), "127.0.0.1")
 
     async def one(rid: str, prompt: list[int], d: int) -> tuple[list[int], list[float]]:
-        events: asyncio.Queue = asyncio.Queue()
-        worker.submit(Job(rid, prompt, PARAMS, None), d, asyncio.get_running_loop(), events.put_nowait)
-        ids: list[int] = []
-        lps: list[float] = []
-        while True:
-            item = await asyncio.wait_for(events.get(), 120)
-            if item is None:
-                return ids, lps
-            if isinstance(item, BaseException):
-                raise item
-            if item.HasField("tokens"):
-                ids += [t.token_id for t in item.tokens.tokens]
-                lps += [t.logprob for t in item.tokens.tokens]
+        return await decoded(worker, Job(rid, prompt, PARAMS, None), d, timeout_s=120)
 
     async def run() -> list[tuple[list[int], list[float]]]:
         both = await asyncio.gather(one("a", PROMPTS[0], 0), one("b", PROMPTS[1], 1))

@@ -22,6 +22,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from decode_helpers import decoded
 from procs import wait_until
 
 from cluster.config import NodeConfig
@@ -100,23 +101,11 @@ async def decode(worker: DecodeWorker, rid: str, prompt: list[int], params: Samp
                  prefill: Prefill | None) -> tuple[list[int], list[float]]:
     """One request through the worker (pulled from ``prefill``, or prefilled on the replica when None):
     its tokens and logprobs, or the exception that ended it."""
-    if prefill is not None:
-        first, source = prefill.prefilled(rid, prompt)
-        job = Job(rid, prompt, params, source, first.token_id, first.logprob)
-        ids, lps = [first.token_id], [first.logprob]
-    else:
-        job, ids, lps = Job(rid, prompt, params, None), [], []
-    events: asyncio.Queue = asyncio.Queue()
-    worker.submit(job, dp_rank, asyncio.get_running_loop(), events.put_nowait)
-    while True:
-        item = await asyncio.wait_for(events.get(), 60)
-        if item is None:
-            return ids, lps
-        if isinstance(item, BaseException):
-            raise item
-        if item.HasField("tokens"):
-            ids += [t.token_id for t in item.tokens.tokens]
-            lps += [t.logprob for t in item.tokens.tokens]
+    if prefill is None:
+        return await decoded(worker, Job(rid, prompt, params, None), dp_rank)
+    first, source = prefill.prefilled(rid, prompt)
+    ids, lps = await decoded(worker, Job(rid, prompt, params, source, first.token_id, first.logprob), dp_rank)
+    return [first.token_id, *ids], [first.logprob, *lps]
 
 
 def same(got: tuple[list[int], list[float]], want: tuple[list[int], list[float]]) -> None:
