@@ -3,7 +3,8 @@
 ``create_app(config, tokenizer, nodes, max_model_len=...)`` takes the node source as a
 dependency: ``python -m proxy`` passes the Redis registry, tests a ``StaticNodeSource``.
 
-Routes: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models`` and ``/v1/models/{id}``, ``/tokenize``,
+Routes: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/responses`` (``api.responses_api``), ``/v1/models``
+and ``/v1/models/{id}``, ``/tokenize``,
 ``/detokenize`` (API key when set), ``/health`` and ``/ping`` (vLLM's, GET or POST), ``/metrics`` (GET or
 HEAD, as ``/health``), ``/version``, ``/admin/*`` (admin key when set). Anything else is a 404 in OpenAI's
 shape, which names the OpenAI endpoints this model does not serve (``proxy.errors.not_found``).
@@ -48,8 +49,8 @@ try:
 except importlib.metadata.PackageNotFoundError:  # run from a checkout that was not installed
     PDCLUSTER_VERSION = "unknown"
 
-_ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics", "/admin/nodes",
-              "/admin/route", "/tokenize", "/detokenize", "/ping", "/version")
+_ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/models", "/health", "/metrics",
+              "/admin/nodes", "/admin/route", "/tokenize", "/detokenize", "/ping", "/version")
 
 
 def model_limits(model_dir: str) -> tuple[int, int | None]:
@@ -170,6 +171,12 @@ def create_app(config: ProxyConfig, tokenizer: Tokenizer, nodes: NodeSource, *, 
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(api_guard)])
     v1.add_api_route("/completions", handlers.completions, methods=["POST"], response_model=None)
     v1.add_api_route("/chat/completions", handlers.chat, methods=["POST"], response_model=None)
+    v1.add_api_route("/responses", handlers.responses, methods=["POST"], response_model=None)
+
+    @v1.get("/responses/{response_id}")
+    async def stored_response(response_id: str) -> None:
+        raise APIError(404, f"no response {response_id!r}: this server does not store responses", param="response_id",
+                       code="not_found")
 
     def model_card() -> dict[str, Any]:
         limit = context_limit(view.snapshot(), name, max_model_len)

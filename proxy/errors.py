@@ -129,8 +129,7 @@ _UNSERVED = {"embeddings": "embeddings", "audio": "audio", "images": "images", "
              "files": "files", "fine_tuning": "fine-tuning jobs", "batches": "batches", "assistants": "assistants",
              "threads": "threads", "vector_stores": "vector stores", "uploads": "uploads",
              "realtime": "realtime sessions",
-             "rerank": "reranking", "score": "scoring", "pooling": "pooling", "classify": "classification",
-             "responses": "the Responses API (not yet: use /v1/chat/completions)"}
+             "rerank": "reranking", "score": "scoring", "pooling": "pooling", "classify": "classification"}
 
 
 def model_not_found(model: str) -> APIError:

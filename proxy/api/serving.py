@@ -28,6 +28,7 @@ from proxy.api.choices import Child, Choices
 from proxy.api.detok import OutputText
 from proxy.api.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from proxy.api.responses import ChatFormat, CompletionFormat, Format, TokenTexts, sse, usage
+from proxy.api.responses_api import ResponsesRequest, ResponseView
 from proxy.api.sse import ClientDisconnected, ClientWatch, EventStreamResponse, until_disconnected
 from proxy.api.tool_calls import MARKERS, ToolCallStream, forced_prefix, lark_literal
 from proxy.api.tool_calls import constraint as tool_constraint
@@ -84,8 +85,24 @@ class Serving:
 
     async def chat(self, request: Request) -> Response:
         arrival = time.perf_counter()
-        body = await _json_body(request)
-        req = _validate(ChatCompletionRequest, body)
+        req = _validate(ChatCompletionRequest, await _json_body(request))
+        return await self._chat(request, req, arrival)
+
+    async def responses(self, request: Request) -> Response:
+        """OpenAI's ``POST /v1/responses``, served as the chat completion it asks for (``responses_api``)."""
+        arrival = time.perf_counter()
+        rreq = _validate(ResponsesRequest, await _json_body(request))
+        try:
+            chat = rreq.chat_body()
+        except ValueError as e:
+            raise bad_request(str(e)) from None
+        view = ResponseView(rreq, int(time.time()), self.model_name)
+        answer = await self._chat(request, _validate(ChatCompletionRequest, chat), arrival)
+        if isinstance(answer, EventStreamResponse):
+            return answer.mapped(view.events)
+        return JSONResponse(view.from_chat(orjson.loads(bytes(answer.body))))
+
+    async def _chat(self, request: Request, req: ChatCompletionRequest, arrival: float) -> Response:
         self._check_model(req.model)
         messages = [m.as_template_input() for m in req.messages]
         try:

@@ -143,6 +143,10 @@ class EventStreamResponse(StreamingResponse):
                 await aclose()
             self._on_close(not finished)
 
+    def mapped(self, fn: Callable[[AsyncIterator[bytes]], AsyncIterator[bytes]]) -> EventStreamResponse:
+        """This response with its frames turned into others by ``fn`` (which closes the frames it reads)."""
+        return EventStreamResponse(fn(self._events), self._on_close, self._watch)
+
     async def _produce(self, send: Send) -> None:
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
         async for event in self._events:

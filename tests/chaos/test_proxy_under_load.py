@@ -27,6 +27,7 @@ from cluster.registry import Registry
 from engine.tokenizer import Tokenizer
 from pdctl.redis_server import start_redis
 from proxy.api.protocol import ChatCompletionRequest, CompletionRequest
+from proxy.api.responses_api import ResponsesRequest
 
 MODEL = "tiny-load"
 STREAMS = 1000
@@ -124,13 +125,14 @@ def _bodies(model: type) -> st.SearchStrategy[dict]:
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(completion=_bodies(CompletionRequest), chat=_bodies(ChatCompletionRequest), raw=st.binary(max_size=64))
+@given(completion=_bodies(CompletionRequest), chat=_bodies(ChatCompletionRequest),
+       responses=_bodies(ResponsesRequest), raw=st.binary(max_size=64))
 def test_malformed_requests_never_get_a_5xx(proxy: tuple[str, psutil.Process], completion: dict, chat: dict,
-                                            raw: bytes) -> None:
+                                            responses: dict, raw: bytes) -> None:
     url, _ = proxy
     with httpx.Client(base_url=url, timeout=30) as http:
         for path, content in (("/v1/completions", json.dumps(completion)), ("/v1/chat/completions", json.dumps(chat)),
-                              ("/v1/completions", raw)):
+                              ("/v1/responses", json.dumps(responses)), ("/v1/completions", raw)):
             r = http.post(path, content=content, headers={"content-type": "application/json"})
             assert r.status_code < 500, (path, content, r.status_code, r.text)
             if r.status_code >= 400:

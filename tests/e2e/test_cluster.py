@@ -429,6 +429,40 @@ def test_a_forced_tool_call_always_parses_and_holds_its_schema(cluster: Cluster,
     assert not any(wait_all_free(cluster).values())
 
 
+def test_the_responses_api_through_the_cluster(cluster: Cluster) -> None:
+    """The openai client's responses.create and responses.stream on the real engine: greedy text equal to the
+    chat completion of the same messages, streamed equal to whole; text.format json_schema and a forced
+    function call validate against their schemas."""
+    import jsonschema
+
+    oa = client(cluster)
+    kw = dict(model=MODEL, instructions="Be brief.", input="What does a serving cluster do?", temperature=0,
+              max_output_tokens=24)
+    chat = oa.chat.completions.create(model=MODEL, temperature=0, max_tokens=24, messages=[
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "What does a serving cluster do?"}])
+    whole = oa.responses.create(**kw)
+    assert whole.output_text == chat.choices[0].message.content and whole.usage.output_tokens == 24
+    assert whole.status == "incomplete" and whole.incomplete_details.reason == "max_output_tokens"
+    with oa.responses.stream(**kw) as stream:
+        kinds = [e.type for e in stream]
+        final = stream.get_final_response()
+    assert final.output_text == whole.output_text and kinds[0] == "response.created"
+    assert kinds[-1] == "response.completed" and final.status == "incomplete"
+    fmt = {"format": {"type": "json_schema", "name": "weather", "schema": WEATHER, "strict": True}}
+    r = oa.responses.create(model=MODEL, input="Weather as JSON", text=fmt, temperature=1.0, max_output_tokens=200,
+                            extra_body={"seed": 1})
+    jsonschema.validate(json.loads(r.output_text), WEATHER)
+    tools = [{"type": "function", "name": t["function"]["name"], "parameters": t["function"]["parameters"]}
+             for t in TOOLS]
+    r = oa.responses.create(model=MODEL, input="Weather in Paris?", tools=tools, tool_choice="required",
+                            temperature=1.0, max_output_tokens=300, extra_body={"seed": 2})
+    calls = [o for o in r.output if o.type == "function_call"]
+    assert calls and r.status == "completed"
+    for call in calls:
+        jsonschema.validate(json.loads(call.arguments), {"get_weather": WEATHER, "get_time": CLOCK}[call.name])
+    assert not any(wait_all_free(cluster).values())
+
+
 def test_pdctl_route_explains_the_expected_prefix_hit_of_a_prompts_text(cluster: Cluster) -> None:
     text = "A serving cluster keeps the prompt's blocks for the next request. " * 12
     client(cluster).completions.create(model=MODEL, prompt=text, max_tokens=2, temperature=0)

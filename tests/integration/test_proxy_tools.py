@@ -100,3 +100,30 @@ def test_bad_tool_requests_are_400s(proxy, body) -> None:
     client, _, _ = proxy
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=4, **body)
+
+
+RESPONSES_TOOLS = [{"type": "function", "name": n, "description": f"{n} of a place",
+                    "parameters": {"type": "object", "properties": {}}} for n in ("get_weather", "get_time")]
+
+
+def test_responses_api_function_calls_come_back_as_items_and_their_outputs_go_in_as_items(proxy) -> None:
+    client, p0, tok = proxy
+    r = client.responses.create(model="tiny-tools", input=ASK[0]["content"], tools=RESPONSES_TOOLS)
+    calls = [o for o in r.output if o.type == "function_call"]
+    assert [o.type for o in r.output] == ["message", "function_call", "function_call"]
+    assert r.output[0].content[0].text == "Let me look."
+    assert [(o.name, json.loads(o.arguments)) for o in calls] == WANT and all(o.call_id for o in calls)
+    with client.responses.stream(model="tiny-tools", input=ASK[0]["content"], tools=RESPONSES_TOOLS) as stream:
+        final = stream.get_final_response()
+    assert [(o.name, json.loads(o.arguments)) for o in final.output if o.type == "function_call"] == WANT
+    # the next turn: the calls and their outputs as input items, rendered as chat's assistant and tool messages
+    turn = [{"role": "user", "content": ASK[0]["content"]},
+            *({"type": "function_call", "call_id": o.call_id, "name": o.name, "arguments": o.arguments} for o in calls),
+            *({"type": "function_call_output", "call_id": o.call_id, "output": "sunny"} for o in calls)]
+    client.responses.create(model="tiny-tools", input=turn, tools=RESPONSES_TOOLS)
+    chat_tools = [{"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters")}}
+                  for t in RESPONSES_TOOLS]
+    msgs = [ASK[0], {"role": "assistant", "content": "", "tool_calls": [
+        {"id": o.call_id, "type": "function", "function": {"name": o.name, "arguments": o.arguments}} for o in calls]},
+        *({"role": "tool", "tool_call_id": o.call_id, "content": "sunny"} for o in calls)]
+    assert list(p0.requests[-1].token_ids) == tok.apply_chat_template(msgs, tools=chat_tools)
