@@ -3,15 +3,18 @@
 A Responses request is read (``ResponsesRequest``) and turned into the chat completion it asks for
 (``chat_body``): ``instructions`` as the system message, ``input`` (text, or message / function_call /
 function_call_output items) as the messages, function ``tools`` and ``tool_choice`` in chat's shape,
-``text.format`` as ``response_format``, ``max_output_tokens`` as ``max_tokens``. That chat request runs
-as any other (validation, routing, structured output and forced tool calls included), and its answer is
-turned back: a whole one into a ``response`` object (``ResponseView.from_chat``), a stream's chunks into
-the Responses events, in OpenAI's order (``ResponseView.events``: ``response.created``,
-``response.in_progress``, per output item ``response.output_item.added``, then a message's
-``response.content_part.added``, ``response.output_text.delta`` ..., ``response.output_text.done``,
-``response.content_part.done``, or a function call's ``response.function_call_arguments.done``, then
-``response.output_item.done``; last ``response.completed``, whose response's status is "incomplete" when
-``max_output_tokens`` cut it, as vLLM sends it).
+``text.format`` as ``response_format``, ``max_output_tokens`` as ``max_tokens``, and vLLM's sampling
+extensions to the Responses request (``top_k``, ``stop``, ``ignore_eos``, the penalties, ``logit_bias``)
+under their own names (benchmark clients such as guidellm and aiperf send ``ignore_eos`` here, as on chat,
+to fix the output length). That chat request runs as any other (validation, routing, structured output and
+forced tool calls included), and its answer is turned back: a whole one into a ``response`` object
+(``ResponseView.from_chat``), a stream's chunks into the Responses events, in OpenAI's order
+(``ResponseView.events``: ``response.created``, ``response.in_progress``, per output item
+``response.output_item.added``, then a message's ``response.content_part.added``,
+``response.output_text.delta`` ..., ``response.output_text.done``, ``response.content_part.done``, or a
+function call's ``response.function_call_arguments.done``, then ``response.output_item.done``; last
+``response.completed``, whose response's status is "incomplete" when ``max_output_tokens`` cut it, as vLLM
+sends it).
 
 As vLLM does by default, nothing is stored: ``store`` is accepted and answered false, and
 ``previous_response_id`` (which needs a stored response) is a 400.
@@ -27,6 +30,11 @@ import orjson
 from pydantic import BaseModel, ConfigDict, Field
 
 from proxy.api.sse import DONE
+
+# The request's fields that go to the chat request as they are, or renamed.
+_CHAT_FIELDS = ("max_output_tokens", "temperature", "top_p", "seed", "parallel_tool_calls", "user", "top_k",
+                "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "stop", "ignore_eos")
+_RENAMED = {"max_output_tokens": "max_tokens"}
 
 
 class ResponsesRequest(BaseModel):
@@ -51,6 +59,14 @@ class ResponsesRequest(BaseModel):
     text: dict[str, Any] | None = None
     user: str | None = None
     metadata: dict[str, str] | None = None
+    # vLLM's extensions (its ResponsesRequest has them); the chat request checks their values.
+    top_k: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    stop: str | list[str] | None = None
+    ignore_eos: bool | None = None
 
     def chat_body(self) -> dict[str, Any]:
         """The chat completion request this asks for; ValueError (a 400) for what it cannot be."""
@@ -62,10 +78,9 @@ class ResponsesRequest(BaseModel):
         body: dict[str, Any] = {"model": self.model, "messages": self._messages(), "stream": self.stream}
         if self.stream:
             body["stream_options"] = {"include_usage": True}
-        for src, dst in (("max_output_tokens", "max_tokens"), ("temperature", "temperature"), ("top_p", "top_p"),
-                         ("seed", "seed"), ("parallel_tool_calls", "parallel_tool_calls"), ("user", "user")):
-            if getattr(self, src) is not None:
-                body[dst] = getattr(self, src)
+        for field in _CHAT_FIELDS:
+            if getattr(self, field) is not None:
+                body[_RENAMED.get(field, field)] = getattr(self, field)
         if self.tools:
             body["tools"] = [_chat_tool(t) for t in self.tools]
         if self.tool_choice is not None:

@@ -3,7 +3,8 @@ with text, message items and instructions, ``responses.stream`` (events in OpenA
 as the whole answer), usage, max_output_tokens cutting the answer (incomplete), function tool calls read
 back as function_call items and their outputs sent back as input items (``test_proxy_tools.py``, whose fake
 nodes answer with calls), and the 400s: a previous_response_id (nothing is stored), unsupported items and
-tools; a stored response's GET is a 404."""
+tools; a stored response's GET is a 404. vLLM's sampling extensions (``ignore_eos``, ``stop``, ``top_k``, ...), as
+benchmark clients send them, reach the nodes."""
 
 from __future__ import annotations
 
@@ -54,6 +55,24 @@ def test_stream_sends_openais_events_in_order_and_the_same_text(c: Cluster) -> N
     assert final.output_text == whole.output_text and final.usage.output_tokens == whole.usage.output_tokens
 
 
+def test_vllms_sampling_extensions_reach_the_nodes(c: Cluster) -> None:
+    # guidellm 0.8.1's body for a fixed output length: text parts, stop null, ignore_eos past the EOS.
+    n = len(c.script.tokens) + 5
+    body = {"model": MODEL, "input": [{"role": "user", "content": [{"type": "input_text", "text": "Hello"}]}],
+            "max_output_tokens": n, "stop": None, "ignore_eos": True}
+    with c.http() as h:
+        r = h.post("/v1/responses", json=body)
+    assert r.status_code == 200 and r.json()["usage"]["output_tokens"] == n, r.text
+    assert r.json()["status"] == "incomplete"
+    extras = {"top_k": 5, "stop": ["world"], "presence_penalty": 0.5, "frequency_penalty": 0.25,
+              "repetition_penalty": 1.5, "logit_bias": {"7": 2.0}}
+    r = c.client().responses.create(model=MODEL, input="Hello", extra_body=extras)
+    sent = c.d0.requests[-1].sampling
+    assert (sent.top_k, list(sent.stop), sent.presence_penalty, sent.frequency_penalty, sent.repetition_penalty,
+            dict(sent.logit_bias), sent.ignore_eos) == (5, ["world"], 0.5, 0.25, 1.5, {7: 2.0}, False)
+    assert "world" not in r.output_text and r.status == "completed"
+
+
 @pytest.mark.parametrize("body,message", [
     ({"input": "x", "previous_response_id": "resp_1"}, "does not store responses"),
     ({"input": [{"type": "input_image", "image_url": "http://x"}]}, "not supported"),
@@ -62,6 +81,7 @@ def test_stream_sends_openais_events_in_order_and_the_same_text(c: Cluster) -> N
     ({"input": "x", "text": {"format": {"type": "xml"}}}, "text.format"),
     ({"input": "x", "background": True}, "background"),
     ({"input": "x", "max_output_tokens": 0}, None),
+    ({"input": "x", "top_k": -2}, None),  # vLLM's extensions are checked as chat's
     ({}, None),
 ])
 def test_bad_requests_are_400s(c: Cluster, body: dict, message: str | None) -> None:
