@@ -53,6 +53,9 @@ class NodeConfig:
     engine: EngineConfig
     host: str = field(default="127.0.0.1", metadata={"help": "gRPC listen address"})
     port: int = field(default=0, metadata={"help": "gRPC port; 0 = a free one, published in the registry"})
+    metrics_port: int = field(default=0, metadata={
+        "help": "HTTP port of the node's Prometheus /metrics (on --host); 0 = a free one, published in the "
+                "registry; -1 = none"})
     advertise_host: str | None = field(default=None, metadata={
         "help": "the host name others dial, for gRPC and the KV transport (default: --host)", "metavar": "HOST"})
     registry: RegistryConfig = field(default_factory=RegistryConfig)
@@ -88,6 +91,8 @@ class NodeConfig:
             raise ValueError(f"node_id must be non-empty without ':', got {self.node_id!r}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65536), got {self.port}")
+        if not -1 <= self.metrics_port < 65536:
+            raise ValueError(f"metrics_port must be in [-1, 65536), got {self.metrics_port}")
         if self.max_queued_prefills <= 0:
             raise ValueError(f"max_queued_prefills must be > 0, got {self.max_queued_prefills}")
         for name in ("lease_s", "transfer_timeout_s"):

@@ -34,6 +34,7 @@ class NodeInfo:
     experts_per_rank: int = 0  # the routed experts each rank holds (all of them without EP; 0: no MoE layers)
     local_prefill: bool = False  # a decode node that can prefill a request itself (DecodeRequest.local_prefill)
     prefix_caching: bool = False  # its engine shares the KV of prompts' common prefixes (enable_prefix_caching)
+    metrics_address: str = ""  # "host:port" of its Prometheus /metrics ("": it serves none)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -74,6 +75,8 @@ class ReplicaLoad:
     cached_blocks: int = 0  # prefix caching: blocks kept for a later prompt with the same prefix
     prefix_hit_blocks: int = 0  # prefix caching, since start: blocks found in the cache ...
     prefix_query_blocks: int = 0  # ... of those looked up (full prompt blocks of requests starting)
+    preemptions: int | None = None  # since start: running requests preempted for their blocks (None: unknown)
+    held: int = 0  # prefill: finished requests whose KV waits under a lease for the decode side
 
     @staticmethod
     def from_dict(d: dict[str, Any]) -> ReplicaLoad:

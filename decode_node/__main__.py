@@ -11,6 +11,7 @@ from decode_node.service import DecodeService
 from decode_node.worker import DecodeWorker
 from node_runtime import cli as node_cli
 from node_runtime import server as node_runtime
+from node_runtime.metrics import NodeMetrics
 
 
 async def main() -> int:
@@ -22,8 +23,8 @@ async def main() -> int:
     worker = DecodeWorker(config, node_runtime.transfer_host(config))
     state = node_runtime.Lifecycle()
 
-    def add(server: object) -> None:
-        pb_grpc.add_DecodeServiceServicer_to_server(DecodeService(worker, config.node_id, state), server)
+    def add(server: object, metrics: NodeMetrics) -> None:
+        pb_grpc.add_DecodeServiceServicer_to_server(DecodeService(worker, config.node_id, state, metrics), server)
 
     return await node_runtime.serve(config, worker, served, add, state)
 

@@ -16,6 +16,7 @@ from decode_node.worker import DecodeWorker
 from kv_transfer.handle import from_handle
 from kv_transfer.handoff import KVLost
 from kv_transfer.transport import TransferError
+from node_runtime.metrics import NodeMetrics
 from node_runtime.mux_server import CallContext, DecodeMux, Send
 from node_runtime.server import Lifecycle
 
@@ -67,10 +68,11 @@ def call_sink(send: Send) -> tuple[Callable[[object], None], asyncio.Future]:
 
 
 class DecodeService(DecodeMux, pb_grpc.DecodeServiceServicer):
-    def __init__(self, worker: DecodeWorker, node_id: str, state: Lifecycle) -> None:
+    def __init__(self, worker: DecodeWorker, node_id: str, state: Lifecycle, metrics: NodeMetrics) -> None:
         self.worker = worker
         self.node_id = node_id
         self.state = state
+        self.metrics = metrics
         self.vocab_size = worker.vocab_size
         self.block_size = worker.config.engine.block_size
 
@@ -146,6 +148,7 @@ class DecodeService(DecodeMux, pb_grpc.DecodeServiceServicer):
         first = request.first_token
         job = Job(rid, list(request.prompt_token_ids), params, source, first.token_id, first.logprob,
                   top_from_pb(first))
+        sink = self.metrics.decode_call(len(request.prompt_token_ids), sink)
         self.worker.submit(job, request.dp_rank, asyncio.get_running_loop(), sink)
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:

@@ -264,8 +264,11 @@ class DecodeWorker:
     def stats_pb(self) -> tuple[list[pb.ReplicaStats], pb.TransferTotals]:
         reps = [pb.ReplicaStats(dp_rank=r.load.dp_rank, waiting=r.load.waiting, running=r.load.running,
                                 used_blocks=r.load.used_blocks, free_blocks=r.load.free_blocks) for r in self.replicas]
+        return reps, self.transfer_totals()
+
+    def transfer_totals(self) -> pb.TransferTotals:
         done, nbytes, secs, fails = self.transfers()
-        return reps, pb.TransferTotals(done=done, bytes=nbytes, seconds=secs, failures=fails)
+        return pb.TransferTotals(done=done, bytes=nbytes, seconds=secs, failures=fails)
 
     def transfers(self) -> Totals:
         """Every replica's pulls: done, bytes, seconds, failures by cause."""

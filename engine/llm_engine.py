@@ -62,6 +62,7 @@ class EngineLoad:
     cached_blocks: int = 0  # prefix caching: blocks kept for a later prompt with the same prefix
     prefix_hit_blocks: int = 0  # prefix caching, since start: blocks found in the cache ...
     prefix_query_blocks: int = 0  # ... of those looked up
+    preemptions: int = 0  # since start: running requests preempted for their blocks
 
 
 @dataclass(frozen=True)
@@ -307,7 +308,7 @@ class LLMEngine:
                                        "prefix_query_blocks": c.queries}
         return EngineLoad(waiting=len(s.waiting), running=len(s.running), queued_prefill_tokens=queued,
                           used_blocks=self.num_used_blocks, free_blocks=s.allocator.num_free, held=len(self.held),
-                          **counts)
+                          preemptions=s.preemptions, **counts)
 
     def take_kv_events(self) -> tuple[list[int], list[int]]:
         """Block hashes that joined and left the prefix cache since the last call (none when it is off)."""

@@ -44,6 +44,7 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.preemptions = 0  # since start, for the node's metrics
         # Blocks freed while a launched step may still write them wait for that step (engine.overlap):
         # ``free_after`` is the newest step in flight (None: none), ``_deferred`` its frees.
         self.free_after: int | None = None
@@ -91,6 +92,7 @@ class Scheduler:
         return True
 
     def _preempt(self, seq: Sequence) -> None:
+        self.preemptions += 1
         self.free(seq.block_ids)
         seq.block_ids = []
         seq.num_computed = 0

@@ -14,4 +14,5 @@ def replica_load(dp_rank: int, load: EngineLoad) -> ReplicaLoad:
     return ReplicaLoad(dp_rank=dp_rank, queued_prefill_tokens=load.queued_prefill_tokens, waiting=load.waiting,
                        running=load.running, used_blocks=load.used_blocks, free_blocks=load.free_blocks,
                        cached_blocks=load.cached_blocks, prefix_hit_blocks=load.prefix_hit_blocks,
-                       prefix_query_blocks=load.prefix_query_blocks)
+                       prefix_query_blocks=load.prefix_query_blocks, preemptions=load.preemptions,
+                       held=load.held)

@@ -38,6 +38,7 @@ from cluster.nodes import KVEvents, NodeFailure, NodeInfo, ReplicaLoad
 from cluster.proto_gen import pdcluster_v1_pb2 as pb
 from engine import envs as engine_envs
 from engine.parallel.expert_parallel import ep_size
+from node_runtime.metrics import NodeMetrics
 
 T = TypeVar("T")
 
@@ -57,6 +58,10 @@ class NodeWorker(Protocol):
     address: str  # set by ``serve`` once the server listens: the address peers dial
 
     def load(self) -> list[ReplicaLoad]: ...
+
+    def transfer_totals(self) -> pb.TransferTotals:
+        """KV pulls done, bytes, seconds, failures by cause (decode); leases that ran out (prefill)."""
+        ...
 
     def take_kv_events(self) -> list[tuple[int, list[int], list[int]]]:
         """Per DP replica: (dp rank, hashes its prefix cache stored, hashes it evicted) since the last
@@ -178,7 +183,7 @@ def _ep_size(config: NodeConfig) -> int:
     return config.tp if config.engine_backend == "vllm" else ep_size(ec)
 
 
-def node_info(config: NodeConfig, served: str, worker: NodeWorker) -> NodeInfo:
+def node_info(config: NodeConfig, served: str, worker: NodeWorker, metrics_address: str = "") -> NodeInfo:
     """What the node publishes in the registry."""
     ec = config.engine
     ep = _ep_size(config)
@@ -190,37 +195,32 @@ def node_info(config: NodeConfig, served: str, worker: NodeWorker) -> NodeInfo:
                     kv_cache_dtype=worker.kv_cache_dtype, ep=ep,
                     experts_per_rank=worker.routed_experts // ep,
                     local_prefill=config.role == "decode" and config.engine_backend == "native",
-                    prefix_caching=worker.prefix_caching)
+                    prefix_caching=worker.prefix_caching, metrics_address=metrics_address)
 
 
-async def serve(
-    config: NodeConfig,
-    worker: NodeWorker,
-    served: str,
-    add_servicer: Callable[[grpc.aio.Server], None],
-    lifecycle: Lifecycle,
-) -> int:
+AddServicer = Callable[[grpc.aio.Server, NodeMetrics], None]  # the role's servicer onto the server
+
+
+async def serve(config: NodeConfig, worker: NodeWorker, served: str, add_servicer: AddServicer,
+                lifecycle: Lifecycle) -> int:
     """Run the node until a signal or a worker failure; returns the process exit code. The worker
     is shut down on every way out."""
+    metrics = NodeMetrics(served, config.role, config.node_id)
     try:
-        return await _serve(config, worker, served, add_servicer, lifecycle)
+        return await _serve(config, worker, served, add_servicer, lifecycle, metrics)
     finally:
+        metrics.stop()
         worker.shutdown()
 
 
-async def _serve(
-    config: NodeConfig,
-    worker: NodeWorker,
-    served: str,
-    add_servicer: Callable[[grpc.aio.Server], None],
-    lifecycle: Lifecycle,
-) -> int:
+async def _serve(config: NodeConfig, worker: NodeWorker, served: str, add_servicer: AddServicer,
+                 lifecycle: Lifecycle, metrics: NodeMetrics) -> int:
     token = envs.cluster_token()
     server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=[TokenCheck(token)] if token else None)
     if token is None and not is_loopback(config.host):
         log.warning("no cluster token ($%s): this node takes gRPC calls from anyone who can reach %s:%d",
                     envs.CLUSTER_TOKEN, config.host, config.port)
-    add_servicer(server)
+    add_servicer(server, metrics)
     await lifecycle.starting(service_name(config.role))
     health_pb2_grpc.add_HealthServicer_to_server(lifecycle.health, server)
     creds = tls.server_credentials()
@@ -230,7 +230,11 @@ async def _serve(
         raise RuntimeError(f"cannot listen on {config.host}:{config.port}")
     worker.address = f"{config.dial_host}:{port}"  # before the first answer can carry it
     await server.start()
-    info = node_info(config, served, worker)
+    metrics_address = ""
+    if config.metrics_port >= 0:
+        metrics_address = f"{config.dial_host}:{metrics.start(config.host, config.metrics_port)}"
+    info = node_info(config, served, worker, metrics_address)
+    metrics.watch(worker, info)
     heartbeat = Heartbeat(config, info, worker.load, worker.take_kv_events if info.prefix_caching else None)
     heartbeat.beat()  # registered before we say we are up
     heartbeat.start()

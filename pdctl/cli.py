@@ -312,7 +312,7 @@ def status(proxy: str | None = PROXY, admin_key: str | None = ADMIN_KEY, run_dir
         table.add_row(
             # Text from the proxy is escaped: it is not rich markup.
             escape(s.info.node_id), escape(s.info.role + ("" if s.info.engine == "native" else f" ({s.info.engine})")),
-            escape(s.info.address),
+            escape(s.info.address + (f"\nmetrics {s.info.metrics_address}" if s.info.metrics_address else "")),
             f"{s.info.dp}/{s.info.pcp}/{s.info.pp}" + _ep_text(s.info),
             escape(f"{s.info.kv_layout}, {s.info.kv_cache_dtype or '?'}, {s.info.kv_protocol}"),
             ("[green]healthy[/green]" if s.healthy else "[red]unhealthy[/red]")
@@ -464,8 +464,10 @@ def _node_line(n: AdminNode) -> str:
     flags = (["healthy" if s.healthy else "UNHEALTHY"] + (["draining"] if s.draining else [])
              + ([f"circuit={n.circuit}"] if n.circuit != "closed" else []))
     ep = f" ep={s.info.ep} experts/rank={s.info.experts_per_rank}" if s.info.ep > 1 else ""
-    return (f"{s.info.node_id}  {s.info.role}  {s.info.address}  dp={s.info.dp} pcp={s.info.pcp} pp={s.info.pp}{ep}  "
-            f"{s.info.kv_layout}  {s.info.kv_cache_dtype or '?'}  {' '.join(flags)}  inflight={n.inflight}")
+    metrics = f"  metrics={s.info.metrics_address}" if s.info.metrics_address else ""
+    return (f"{s.info.node_id}  {s.info.role}  {s.info.address}{metrics}  "
+            f"dp={s.info.dp} pcp={s.info.pcp} pp={s.info.pp}{ep}  {s.info.kv_layout}  {s.info.kv_cache_dtype or '?'}  "
+            f"{' '.join(flags)}  inflight={n.inflight}")
 
 
 def _given(**values: Any) -> dict[str, Any]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from cluster.proto_gen import pdcluster_v1_pb2_grpc as pb_grpc
 from node_runtime import cli as node_cli
 from node_runtime import server as node_runtime
+from node_runtime.metrics import NodeMetrics
 from prefill_node.service import PrefillService
 from prefill_node.worker import PrefillWorker
 
@@ -23,8 +24,8 @@ async def main() -> int:
     worker = PrefillWorker(config, node_runtime.transfer_host(config))
     state = node_runtime.Lifecycle()
 
-    def add(server: object) -> None:
-        pb_grpc.add_PrefillServiceServicer_to_server(PrefillService(worker, config.node_id, state), server)
+    def add(server: object, metrics: NodeMetrics) -> None:
+        pb_grpc.add_PrefillServiceServicer_to_server(PrefillService(worker, config.node_id, state, metrics), server)
 
     return await node_runtime.serve(config, worker, served, add, state)
 

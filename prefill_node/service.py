@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 
 import grpc
@@ -11,6 +12,7 @@ import grpc
 from cluster.proto_gen import pdcluster_v1_pb2 as pb
 from cluster.proto_gen import pdcluster_v1_pb2_grpc as pb_grpc
 from cluster.wire import sampling_from_pb
+from node_runtime.metrics import NodeMetrics
 from node_runtime.mux_server import PrefillMux
 from node_runtime.server import Lifecycle
 from prefill_node.worker import Aborted, NodeFailed, PrefillJob, PrefillWorker
@@ -19,10 +21,11 @@ log = logging.getLogger("pdcluster.prefill")
 
 
 class PrefillService(PrefillMux, pb_grpc.PrefillServiceServicer):
-    def __init__(self, worker: PrefillWorker, node_id: str, state: Lifecycle) -> None:
+    def __init__(self, worker: PrefillWorker, node_id: str, state: Lifecycle, metrics: NodeMetrics) -> None:
         self.worker = worker
         self.node_id = node_id
         self.state = state
+        self.metrics = metrics
 
     async def Prefill(self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext) -> pb.PrefillResponse:
         if not request.request_id:
@@ -42,12 +45,13 @@ class PrefillService(PrefillMux, pb_grpc.PrefillServiceServicer):
             params = sampling_from_pb(request.sampling)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        arrival = time.monotonic()
         loop = asyncio.get_running_loop()
         job = PrefillJob(request.request_id, list(request.token_ids), params, request.dp_rank, loop,
                          loop.create_future())
         self.worker.submit(job)
         try:
-            return await job.future
+            reply = await job.future
         except asyncio.CancelledError:  # the proxy went away: nothing may stay held for it
             self.worker.abort(request.request_id)
             raise
@@ -57,7 +61,8 @@ class PrefillService(PrefillMux, pb_grpc.PrefillServiceServicer):
             await context.abort(grpc.StatusCode.ABORTED, f"request {request.request_id} was aborted")
         except NodeFailed as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
-        raise AssertionError("unreachable")
+        self.metrics.prefilled(arrival, len(request.token_ids), reply, reply.queue_s)
+        return reply
 
     async def Release(self, request: pb.ReleaseRequest, context: grpc.aio.ServicerContext) -> pb.ReleaseResponse:
         return pb.ReleaseResponse(found=await self._on_engine(self.worker.release, request.request_id))

@@ -153,7 +153,11 @@ class PrefillWorker(EngineLoop):
         reps = [pb.ReplicaStats(dp_rank=r.dp_rank, waiting=r.waiting, running=r.running,
                                 queued_prefill_tokens=r.queued_prefill_tokens, used_blocks=r.used_blocks,
                                 free_blocks=r.free_blocks, held=self._held_count(r.dp_rank)) for r in self._load]
-        return reps, pb.TransferTotals(leases_expired=self.leases.expired_total)
+        return reps, self.transfer_totals()
+
+    def transfer_totals(self) -> pb.TransferTotals:
+        """The prefill side's: leases that ran out (the decode side reports the pulls)."""
+        return pb.TransferTotals(leases_expired=self.leases.expired_total)
 
     def _held_count(self, d: int) -> int:
         return sum(1 for v in list(self.held_on.values()) if v == d)

@@ -99,7 +99,7 @@ def create_app(config: ProxyConfig, tokenizer: Tokenizer, nodes: NodeSource, *, 
     ``vocab_size`` (the model's) bounds the token ids a prompt may carry (None: not checked here);
     ``on_shutdown`` runs when the server stops (after the last cleanup calls to the nodes)."""
     name = served_model_name(config)
-    metrics = ProxyMetrics()
+    metrics = ProxyMetrics(name)
     breakers = Breakers(config.circuit_failures,
                         on_change=lambda node_id, state: metrics.circuit.labels(node_id).set(STATE_VALUE[state]))
     view = NodeView(nodes, hold_s=max(5.0, 10 * config.refresh_s), breakers=breakers)

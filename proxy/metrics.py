@@ -1,10 +1,13 @@
 """Prometheus metrics of one proxy, in a registry of its own (two apps in one process don't clash).
 
-The request path's counts and observations (``ProxyMetrics.add`` and ``observe``) are tallied in dicts
-of plain numbers and added to their series by ``flush``: when ``/metrics`` is rendered, and every
-``FLUSH_S`` for the other workers' pages. Each update straight into a series takes its lock, and a
-labelled one finds its child first: under load that was ~9% of a worker's CPU per request
-(cProfile, docs/benchmarks.md). Rare events (errors, circuit states) update their series directly.
+The request path's counts and observations (``ProxyMetrics.add`` and ``observe``: ``cluster.metrics.Tally``)
+are added to their series by ``flush``: when ``/metrics`` is rendered, and every ``FLUSH_S`` for the
+other workers' pages. Rare events (errors, circuit states) update their series directly.
+
+Besides its own ``pdcluster_proxy_*`` families the proxy exposes vLLM's request-level ones (TTFT,
+inter-token latency, end-to-end latency, prompt and generation tokens), labelled
+``model_name`` and ``role="proxy"``: fed from its own series (``Tally.mirror``), they cost the request
+path nothing more.
 
 Also the ASGI middleware that counts requests by endpoint and status code: a pure ASGI wrapper,
 not Starlette's ``BaseHTTPMiddleware``, which would sit between streaming responses and the
@@ -14,12 +17,14 @@ client's disconnect.
 from __future__ import annotations
 
 import os
-from bisect import bisect_left
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.multiprocess import MultiProcessCollector
+
+from cluster import metrics as vllm_names
+from cluster.metrics import Tally
 
 PREFIX = "pdcluster_proxy"
 MULTIPROC_DIR = "PROMETHEUS_MULTIPROC_DIR"  # prometheus_client's: where each worker writes its series
@@ -36,10 +41,11 @@ Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 
-class ProxyMetrics:
+class ProxyMetrics(Tally):
     """The proxy's series; ``render()`` gives the exposition text of ``/metrics``."""
 
-    def __init__(self) -> None:
+    def __init__(self, model_name: str = "") -> None:
+        super().__init__()
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter(f"{PREFIX}_requests", "HTTP requests by endpoint and status code",
@@ -85,51 +91,21 @@ class ProxyMetrics:
         self.routing = Counter(f"{PREFIX}_routing_decisions", "Routing decisions by role and node",
                                ["role", "node_id"], registry=r)
 
-        for histogram in [m for m in vars(self).values() if isinstance(m, Histogram)]:
-            if not hasattr(histogram, "_upper_bounds"):  # observe() reads it: prometheus_client's layout
-                raise RuntimeError("prometheus_client's Histogram has no _upper_bounds: update ProxyMetrics")
-        self._added: dict[tuple[Counter, tuple[str, ...]], float] = {}
-        self._observed: dict[tuple[Histogram, tuple[str, ...]], list[float]] = {}
-        self._children: dict[tuple[Any, tuple[str, ...]], Any] = {}
+        self._vllm_series(model_name)
 
-    def add(self, counter: Counter, labels: tuple[str, ...] = (), amount: float = 1.0) -> None:
-        """``counter.labels(*labels).inc(amount)``, at the next ``flush``."""
-        key = (counter, labels)
-        added = self._added
-        added[key] = added.get(key, 0.0) + amount
-
-    def observe(self, histogram: Histogram, value: float, labels: tuple[str, ...] = (), count: int = 1) -> None:
-        """``count`` observations of ``value`` (``histogram.labels(*labels).observe``), at the next ``flush``."""
-        if count <= 0:
-            return
-        key = (histogram, labels)
-        tally = self._observed.get(key)
-        if tally is None:  # the sum, then one count per bucket
-            tally = self._observed[key] = [0.0] * (1 + len(histogram._upper_bounds))
-        tally[0] += value * count
-        if value != value:  # NaN: in the sum only, as Histogram.observe (no bucket's bound is >= it)
-            return
-        # the first bucket whose bound is >= value, as Histogram.observe's
-        tally[1 + bisect_left(histogram._upper_bounds, value)] += count
-
-    def flush(self) -> None:
-        """Add the tallies to their series (in multiprocess mode: where every worker's page reads them)."""
-        added, self._added = self._added, {}
-        for (counter, labels), amount in added.items():
-            self._child(counter, labels).inc(amount)
-        observed, self._observed = self._observed, {}
-        for (histogram, labels), tally in observed.items():
-            child = self._child(histogram, labels)
-            child._sum.inc(tally[0])
-            for bucket, count in zip(child._buckets, tally[1:]):
-                if count:
-                    bucket.inc(count)
-
-    def _child(self, metric: Any, labels: tuple[str, ...]) -> Any:
-        child = self._children.get((metric, labels))
-        if child is None:
-            child = self._children[(metric, labels)] = metric.labels(*labels) if labels else metric
-        return child
+    def _vllm_series(self, model_name: str) -> None:
+        """vLLM's request-level families, fed by the proxy's own (module docstring)."""
+        r, labels, names = self.registry, ("model_name", "role"), (model_name, "proxy")
+        self.mirror(self.ttft, Histogram(vllm_names.TTFT, "Request arrival to first token (at the proxy)", labels,
+                                         buckets=vllm_names.TTFT_BUCKETS, registry=r), names)
+        self.mirror(self.itl, Histogram(vllm_names.ITL, "Time between output tokens (at the proxy)", labels,
+                                        buckets=vllm_names.ITL_BUCKETS, registry=r), names)
+        self.mirror(self.e2e, Histogram(vllm_names.E2E, "Request arrival to last token (at the proxy)", labels,
+                                        buckets=vllm_names.REQUEST_BUCKETS, registry=r), names)
+        self.mirror(self.prompt_tokens, Counter(vllm_names.PROMPT_TOKENS, "Prompt tokens of routed requests",
+                                                labels, registry=r), names)
+        self.mirror(self.generation_tokens, Counter(vllm_names.GENERATION_TOKENS, "Output tokens received", labels,
+                                                    registry=r), names)
 
     def render(self) -> bytes:
         """The exposition text: this process's series or, with several proxy workers (prometheus_client's

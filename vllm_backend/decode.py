@@ -35,6 +35,7 @@ from kv_transfer.handle import from_handle
 from kv_transfer.handoff import KVLost
 from node_runtime import server as node_runtime
 from node_runtime.confirm import PrefillConfirmer
+from node_runtime.metrics import NodeMetrics
 from node_runtime.mux_server import DecodeEventsMux
 from vllm_backend import handle_params
 from vllm_backend.engine import VllmWorker, finish_reason, sampling_to_vllm, tokens_pb
@@ -42,13 +43,18 @@ from vllm_backend.engine import VllmWorker, finish_reason, sampling_to_vllm, tok
 log = logging.getLogger("pdcluster.decode")
 
 
+def _drop(item: object) -> None:
+    """The metrics' sink of a call whose events are yielded, not sent."""
+
+
 class VllmDecodeService(DecodeEventsMux, pb_grpc.DecodeServiceServicer):
     def __init__(self, worker: VllmWorker, node_id: str, state: node_runtime.Lifecycle,
-                 confirm: PrefillConfirmer) -> None:
+                 confirm: PrefillConfirmer, metrics: NodeMetrics) -> None:
         self.worker = worker
         self.node_id = node_id
         self.state = state
         self.confirm = confirm
+        self.metrics = metrics
 
     async def Decode(
         self, request: pb.DecodeRequest, context: grpc.aio.ServicerContext
@@ -86,6 +92,7 @@ class VllmDecodeService(DecodeEventsMux, pb_grpc.DecodeServiceServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         prompt = {"prompt_token_ids": [*request.prompt_token_ids, request.first_token.token_id]}
         t0 = time.perf_counter()
+        observe = self.metrics.decode_call(n, _drop)  # the events' times and tokens, as they are yielded
         self.worker.begin(rid, n + request.sampling.max_tokens)
         seen = 0  # output tokens so far
         try:
@@ -96,8 +103,10 @@ class VllmDecodeService(DecodeEventsMux, pb_grpc.DecodeServiceServicer):
                         raise KVLost(f"the prefill node no longer held {rid}'s KV when it was confirmed")
                 if seen == 0:
                     self.worker.active[rid] = "running"
-                    yield pb.DecodeEvent(admitted=pb.Admitted(dp_rank=0, transfer_s=time.perf_counter() - t0,
-                                                              cached_tokens=out.num_cached_tokens or 0))
+                    admitted = pb.DecodeEvent(admitted=pb.Admitted(dp_rank=0, transfer_s=time.perf_counter() - t0,
+                                                                   cached_tokens=out.num_cached_tokens or 0))
+                    observe(admitted)
+                    yield admitted
                 completion = out.outputs[0]
                 tokens = tokens_pb(completion)
                 seen += len(completion.token_ids)
@@ -106,8 +115,11 @@ class VllmDecodeService(DecodeEventsMux, pb_grpc.DecodeServiceServicer):
                     raise RuntimeError(f"vLLM ended the request ({completion.finish_reason}); a failed KV "
                                        "load does this, and this node's log says why")
                 if tokens or reason:
-                    yield pb.DecodeEvent(tokens=pb.Tokens(tokens=tokens, finish_reason=reason))
+                    event = pb.DecodeEvent(tokens=pb.Tokens(tokens=tokens, finish_reason=reason))
+                    observe(event)
+                    yield event
             self.worker.done += 1
+            observe(None)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except KVLost as e:
@@ -125,7 +137,7 @@ class VllmDecodeService(DecodeEventsMux, pb_grpc.DecodeServiceServicer):
 
     async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsResponse:
         return pb.StatsResponse(node_id=self.node_id, role="decode", replicas=[self.worker.stats()],
-                                transfers=pb.TransferTotals(done=self.worker.done))
+                                transfers=self.worker.transfer_totals())
 
 
 async def main(config: NodeConfig, served: str) -> int:
@@ -133,8 +145,9 @@ async def main(config: NodeConfig, served: str) -> int:
     state = node_runtime.Lifecycle()
     confirm = PrefillConfirmer()
 
-    def add(server: object) -> None:
-        pb_grpc.add_DecodeServiceServicer_to_server(VllmDecodeService(worker, config.node_id, state, confirm), server)
+    def add(server: object, metrics: NodeMetrics) -> None:
+        pb_grpc.add_DecodeServiceServicer_to_server(VllmDecodeService(worker, config.node_id, state, confirm, metrics),
+                                                    server)
 
     try:
         return await node_runtime.serve(config, worker, served, add, state)

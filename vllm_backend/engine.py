@@ -304,6 +304,11 @@ class VllmWorker:
     def take_kv_events(self) -> list[tuple[int, list[int], list[int]]]:
         return [] if self.kv_events is None else [(0, *self.kv_events.take())]
 
+    def transfer_totals(self) -> pb.TransferTotals:
+        """A decode node's requests served, each one pull (the connector's pulls are vLLM's: their bytes and
+        times are not visible); nothing on a prefill node."""
+        return pb.TransferTotals(done=self.done if self.config.role == "decode" else 0)
+
     def stats(self) -> pb.ReplicaStats:
         (r,) = self.load()
         return pb.ReplicaStats(dp_rank=0, waiting=r.waiting, running=r.running,

@@ -19,6 +19,7 @@ from cluster.config import NodeConfig
 from cluster.proto_gen import pdcluster_v1_pb2 as pb
 from cluster.proto_gen import pdcluster_v1_pb2_grpc as pb_grpc
 from node_runtime import server as node_runtime
+from node_runtime.metrics import NodeMetrics
 from node_runtime.mux_server import PrefillMux
 from vllm_backend.engine import VllmWorker, finish_reason, prompt_tokens_pb, sampling_to_vllm, tokens_pb
 
@@ -27,10 +28,11 @@ _RECENT = 4096  # prefilled request ids remembered for Release
 
 
 class VllmPrefillService(PrefillMux, pb_grpc.PrefillServiceServicer):
-    def __init__(self, worker: VllmWorker, node_id: str, state: node_runtime.Lifecycle) -> None:
+    def __init__(self, worker: VllmWorker, node_id: str, state: node_runtime.Lifecycle, metrics: NodeMetrics) -> None:
         self.worker = worker
         self.node_id = node_id
         self.state = state
+        self.metrics = metrics
         self.prefilled: dict[str, None] = {}  # insertion-ordered set
 
     async def Prefill(self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext) -> pb.PrefillResponse:
@@ -47,7 +49,7 @@ class VllmPrefillService(PrefillMux, pb_grpc.PrefillServiceServicer):
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         prompt = {"prompt_token_ids": list(request.token_ids)}
-        arrival = time.perf_counter()
+        arrival = time.monotonic()
         self.worker.begin(rid, len(request.token_ids))
         self.worker.active[rid] = "running"
         self.worker.tokens[rid] = len(request.token_ids)
@@ -65,7 +67,7 @@ class VllmPrefillService(PrefillMux, pb_grpc.PrefillServiceServicer):
         if last is None or not last.outputs or not last.outputs[0].token_ids:
             await context.abort(grpc.StatusCode.ABORTED, f"request {rid} was aborted")
         assert last is not None  # (context.abort raises)
-        done = time.perf_counter() - arrival
+        done = time.monotonic() - arrival
         completion = last.outputs[0]
         kv = last.kv_transfer_params
         reason = "" if kv else finish_reason(completion)  # kv: held for the decode side, not finished
@@ -82,6 +84,7 @@ class VllmPrefillService(PrefillMux, pb_grpc.PrefillServiceServicer):
             reply.prompt_tokens.extend(prompt_tokens_pb(list(request.token_ids), last.prompt_logprobs))
         if kv:  # the kv_source oneof stays unset when nothing is held
             reply.vllm_kv_params_json = json.dumps(kv)
+        self.metrics.prefilled(arrival, len(request.token_ids), reply, None)  # vLLM's queue time is not visible
         return reply
 
     def _remember(self, rid: str) -> None:
@@ -106,7 +109,8 @@ async def main(config: NodeConfig, served: str) -> int:
     worker = await VllmWorker.start(config, node_runtime.transfer_host(config))
     state = node_runtime.Lifecycle()
 
-    def add(server: object) -> None:
-        pb_grpc.add_PrefillServiceServicer_to_server(VllmPrefillService(worker, config.node_id, state), server)
+    def add(server: object, metrics: NodeMetrics) -> None:
+        pb_grpc.add_PrefillServiceServicer_to_server(VllmPrefillService(worker, config.node_id, state, metrics),
+                                                     server)
 
     return await node_runtime.serve(config, worker, served, add, state)

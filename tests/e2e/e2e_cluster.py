@@ -11,6 +11,7 @@ from pathlib import Path
 
 import httpx
 import psutil
+from prometheus_client.parser import text_string_to_metric_families
 
 from cluster.config import RegistryConfig
 from cluster.registry import Registry
@@ -76,3 +77,31 @@ def wait_all_free(c: Cluster, timeout_s: float = 20.0) -> dict[str, int]:
         if not any(used.values()) or time.monotonic() > deadline:
             return used
         time.sleep(0.3)
+
+
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+@dataclass
+class Page:
+    """One ``/metrics`` page: its samples by name and labels, and every sample name its families declare
+    (a counter without children yet declares ``name_total``)."""
+
+    samples: Samples
+    declared: set[str]
+
+    def total(self, name: str, **labels: str) -> float:
+        """The sum of ``name``'s samples whose labels include ``labels``."""
+        return sum(v for (n, lbl), v in self.samples.items() if n == name and labels.items() <= dict(lbl).items())
+
+
+_SUFFIXES = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"), "gauge": ("",), "info": ("_info",)}
+
+
+def scrape(url: str) -> Page:
+    r = httpx.get(url, timeout=10)
+    r.raise_for_status()
+    families = list(text_string_to_metric_families(r.text))
+    return Page({(s.name, tuple(sorted(s.labels.items()))): s.value for f in families for s in f.samples},
+                {f.name + suffix for f in families for suffix in _SUFFIXES.get(f.type, ("",))}
+                | {s.name for f in families for s in f.samples})

@@ -15,6 +15,8 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Literal
 
 import httpx
@@ -22,7 +24,7 @@ import openai
 import psutil
 import pydantic
 import pytest
-from e2e_cluster import ADMIN_KEY, Cluster, wait_all_free
+from e2e_cluster import ADMIN_KEY, Cluster, scrape, wait_all_free
 
 from engine import LLM, SamplingParams
 from engine.structured_output import StructuredOutputsParams
@@ -472,6 +474,85 @@ def test_pdctl_route_explains_the_expected_prefix_hit_of_a_prompts_text(cluster:
     hit = int(out.split(f"prompt: {n} tokens, ", 1)[1].split(" ", 1)[0])
     assert hit >= (n - 1) // 16 * 16 - 16 > 0, out  # the prefill replica that had it holds its full blocks
     assert "expected in its prefix cache" in out
+
+
+def node_pages(c: Cluster) -> dict[str, str]:
+    """Each node's /metrics URL, from where it says it serves them (the registry, through the admin API)."""
+    return {node_id: f"http://{n['metrics_address']}/metrics" for node_id, n in c.nodes().items()}
+
+
+def test_every_nodes_metrics_in_vllms_names_exist_and_move(cluster: Cluster) -> None:
+    """Every node serves /metrics at the address it publishes: requests running go up while streams run and
+    back to 0, KV usage rises and falls, the request-level histograms and token counters count the requests,
+    a repeated prompt counts prefix cache hits; the proxy's vLLM-named series count them too. Every metric
+    the Grafana dashboard (deploy/grafana/pdcluster.json) queries is one of these pages'."""
+    pages = node_pages(cluster)
+    assert set(pages) == {"prefill-0", "decode-0", "decode-1"}
+    decodes = [u for n, u in pages.items() if n.startswith("decode")]
+    before = {n: scrape(u) for n, u in pages.items()}
+    proxy_before = scrape(f"{cluster.url}/metrics")
+    prompts = [f"Request {i}: tell me about serving clusters and their caches." for i in range(6)]
+
+    def one(text: str) -> int:
+        r = client(cluster).completions.create(model=MODEL, prompt=text, max_tokens=64, temperature=0,
+                                               extra_body={"ignore_eos": True})
+        return r.usage.prompt_tokens
+
+    peak_running, peak_usage = 0.0, 0.0
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        futures = [pool.submit(one, p) for p in prompts]
+        while not all(f.done() for f in futures):
+            now = [scrape(u) for u in decodes]
+            peak_running = max(peak_running, sum(p.total("vllm:num_requests_running") for p in now))
+            peak_usage = max(peak_usage, *(max((v for (n, _), v in p.samples.items()
+                                               if n == "vllm:kv_cache_usage_perc"), default=0.0) for p in now))
+            time.sleep(0.05)
+        prompt_tokens = sum(f.result() for f in futures)
+    assert peak_running > 0 and peak_usage > 0, (peak_running, peak_usage)
+    deadline = time.monotonic() + 10
+    while True:
+        after = {n: scrape(u) for n, u in pages.items()}
+        idle = all(p.total("vllm:num_requests_running") == 0 and p.total("vllm:kv_cache_usage_perc") == 0
+                   for n, p in after.items() if n.startswith("decode"))
+        if idle or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert idle, {n: (p.total("vllm:num_requests_running"), p.total("vllm:kv_cache_usage_perc"))
+                  for n, p in after.items()}
+
+    def moved(name: str, role: str) -> float:
+        return sum(after[n].total(name) - before[n].total(name) for n in pages if n.startswith(role))
+
+    assert moved("vllm:prompt_tokens_total", "prefill") == prompt_tokens
+    assert moved("vllm:time_to_first_token_seconds_count", "prefill") == len(prompts)
+    assert moved("vllm:request_queue_time_seconds_count", "prefill") == len(prompts)
+    assert moved("vllm:generation_tokens_total", "decode") == len(prompts) * 63  # the first token is prefill's
+    for name in ("vllm:time_to_first_token_seconds_count", "vllm:e2e_request_latency_seconds_count",
+                 "vllm:request_queue_time_seconds_count"):
+        assert moved(name, "decode") == len(prompts), name
+    assert moved("vllm:inter_token_latency_seconds_count", "decode") == len(prompts) * 62
+    assert moved("pdcluster_kv_transfers_total", "decode") == len(prompts)
+    assert moved("pdcluster_kv_transfer_bytes_total", "decode") > 0
+    proxy = scrape(f"{cluster.url}/metrics")
+    for name in ("vllm:time_to_first_token_seconds_count", "vllm:e2e_request_latency_seconds_count"):
+        assert proxy.total(name, role="proxy") - proxy_before.total(name, role="proxy") == len(prompts), name
+
+    # a repeated prompt: its second prefill finds the first one's 18 full blocks in the prefill node's cache
+    prompt = [(i * 31 + 5) % 1000 + 2 for i in range(300)]
+    hits = scrape(pages["prefill-0"]).total("vllm:prefix_cache_hits_total")
+    for _ in range(2):
+        client(cluster).completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
+    assert scrape(pages["prefill-0"]).total("vllm:prefix_cache_hits_total") - hits >= 18 * 16
+
+    declared = set().union(*(p.declared for p in after.values()), proxy.declared)
+    for name in ("vllm:num_requests_waiting", "vllm:num_preemptions_total", "vllm:prefix_cache_queries_total",
+                 "pdcluster_kv_leases_held", "pdcluster_node_info"):
+        assert name in declared, name
+    dashboard = json.loads((Path(__file__).parents[2] / "deploy/grafana/pdcluster.json").read_text())
+    queried = {m for panel in dashboard["panels"] for t in panel["targets"]
+               for m in re.findall(r"\b(?:vllm:|pdcluster_|process_)[a-z0-9_:]+", t["expr"])}
+    assert queried and queried <= declared, queried - declared
+    assert not any(wait_all_free(cluster).values())
 
 
 def test_a_killed_decode_node_ends_its_stream_with_an_error_and_frees_prefill_blocks(cluster: Cluster) -> None:

@@ -28,12 +28,12 @@ COMPOSE = ROOT / "docker-compose.yml"
 
 # The command-line contract of each process: every flag the compose file may pass; REQUIRED must be.
 FLAGS = {
-    "prefill_node": {"--model", "--node-id", "--host", "--port", "--advertise-host", "--registry-url", "--cluster",
-                     "--dp", "--pcp", "--pp", "--kv-layout", "--dtype", "--device", "--max-model-len",
-                     "--max-num-batched-tokens", "--num-kv-blocks", "--lease-s"},
-    "decode_node": {"--model", "--node-id", "--host", "--port", "--advertise-host", "--registry-url", "--cluster",
-                    "--dp", "--dtype", "--device", "--max-model-len", "--max-num-seqs", "--num-kv-blocks",
-                    "--transfer-timeout-s"},
+    "prefill_node": {"--model", "--node-id", "--host", "--port", "--metrics-port", "--advertise-host",
+                     "--registry-url", "--cluster", "--dp", "--pcp", "--pp", "--kv-layout", "--dtype", "--device",
+                     "--max-model-len", "--max-num-batched-tokens", "--num-kv-blocks", "--lease-s"},
+    "decode_node": {"--model", "--node-id", "--host", "--port", "--metrics-port", "--advertise-host",
+                    "--registry-url", "--cluster", "--dp", "--dtype", "--device", "--max-model-len", "--max-num-seqs",
+                    "--num-kv-blocks", "--transfer-timeout-s"},
     "proxy": {"--model", "--served-model-name", "--host", "--port", "--registry-url", "--cluster", "--api-key",
               "--admin-key", "--insecure-admin", "--workers"},
 }
@@ -129,7 +129,8 @@ def _compose_env(**extra: str) -> dict[str, str]:
 
 
 # ids are not bare "gpu": tests/conftest.py skips items with a "gpu" keyword when CUDA is absent.
-@pytest.mark.parametrize("profile", [None, "cpu", "gpu"], ids=["no-profile", "profile-cpu", "profile-gpu"])
+@pytest.mark.parametrize("profile", [None, "cpu", "gpu", "monitoring"],
+                         ids=["no-profile", "profile-cpu", "profile-gpu", "profile-monitoring"])
 def test_docker_compose_config_is_valid(profile):
     exe = _docker_compose()
     profile_args = ["--profile", profile] if profile else []
@@ -280,7 +281,10 @@ def test_proxy_port_and_keys(name, tmp_path):
 
 
 def test_only_the_proxy_is_published_and_long_runners_restart(services):
-    assert {n for n, s in services.items() if "ports" in s} == {"proxy", "proxy-gpu"}
+    published = {n for n, s in services.items() if "ports" in s}
+    assert published == {"proxy", "proxy-gpu", "prometheus", "grafana"}
+    for name in ("prometheus", "grafana"):  # the monitoring profile's: on the host's loopback only
+        assert all(str(p).startswith("127.0.0.1:") for p in services[name]["ports"]), name
     for name in APP_SERVICES:
         assert services[name]["restart"] == "unless-stopped"
         assert "healthcheck" in services[name]
@@ -373,3 +377,22 @@ def test_every_service_gets_the_cluster_token(tmp_path):
     services = _load({"PDCLUSTER_CLUSTER_TOKEN": "t0ken"})["services"]
     for name in APP_SERVICES:
         assert services[name]["environment"]["PDCLUSTER_CLUSTER_TOKEN"] == "t0ken", name
+
+
+def test_the_monitoring_profile_scrapes_every_nodes_metrics_port_and_the_proxy(services):
+    """Prometheus (profile monitoring) finds every node service of both profiles at the port its command
+    gives --metrics-port, and the proxies at their HTTP port; Grafana loads the dashboard."""
+    assert services["prometheus"]["profiles"] == services["grafana"]["profiles"] == ["monitoring"]
+    config = yaml.safe_load((ROOT / "deploy/prometheus/prometheus.yml").read_text())
+    jobs = {j["job_name"]: j["dns_sd_configs"] for j in config["scrape_configs"]}
+    (nodes,) = jobs["pdcluster-nodes"]
+    (proxies,) = jobs["pdcluster-proxy"]
+    node_services = {n for n, (module, _) in APP_SERVICES.items() if module.endswith("_node")}
+    assert set(nodes["names"]) == node_services
+    for name in node_services:
+        assert f"--metrics-port={nodes['port']}" in services[name]["command"], name
+    assert set(proxies["names"]) == {"proxy", "proxy-gpu"} and proxies["port"] == 8000
+    mounts = [v.split(":")[0] for v in services["grafana"]["volumes"]]
+    assert {"./deploy/grafana/pdcluster.json", "./deploy/grafana/provisioning"} <= set(mounts)
+    for path in mounts:
+        assert (ROOT / path).exists(), path

@@ -89,7 +89,8 @@ def selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
 @pytest.mark.parametrize("overlay", OVERLAYS, ids=IDS)
 def test_only_pdclusters_pods_reach_the_nodes_and_redis(overlay: str) -> None:
     """The nodes (every port: gRPC and Mooncake's, which it picks at start) and Redis take connections from
-    the proxy and the nodes only; nothing restricts the proxy, whose HTTP port faces clients."""
+    the proxy and the nodes only, but for the nodes' /metrics port, which any pod may scrape; nothing
+    restricts the proxy, whose HTTP port faces clients."""
     docs = render(overlay)
     pods = {name: d["spec"]["template"]["metadata"]["labels"] for name, d in by_kind(docs, "Deployment").items()}
     policies = by_kind(docs, "NetworkPolicy")
@@ -100,13 +101,24 @@ def test_only_pdclusters_pods_reach_the_nodes_and_redis(overlay: str) -> None:
         spec = policies[name]["spec"]
         assert {p for p, labels in pods.items() if selects(spec["podSelector"], labels)} == guarded
         assert spec["policyTypes"] == ["Ingress"]
-        (rule,) = spec["ingress"]
+        rule = spec["ingress"][0]
         (peer,) = rule["from"]
         assert set(peer) == {"podSelector"}  # pods of this namespace only
         assert {p for p, labels in pods.items() if selects(peer["podSelector"], labels)} == ours
     redis_port = by_kind(docs, "Service")["pdcluster-redis"]["spec"]["ports"][0]["port"]
     assert policies["pdcluster-redis"]["spec"]["ingress"][0]["ports"] == [{"port": redis_port, "protocol": "TCP"}]
     assert "ports" not in policies["pdcluster-nodes"]["spec"]["ingress"][0]  # Mooncake's ports are not known
+    assert len(policies["pdcluster-redis"]["spec"]["ingress"]) == 1
+    (scrapes,) = policies["pdcluster-nodes"]["spec"]["ingress"][1:]
+    assert scrapes["from"] == [{"namespaceSelector": {}}]  # any namespace's pods: Prometheus runs in its own
+    deployments = by_kind(docs, "Deployment")
+    for node in ("pdcluster-prefill", "pdcluster-decode"):
+        template = deployments[node]["spec"]["template"]
+        (container,) = template["spec"]["containers"]
+        port = int(template["metadata"]["annotations"]["prometheus.io/port"])  # where Prometheus scrapes
+        assert f"--metrics-port={port}" in container["args"]
+        assert {"name": "metrics", "containerPort": port} in container["ports"]
+        assert scrapes["ports"] == [{"port": port, "protocol": "TCP"}]
 
 
 @needs_kubectl

@@ -10,6 +10,7 @@ import grpc
 import pytest
 
 from cluster.proto_gen import pdcluster_v1_pb2 as pb
+from node_runtime.metrics import NodeMetrics
 from node_runtime.server import Lifecycle
 from prefill_node.service import PrefillService
 
@@ -36,7 +37,7 @@ class Worker:
 
 
 def call(worker: Worker) -> pb.PrefillResponse:
-    service = PrefillService(worker, "p0", Lifecycle())  # type: ignore[arg-type]
+    service = PrefillService(worker, "p0", Lifecycle(), NodeMetrics("m", "prefill", "p0"))  # type: ignore[arg-type]
     request = pb.PrefillRequest(request_id="new", token_ids=[1, 2, 3], sampling=pb.SamplingParams(max_tokens=4),
                                 dp_rank=-1)
     return asyncio.run(service.Prefill(request, Context()))  # type: ignore[arg-type]

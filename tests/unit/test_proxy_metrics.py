@@ -1,5 +1,6 @@
-"""``ProxyMetrics.add`` / ``observe``: tallied, then flushed, they expose exactly what direct updates of
-the series would (counts, sums, bucket bounds, labelled children), once each."""
+"""``ProxyMetrics.add`` / ``observe`` (``cluster.metrics.Tally``): tallied, then flushed, they expose exactly
+what direct updates of the series would (counts, sums, bucket bounds, labelled children), once each; the
+vLLM-named families mirror the proxy's own."""
 
 from __future__ import annotations
 
@@ -9,12 +10,14 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from proxy.metrics import ProxyMetrics
 
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
-def _samples(registry: CollectorRegistry) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    """Every sample but the creation times, by name and labels."""
+
+def _samples(registry: CollectorRegistry, prefix: str = "pdcluster_proxy_") -> Samples:
+    """Every sample of the families named ``prefix...`` but the creation times, by name and labels."""
     return {(s.name, tuple(sorted(s.labels.items()))): s.value
             for family in text_string_to_metric_families(generate_latest(registry).decode())
-            for s in family.samples if not s.name.endswith("_created")}
+            for s in family.samples if s.name.startswith(prefix) and not s.name.endswith("_created")}
 
 
 def _assert_same(got: ProxyMetrics, want: ProxyMetrics) -> None:
@@ -81,3 +84,24 @@ def test_a_nan_observation_goes_to_the_sum_only_as_a_direct_one() -> None:
     assert got_sum != got_sum and want_sum != want_sum  # both NaN
     assert g == w  # every bucket and the count: the 0.02 alone
     assert g[(f"{name}_count", ())] == 1
+
+
+def test_the_vllm_families_mirror_the_proxys_own() -> None:
+    m = ProxyMetrics("tiny")
+    m.observe(m.ttft, 0.2, ("chat",))
+    m.observe(m.ttft, 0.03, ("completions",))
+    m.observe(m.itl, 0.004, count=5)
+    m.observe(m.e2e, 1.2, ("chat",))
+    m.add(m.prompt_tokens, amount=40)
+    m.add(m.generation_tokens, amount=6)
+    m.flush()
+    v = _samples(m.registry, "vllm:")
+    labels = (("model_name", "tiny"), ("role", "proxy"))
+    assert v[("vllm:time_to_first_token_seconds_count", labels)] == 2
+    assert v[("vllm:time_to_first_token_seconds_sum", labels)] == pytest.approx(0.23)
+    assert v[("vllm:time_to_first_token_seconds_bucket", (("le", "0.04"), *labels))] == 1
+    assert v[("vllm:inter_token_latency_seconds_count", labels)] == 5
+    assert v[("vllm:e2e_request_latency_seconds_count", labels)] == 1
+    assert v[("vllm:prompt_tokens_total", labels)] == 40
+    assert v[("vllm:generation_tokens_total", labels)] == 6
+    assert _samples(m.registry)[("pdcluster_proxy_time_to_first_token_seconds_count", (("endpoint", "chat"),))] == 1

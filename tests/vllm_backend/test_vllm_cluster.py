@@ -131,6 +131,38 @@ def test_openai_client_equals_colocated_vllm(proxy_url: str, colocated_all, mla_
     assert _routed(proxy_url, "prefill-0") - before == len(PROMPTS) + 3
 
 
+def _page_total(url: str, name: str) -> float:
+    """The sum of a /metrics page's samples named ``name``."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    page = httpx.get(url, timeout=10).text
+    return sum(s.value for f in text_string_to_metric_families(page) for s in f.samples if s.name == name)
+
+
+def test_vllm_nodes_serve_their_metrics_in_vllms_names(proxy_url: str) -> None:
+    """vLLM nodes serve /metrics at the address they publish, as native ones: a request through the vLLM
+    prefill and decode nodes counts its prompt on both, its first token on the prefill node, the rest of
+    its tokens on the decode node, and its times on both; nothing runs afterwards."""
+    _only_prefill(proxy_url, "prefill-0")
+    nodes = {n["node_id"]: n for n in httpx.get(f"{proxy_url}/admin/nodes", timeout=10).json()["nodes"]}
+    pages = {n: f"http://{nodes[n]['metrics_address']}/metrics" for n in ("prefill-0", "decode-0")}
+    names = ("vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:time_to_first_token_seconds_count",
+             "vllm:e2e_request_latency_seconds_count")
+    before = {(n, m): _page_total(u, m) for n, u in pages.items() for m in names}
+    oa = openai.OpenAI(base_url=f"{proxy_url}/v1", api_key="unused", max_retries=0, timeout=120)
+    r = oa.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0.0,
+                              extra_body={"ignore_eos": True})
+    moved = {(n, m): _page_total(pages[n], m) - v for (n, m), v in before.items()}
+    assert moved[("prefill-0", "vllm:prompt_tokens_total")] == moved[("decode-0", "vllm:prompt_tokens_total")] \
+        == r.usage.prompt_tokens
+    assert moved[("prefill-0", "vllm:generation_tokens_total")] == 1
+    assert moved[("decode-0", "vllm:generation_tokens_total")] == MAX_TOKENS - 1
+    for n in pages:
+        assert moved[(n, "vllm:time_to_first_token_seconds_count")] == 1, n
+        assert moved[(n, "vllm:e2e_request_latency_seconds_count")] == 1, n
+        assert _page_total(pages[n], "vllm:num_requests_running") == 0, n
+
+
 def test_native_pcp2_prefill_then_vllm_decode(proxy_url: str, colocated: list[list[int]], mla_model: Path) -> None:
     """Native PCP 2 (sharded KV) prefill -> vLLM decode: the same tokens as colocated vLLM, and the
     prefill node's blocks are released by the decode node (not left to the lease)."""
