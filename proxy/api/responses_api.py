@@ -101,6 +101,7 @@ class ResponsesRequest(BaseModel):
             if kind == "message":
                 messages.append({"role": item.get("role"), "content": _text(item.get("content"), i)})
             elif kind == "function_call":
+                _require_text(item, i, "call_id", "name", "arguments")
                 call = {"id": item.get("call_id"), "type": "function",
                         "function": {"name": item.get("name"), "arguments": item.get("arguments", "")}}
                 last = messages[-1] if messages else None
@@ -109,6 +110,9 @@ class ResponsesRequest(BaseModel):
                 else:
                     messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
             elif kind == "function_call_output":
+                _require_text(item, i, "call_id")
+                if "output" not in item:
+                    raise ValueError(f"input[{i}]: a function_call_output item needs its output")
                 output = item.get("output")
                 messages.append({"role": "tool", "tool_call_id": item.get("call_id"),
                                  "content": output if isinstance(output, str) else orjson.dumps(output).decode()})
@@ -116,6 +120,13 @@ class ResponsesRequest(BaseModel):
                 raise ValueError(f"input[{i}]: items of type {kind!r} are not supported (message, function_call and "
                                  "function_call_output are)")
         return messages
+
+
+def _require_text(item: dict[str, Any], i: int, *fields: str) -> None:
+    """A function call item's fields that OpenAI requires, each a string."""
+    for name in fields:
+        if not isinstance(item.get(name), str):
+            raise ValueError(f"input[{i}]: a {item['type']} item needs {name} (a string)")
 
 
 def _text(content: Any, i: int) -> str:

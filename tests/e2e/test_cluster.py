@@ -146,6 +146,13 @@ BAD = [
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "guided_regex": "(a"}),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "guided_choice": ["a"], "guided_regex": "a"}),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "response_format": {"type": "yaml"}}),
+    ("/v1/responses", b"{not json"),
+    ("/v1/responses", {"model": "nope", "input": "hi"}),
+    ("/v1/responses", {"model": MODEL}),
+    ("/v1/responses", {"model": MODEL, "input": "hi", "max_output_tokens": 0}),
+    ("/v1/responses", {"model": MODEL, "input": "hi", "previous_response_id": "resp_1"}),
+    ("/v1/responses", {"model": MODEL, "input": [{"type": "function_call_output", "output": "x"}]}),
+    ("/v1/responses", {"model": MODEL, "input": "hi", "tools": [{"type": "function"}]}),
 ]
 
 
@@ -438,6 +445,7 @@ def test_the_responses_api_through_the_cluster(cluster: Cluster) -> None:
     import jsonschema
 
     oa = client(cluster)
+    assert oa.models.retrieve(MODEL).id == MODEL
     kw = dict(model=MODEL, instructions="Be brief.", input="What does a serving cluster do?", temperature=0,
               max_output_tokens=24)
     chat = oa.chat.completions.create(model=MODEL, temperature=0, max_tokens=24, messages=[
