@@ -99,6 +99,9 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str = "bfloat16"
     quantization: Fp8Config | None = None  # block FP8 weights (engine.fp8); None: stored in torch_dtype
+    # Multi-token prediction (DeepSeek-V3): layers after the stack (``model.layers.{num_hidden_layers + i}``),
+    # each predicting one token further (engine.mtp); speculative decoding drafts with the first.
+    num_nextn_predict_layers: int = 0
 
     def __post_init__(self) -> None:
         positive = (
@@ -112,6 +115,8 @@ class ModelConfig:
             raise ValueError(f"qk_rope_head_dim must be even, got {self.qk_rope_head_dim}")
         if self.q_lora_rank is not None and self.q_lora_rank <= 0:
             raise ValueError(f"q_lora_rank must be null or > 0, got {self.q_lora_rank}")
+        if self.num_nextn_predict_layers < 0:
+            raise ValueError(f"num_nextn_predict_layers must be >= 0, got {self.num_nextn_predict_layers}")
         if self.hidden_act != "silu":
             raise ValueError(f"unsupported hidden_act {self.hidden_act!r} (only silu)")
         if self.n_routed_experts is not None:
@@ -222,6 +227,7 @@ class ModelConfig:
             topk_group=int(raw.get("topk_group") or 1),
             norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
             routed_scaling_factor=float(raw.get("routed_scaling_factor") or 1.0),
+            num_nextn_predict_layers=int(raw.get("num_nextn_predict_layers") or 0),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             hidden_act=raw.get("hidden_act", "silu"),
             bos_token_id=raw.get("bos_token_id"),

@@ -4,6 +4,21 @@ Parameter names equal the Hugging Face checkpoint keys (``model.layers.{i}.self_
 …) except the stacked routed experts (see ``engine.layers.MoE``). A model may hold only a range of
 layers (a pipeline stage): ``layer_range`` selects them, and only the first stage embeds and only
 the last one normalises and projects to logits.
+
+DeepSeek-V3's multi-token prediction (MTP) layers (``num_nextn_predict_layers``) sit after the stack in the
+checkpoint (``model.layers.{N}``, N = ``num_hidden_layers`` for the first): each is a decoder layer with
+``enorm`` and ``hnorm`` (RMSNorms), ``eh_proj`` [D, 2D], ``shared_head.norm`` and ``shared_head.head`` (an
+LM head) and ``embed_tokens`` (a copy of the model's embedding). The last stage holds them (``MTPLayer``,
+parameters ``mtp.{N}.*``; ``engine.weights`` maps the keys) when asked to. At row i of a step the layer
+takes the target's final-normed hidden state of position i and the token at position i + 1, and its
+logits predict the token at position i + 2:
+
+    x = eh_proj([enorm(embed(token[i + 1])); hnorm(hidden[i])])
+    h = decoder_layer(x)            at position i, with a KV cache of its own (cache layer N)
+    logits = head(norm(h))
+
+For tokens further ahead the same layer runs again on its own ``h`` and the token it predicted (as vLLM
+and SGLang use DeepSeek's one layer).
 """
 
 from __future__ import annotations
@@ -39,6 +54,39 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(h)
 
 
+class SharedHead(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+
+class MTPLayer(DecoderLayer):
+    """One multi-token prediction layer (module docstring): a decoder layer and what feeds and reads it."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int, kv_format: KVFormat | None = None,
+                 experts: ExpertShard | None = None) -> None:
+        super().__init__(cfg, layer_idx, kv_format, experts)
+        d = cfg.hidden_size
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, d)
+        self.enorm = RMSNorm(d, cfg.rms_norm_eps)
+        self.hnorm = RMSNorm(d, cfg.rms_norm_eps)
+        self.eh_proj = nn.Linear(2 * d, d, bias=False)
+        self.shared_head = SharedHead(cfg)
+
+    def predict(self, next_ids: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch, cache: torch.Tensor,
+                rope: RotaryEmbedding) -> torch.Tensor:
+        """next_ids [T]: the token after each row's; hidden [T, D]: the previous depth's hidden state at each
+        row -> this layer's hidden state [T, D] (before the shared head's norm). ``batch``: the rows'
+        positions and where this layer's KV goes in ``cache``, as for every layer."""
+        x = self.eh_proj(torch.cat([self.enorm(self.embed_tokens(next_ids)), self.hnorm(hidden)], dim=-1))
+        return self(x, batch, cache, rope)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, D] (this layer's) -> logits [N, V] in fp32."""
+        return self.shared_head.head(self.shared_head.norm(hidden)).float()
+
+
 class DeepseekModel(nn.Module):
     """The transformer body (``model.*`` keys)."""
 
@@ -56,15 +104,22 @@ class DeepseekModel(nn.Module):
 
 class DeepseekForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_range: range | None = None, kv_format: KVFormat | None = None,
-                 experts: ExpertShard | None = None) -> None:
+                 experts: ExpertShard | None = None, mtp: bool = False) -> None:
         """``kv_format``: how the KV cache stores latents (default: in the model's dtype); ``experts``: the
-        routed experts this rank holds under expert parallelism (default: all)."""
+        routed experts this rank holds under expert parallelism (default: all); ``mtp``: hold the model's
+        multi-token prediction layers too (the last stage only)."""
         super().__init__()
         self.cfg = cfg
         self.experts = experts
         layer_range = layer_range if layer_range is not None else range(cfg.num_hidden_layers)
         self.model = DeepseekModel(cfg, layer_range, kv_format, experts)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False) if self.model.is_last else None
+        n = cfg.num_hidden_layers
+        if mtp and not cfg.num_nextn_predict_layers:
+            raise ValueError("the model has no multi-token prediction layer (num_nextn_predict_layers is 0)")
+        self.mtp = nn.ModuleDict({str(i): MTPLayer(cfg, i, kv_format, experts)
+                                  for i in range(n, n + cfg.num_nextn_predict_layers)}) \
+            if mtp and self.model.is_last else None
         self.rope: RotaryEmbedding | None = None
         self.decode_form = "absorbed"  # decode CUDA graphs are captured in this form only
 

@@ -48,14 +48,15 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 def build_empty_model(
     cfg: ModelConfig, dtype: torch.dtype, device: torch.device, layer_range: range | None = None,
-    kv_format: KVFormat | None = None, experts: ExpertShard | None = None,
+    kv_format: KVFormat | None = None, experts: ExpertShard | None = None, mtp: bool = False,
 ) -> DeepseekForCausalLM:
     """Allocate the model (uninitialised) directly on ``device`` in ``dtype`` (router kept in fp32), its
     attention reading and writing a cache of ``kv_format`` (default: in ``dtype``), holding only the
-    routed ``experts`` of its EP rank (default: all). A block-FP8 config on a CUDA device holds the
+    routed ``experts`` of its EP rank (default: all), and, with ``mtp``, the multi-token prediction layers (last
+    stage). A block-FP8 config on a CUDA device holds the
     routed experts in FP8 (``engine.fp8_compute``); every other FP8 weight is dequantized into ``dtype``."""
     with _default_dtype(dtype), torch.device("meta"):
-        model = DeepseekForCausalLM(cfg, layer_range, kv_format, experts)
+        model = DeepseekForCausalLM(cfg, layer_range, kv_format, experts, mtp)
         if cfg.quantization is not None and runs_fp8(device):
             use_fp8_compute(model)
     model = model.to_empty(device=device)
@@ -87,8 +88,12 @@ def _target(model: DeepseekForCausalLM, name: str) -> tuple[str, int | None, str
     if m is None:
         return name, None, None
     layer, rest = int(m.group(1)), m.group(2)
-    if layer not in model.model.layer_range:
-        return None  # another pipeline stage's layer, or a multi-token-prediction layer past the stack
+    if layer in model.model.layer_range:
+        prefix = f"model.layers.{layer}"
+    elif model.mtp is not None and str(layer) in model.mtp:
+        prefix = f"mtp.{layer}"  # a multi-token prediction layer (engine.model.MTPLayer)
+    else:
+        return None  # another pipeline stage's layer, or a multi-token prediction layer not asked for
     e = _EXPERT.match(rest)
     if e is not None:
         part = e.group(2)
@@ -99,12 +104,12 @@ def _target(model: DeepseekForCausalLM, name: str) -> tuple[str, int | None, str
             if local is None:
                 return None
             expert = local
-        return f"model.layers.{layer}.mlp.{param}", expert, part
+        return f"{prefix}.mlp.{param}", expert, part
     if rest == "mlp.experts.gate_up_proj":
-        return f"model.layers.{layer}.mlp.w13", None, _FUSED
+        return f"{prefix}.mlp.w13", None, _FUSED
     if rest == "mlp.experts.down_proj":
-        return f"model.layers.{layer}.mlp.w2", None, _FUSED
-    return f"model.layers.{layer}.{rest}", None, None
+        return f"{prefix}.mlp.w2", None, _FUSED
+    return f"{prefix}.{rest}", None, None
 
 
 def load_weights(model: DeepseekForCausalLM, model_dir: str | Path) -> None:
@@ -211,7 +216,7 @@ def _check_complete(
             absent = [(e, pt) for e in range(p.shape[0]) for pt in parts if (pname, e, pt) not in filled]
             if not absent:
                 continue
-            layer = pname.split(".")[2]
+            layer = pname.split(".mlp.")[0].rsplit(".", 1)[1]  # model.layers.{i}.mlp.w13 / mtp.{i}.mlp.w13
             missing += [f"model.layers.{layer}.mlp.experts.{e}.{pt}.weight{scale}" for e, pt in absent]
         else:
             missing.append(pname)

@@ -62,6 +62,8 @@ def make_model(
     quantize: str | None = typer.Option(None, help="fp8: the linears in DeepSeek's block-FP8 format (e4m3, 128x128 "
                                                    "blocks, weight_scale_inv), quantized from the random weights"),
     scale_fmt: str | None = typer.Option(None, help="with --quantize fp8: ue8m0 for power-of-two scales (V3.1's)"),
+    mtp_layers: int = typer.Option(0, min=0, help="multi-token prediction layers after the stack (DeepSeek-V3's "
+                                                  "num_nextn_predict_layers: speculative decoding drafts with them)"),
 ) -> None:
     """Write a tiny random DeepSeek-format model (config, safetensors, tokenizer, chat template), or with
     --preset and --config-only a published model's shape without weights."""
@@ -85,10 +87,11 @@ def make_model(
     if arch not in ("v2", "v3"):
         raise typer.BadParameter("arch must be v2 or v3", param_hint="--arch")
     path = make_tiny_model(out_dir, arch=arch, moe=moe, seed=seed, num_layers=layers, quantize=quantize,
-                           scale_fmt=scale_fmt)
+                           scale_fmt=scale_fmt, mtp_layers=mtp_layers)
     kind = "MoE" if moe else "dense"
     fp8 = "" if quantize is None else f", block FP8{' (ue8m0 scales)' if scale_fmt else ''}"
-    console.print(f"wrote a tiny {arch} {kind} model ({layers} layers, seed {seed}{fp8}) to [bold]{path}[/bold]")
+    mtp = f", {mtp_layers} MTP layer{'s' if mtp_layers > 1 else ''}" if mtp_layers else ""
+    console.print(f"wrote a tiny {arch} {kind} model ({layers} layers{mtp}, seed {seed}{fp8}) to [bold]{path}[/bold]")
 
 
 # --- up / down ---

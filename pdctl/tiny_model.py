@@ -176,7 +176,7 @@ def _weight_specs(cfg: dict[str, Any]) -> list[tuple[str, tuple[int, ...], str]]
         specs.append((f"{prefix}.up_proj.weight", (inter, h), "linear"))
         specs.append((f"{prefix}.down_proj.weight", (h, inter), "linear"))
 
-    for i in range(cfg["num_hidden_layers"]):
+    def layer(i: int) -> None:
         p = f"model.layers.{i}"
         specs.append((f"{p}.input_layernorm.weight", (h,), "norm"))
         if q_rank is None:
@@ -201,8 +201,22 @@ def _weight_specs(cfg: dict[str, Any]) -> list[tuple[str, tuple[int, ...], str]]
                 mlp(f"{p}.mlp.shared_experts", inter * cfg["n_shared_experts"])
         else:
             mlp(f"{p}.mlp", cfg["intermediate_size"])
+
+    n = cfg["num_hidden_layers"]
+    for i in range(n):
+        layer(i)
     specs.append(("model.norm.weight", (h,), "norm"))
     specs.append(("lm_head.weight", (cfg["vocab_size"], h), "lm_head"))
+    # Multi-token prediction layers last (the tensors before them keep their values), in DeepSeek-V3's
+    # layout: a decoder layer with enorm, hnorm, eh_proj, and copies of the embedding and the head.
+    for i in range(n, n + cfg.get("num_nextn_predict_layers", 0)):
+        p = f"model.layers.{i}"
+        specs += [(f"{p}.enorm.weight", (h,), "norm"), (f"{p}.hnorm.weight", (h,), "norm"),
+                  (f"{p}.eh_proj.weight", (h, 2 * h), "linear")]
+        layer(i)
+        specs += [(f"{p}.shared_head.norm.weight", (h,), "norm"),
+                  (f"{p}.shared_head.head.weight", (cfg["vocab_size"], h), "copy:lm_head.weight"),
+                  (f"{p}.embed_tokens.weight", (cfg["vocab_size"], h), "copy:model.embed_tokens.weight")]
     return specs
 
 
@@ -212,6 +226,9 @@ def _make_weights(cfg: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
     hidden = cfg["hidden_size"]
     out: dict[str, torch.Tensor] = {}
     for name, shape, kind in _weight_specs(cfg):
+        if kind.startswith("copy:"):  # shared with the main model; the checkpoint stores a copy
+            out[name] = out[kind.removeprefix("copy:")].clone()
+            continue
         x = torch.randn(shape, generator=gen, dtype=torch.float32)
         if kind == "linear":
             x = x * (1.0 / math.sqrt(shape[-1]))
@@ -287,6 +304,7 @@ def make_tiny_model(
     overrides: dict | None = None,
     quantize: str | None = None,
     scale_fmt: str | None = None,
+    mtp_layers: int = 0,
 ) -> Path:
     """Write a tiny random DeepSeek model directory and return its path.
 
@@ -303,6 +321,8 @@ def make_tiny_model(
             (``engine.fp8``: e4m3 in 128 x 128 blocks, a ``weight_scale_inv`` each, and the config's
             ``quantization_config``), quantized from the same random weights.
         scale_fmt: with ``quantize``: ``"ue8m0"`` for power-of-two scales (DeepSeek-V3.1's).
+        mtp_layers: multi-token prediction layers after the stack (``num_nextn_predict_layers``, DeepSeek-V3's
+            layout); drawn after every other tensor, so the rest equal a model without them.
 
     Returns:
         The output directory, containing ``config.json``, ``generation_config.json``,
@@ -319,6 +339,10 @@ def make_tiny_model(
     bos_id, eos_id = tok.token_to_id(BOS_TOKEN), tok.token_to_id(EOS_TOKEN)
     assert bos_id is not None and eos_id is not None  # both are special tokens of the trained vocabulary
     cfg = _build_config(arch, moe, num_layers, tok.get_vocab_size(), bos_id, eos_id)
+    if mtp_layers < 0:
+        raise ValueError(f"mtp_layers must be >= 0, got {mtp_layers}")
+    if mtp_layers:
+        cfg["num_nextn_predict_layers"] = mtp_layers
     cfg.update(overrides or {})
     weights = _make_weights(cfg, seed)
     if quantize is not None:
