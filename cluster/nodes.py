@@ -77,6 +77,10 @@ class ReplicaLoad:
     prefix_query_blocks: int = 0  # ... of those looked up (full prompt blocks of requests starting)
     preemptions: int | None = None  # since start: running requests preempted for their blocks (None: unknown)
     held: int = 0  # prefill: finished requests whose KV waits under a lease for the decode side
+    # Speculative decoding since start (None: off): verify steps with drafts, draft tokens, accepted ones.
+    spec_drafts: int | None = None
+    spec_draft_tokens: int | None = None
+    spec_accepted_tokens: int | None = None
 
     @staticmethod
     def from_dict(d: dict[str, Any]) -> ReplicaLoad:

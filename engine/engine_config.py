@@ -9,6 +9,7 @@ import torch
 from engine.config import ModelConfig
 from engine.kv_format import KV_CACHE_DTYPES, KVFormat
 from engine.parallel.grid import KV_LAYOUTS, ParallelConfig
+from engine.speculative import SpeculativeConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
@@ -40,6 +41,10 @@ class EngineConfig:
         "help": "in-process models: launch the next decode step before the host has the current one's tokens "
                 "(engine/overlap.py), so the host's work between steps overlaps the GPU's (default: on GPUs; on "
                 "a CPU a step runs as it is launched, so it would only hold each token back one step)"})
+    speculative_config: str | None = field(default=None, metadata={
+        "help": 'speculative decoding in vLLM\'s JSON form, {"method": "mtp", "num_speculative_tokens": K}: the '
+                "model's multi-token prediction layer drafts K tokens and one target step verifies them "
+                "(engine/speculative.py; greedy requests, in-process models)", "metavar": "JSON"})
     block_size: int = field(default=16, metadata={"help": "tokens per KV cache block"})
     kv_cache_dtype: str = field(default="auto", metadata={
         "help": "how the KV cache stores each token's latent row (engine/kv_format.py): auto = the model's dtype; "
@@ -83,6 +88,8 @@ class EngineConfig:
         "help": "longest wait for a rank's answer (startup, one step) before failing"})
 
     def __post_init__(self) -> None:
+        if self.speculative_config is not None:
+            self._check_speculative()
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
@@ -149,6 +156,19 @@ class EngineConfig:
             return ids[:n]
         k = self.first_gpu()
         return list(range(k, k + n))
+
+    @property
+    def speculative(self) -> SpeculativeConfig | None:
+        """``speculative_config`` parsed (None: off)."""
+        return None if self.speculative_config is None else SpeculativeConfig.parse(self.speculative_config)
+
+    def _check_speculative(self) -> None:
+        self.speculative  # noqa: B018 (parses: a bad form raises)
+        if self.async_scheduling:
+            raise ValueError("speculative_config does not run with async_scheduling yet (engine/speculative.py)")
+        if self.pcp > 1 or self.pp > 1 or self.enable_expert_parallel:
+            raise ValueError("speculative_config runs in-process models only yet: pcp 1, pp 1, no expert "
+                             "parallelism (engine/speculative.py)")
 
     def torch_device(self) -> torch.device:
         if self.gpus is not None:

@@ -82,9 +82,11 @@ def load_model(
     config: EngineConfig, mc: ModelConfig, dtype: torch.dtype, device: torch.device, layers: range | None = None,
     experts: ExpertShard | None = None,
 ) -> DeepseekForCausalLM:
-    """``experts``: the routed experts this rank holds (expert parallelism; default all)."""
+    """``experts``: the routed experts this rank holds (expert parallelism; default all). With
+    ``speculative_config`` the model's multi-token prediction layer too."""
     t0 = time.perf_counter()
-    model = build_empty_model(mc, dtype, device, layers, config.kv_format(mc), experts)
+    model = build_empty_model(mc, dtype, device, layers, config.kv_format(mc), experts,
+                              mtp=config.speculative is not None)
     if config.load_format == "dummy":
         init_random_weights(model, config.seed)
     else:
@@ -108,14 +110,17 @@ class LocalExecutor:
         self.model = load_model(config, mc, self.dtype, self.device, experts=ep.shard if ep else None)
         if ep is not None:
             self.model.attach_expert_comm(GatherReduce(ep.group, ep.shard.rank))
-        n = kv_blocks_for_memory(config, mc, max_model_len, self.device, self.num_layers)
+        # Speculative decoding: the MTP layer's KV beside the stack's, one more cache layer (index num_layers).
+        cache_layers = self.num_layers + (1 if config.speculative is not None else 0)
+        n = kv_blocks_for_memory(config, mc, max_model_len, self.device, cache_layers)
         check_kv_capacity(n, config.block_size, max_model_len)
         plan_prompt_attention(config, mc, max_model_len, self.dtype, self.device)
         # Under EP a captured step would need every member replaying one padded size: not built, so eager.
-        graphs = self.device.type == "cuda" and not config.enforce_eager and HAS_TRITON and ep is None
+        graphs = (self.device.type == "cuda" and not config.enforce_eager and HAS_TRITON and ep is None
+                  and config.speculative is None)  # drafting needs every step's hidden states: not captured yet
         if ep is not None and self.device.type == "cuda" and not config.enforce_eager:
             log.warning("expert parallelism: decode steps run eagerly (no CUDA graphs across an EP group yet)")
-        self.cache = KVCache(config.kv_format(mc), range(self.num_layers), n, config.block_size, self.device,
+        self.cache = KVCache(config.kv_format(mc), range(cache_layers), n, config.block_size, self.device,
                              spare_blocks=1 if graphs else 0)
         self.graphs: DecodeGraphs | None = None
         if graphs:
@@ -136,6 +141,11 @@ class LocalExecutor:
         assert self._pending is not None, "collect() without launch()"
         out, self._pending = self._pending, None
         return out
+
+    def draft(self, next_ids: list[int], picks: list[int], extra: list[int],
+              tables: list[list[int]]) -> list[list[int]]:
+        """Speculative decoding's drafts after the last step (``ModelRunner.draft``)."""
+        return self.runner.draft(next_ids, picks, extra, tables)
 
     def ownership(self, block_ids: list[int]) -> list[RankBlocks]:
         return kv_ownership(block_ids, ParallelConfig(), 0, self.num_layers)

@@ -12,9 +12,11 @@ finished, and a step can stay in flight between calls.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 
 import torch
 
@@ -31,6 +33,7 @@ from engine.sampler import PendingSamples, launch_sample, top_logprobs
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduled, Scheduler
 from engine.sequence import SeqStatus, Sequence
+from engine.speculative import SpecCounts, accepted, can_draft, draft_budget
 from engine.structured_output import Grammar, GuidanceTokenizers
 from engine.tokenizer import Tokenizer
 
@@ -47,6 +50,7 @@ class _Launched:
     sampled: list[Sequence] | None = None  # the rows sampled, in order
     samples: PendingSamples | None = None  # their samples, on their way to the host
     advanced: bool = False  # its rows count as computed already: a step was launched on its samples
+    starts: list[int] = field(default_factory=list)  # each request's first row's position, when launched
 
 
 @dataclass(frozen=True)
@@ -63,6 +67,7 @@ class EngineLoad:
     prefix_hit_blocks: int = 0  # prefix caching, since start: blocks found in the cache ...
     prefix_query_blocks: int = 0  # ... of those looked up
     preemptions: int = 0  # since start: running requests preempted for their blocks
+    spec: SpecCounts | None = None  # speculative decoding's drafts since start (None: off)
 
 
 @dataclass(frozen=True)
@@ -117,7 +122,12 @@ class LLMEngine:
         overlap = config.async_scheduling
         if overlap is None:  # on a GPU the launch returns at once; on a CPU the step runs inside it
             overlap = getattr(self.executor, "device", torch.device("cpu")).type == "cuda"
-        self.overlap = self._local and overlap  # may change between steps (benchmarks)
+        # Speculative decoding (engine.speculative): drafts need the model in process; its steps are not overlapped.
+        self.speculative = config.speculative
+        if self.speculative is not None and not self._local:
+            raise ValueError("speculative_config needs the model in this process (pcp 1, pp 1)")
+        self.spec_counts = SpecCounts()
+        self.overlap = self._local and overlap and self.speculative is None  # may change between steps
         self.overlapped_steps = 0  # steps launched on the previous step's samples, still on the device
         # Expert parallelism across DP replicas (engine.parallel.expert_parallel): while the node steps any
         # replica it steps every one, and a step with nothing scheduled still runs, without rows.
@@ -308,7 +318,8 @@ class LLMEngine:
                                        "prefix_query_blocks": c.queries}
         return EngineLoad(waiting=len(s.waiting), running=len(s.running), queued_prefill_tokens=queued,
                           used_blocks=self.num_used_blocks, free_blocks=s.allocator.num_free, held=len(self.held),
-                          preemptions=s.preemptions, **counts)
+                          preemptions=s.preemptions,
+                          spec=None if self.speculative is None else dataclasses.replace(self.spec_counts), **counts)
 
     def take_kv_events(self) -> tuple[list[int], list[int]]:
         """Block hashes that joined and left the prefix cache since the last call (none when it is off)."""
@@ -381,7 +392,7 @@ class LLMEngine:
         return next_decode_rows(self.scheduler, step.scheduled)
 
     def _launch(self, scheduled: list[Scheduled], feed: Feed | None = None) -> _Launched:
-        step = _Launched(next(self._steps), scheduled)
+        step = _Launched(next(self._steps), scheduled, starts=[s.seq.num_computed for s in scheduled])
         if feed is not None:
             assert isinstance(self.executor, LocalExecutor)
             self.executor.launch(scheduled, feed)
@@ -398,7 +409,7 @@ class LLMEngine:
         """Queue the sampling of the step's rows that reach the end of their request's tokens."""
         seqs, rows = [], []
         for s, sl in zip(step.scheduled, logits):
-            if s.samples and not s.seq.is_finished:
+            if s.samples and not s.seq.is_finished and not s.drafts:  # drafts: verified in _complete
                 assert sl is not None
                 seqs.append(s.seq)
                 rows.append(sl.logits[-1])
@@ -443,7 +454,7 @@ class LLMEngine:
                 continue  # aborted while the step ran: its blocks are already free (or will be)
             if not step.advanced:
                 self._record_prompt_logits(s, sl)
-                s.seq.num_computed += s.num_new
+                s.seq.num_computed += s.num_new - len(s.drafts)  # a draft's row counts once it is accepted
             self.scheduler.cache_computed(s.seq)
         seqs = step.sampled or []
         samples = step.samples.result() if step.samples is not None else []
@@ -454,12 +465,68 @@ class LLMEngine:
                 continue  # a row run on a pending token of a request that its previous step ended
             if self._append(seq, smp.token, smp.logprob, smp.top):
                 finished.append(seq)
+        if self.speculative is not None:
+            finished += self._verify(step.scheduled, logits)
+            self._draft(step)
         for seq in finished:
             self._requests.pop(seq.request_id, None)
             if seq.hold_kv and seq.block_ids:
                 self.held[seq.request_id] = seq
         self.scheduler.release_deferred(step.id)
         return finished
+
+    def _verify(self, scheduled: list[Scheduled], logits: list[StepLogits | None]) -> list[Sequence]:
+        """Speculative decoding: each request's accepted drafts and the target's next token appended
+        (``engine.speculative``); returns the requests that finished."""
+        finished = []
+        for s, sl in zip(scheduled, logits):
+            seq = s.seq
+            if not s.drafts or seq.is_finished:
+                continue
+            assert sl is not None
+            target = sl.logits.argmax(-1).tolist()  # can_draft: the raw logits' argmax is the greedy token
+            a = accepted(s.drafts, target)
+            self.spec_counts.add(len(s.drafts), a)
+            seq.drafts = []  # verified: the next ones come from _draft
+            seq.num_computed += a
+            for token in s.drafts[:a] + [target[a]]:
+                if self._append(seq, token, math.nan, None):
+                    finished.append(seq)
+                    break
+            else:
+                self.scheduler.cache_computed(seq)
+        return finished
+
+    def _draft(self, step: _Launched) -> None:
+        """Speculative decoding: the MTP layer over the step's rows (its KV), and the next drafts of the
+        requests that decode on (``engine.speculative``)."""
+        assert self.speculative is not None and isinstance(self.executor, LocalExecutor)
+        if not step.scheduled:
+            return
+        k = self.speculative.num_speculative_tokens
+        next_ids: list[int] = []
+        picks: list[int] = []
+        extra: list[int] = []
+        drafting: list[Sequence] = []
+        row = 0
+        for s, first in zip(step.scheduled, step.starts):
+            seq = s.seq
+            seq.drafts = []
+            known = len(seq.prompt_token_ids) + len(seq.output_token_ids)
+            next_ids += [seq.token_at(p + 1) if p + 1 < known else 0 for p in range(first, first + s.num_new)]
+            budget = 0 if seq.is_finished or seq.num_remaining != 1 or not can_draft(seq) else \
+                draft_budget(seq, k, self.max_model_len)
+            # Further drafts write the MTP layer's KV one position on each: their blocks first.
+            while budget > 1 and not self.scheduler.grow(seq, budget - 1):
+                budget -= 1
+            if budget:
+                picks.append(row + seq.num_computed - 1 - first)  # the last computed position: its next token is new
+                extra.append(budget - 1)
+                drafting.append(seq)
+            row += s.num_new
+        drafts = self.executor.draft(next_ids, picks, extra, [q.block_ids for q in drafting])
+        for seq, d in zip(drafting, drafts):
+            seq.drafts = d
 
     def _record_prompt_logits(self, s: Scheduled, sl: StepLogits | None) -> None:
         """Record prompt logits/logprobs of this step's rows, skipping rows recorded before (a
@@ -469,6 +536,8 @@ class LLMEngine:
             return
         start = seq.num_computed
         rows = min(s.num_new, len(seq.prompt_token_ids) - start)  # rows inside the prompt
+        if rows <= 0:
+            return  # decode rows (a speculative step's too)
         if seq.want_prompt_logits:
             first = max(0, len(seq.prompt_logits) - start)
             seq.prompt_logits.extend(sl.logits[first:rows].cpu())

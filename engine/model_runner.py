@@ -35,6 +35,8 @@ def logits_span(s: Scheduled) -> tuple[int, int] | None:
     step samples.
     """
     seq = s.seq
+    if s.drafts:
+        return 0, s.num_new  # every row: the target's token after each draft (engine.speculative)
     in_prompt = seq.num_computed < len(seq.prompt_token_ids)
     if in_prompt and (seq.params.prompt_logprobs is not None or seq.want_prompt_logits):
         return 0, s.num_new
@@ -56,7 +58,7 @@ def build_batch(scheduled: list[Scheduled], block_size: int, device: torch.devic
     for s in scheduled:
         seq, n = s.seq, s.num_new
         start = seq.num_computed
-        toks = seq.tokens(start, start + n)
+        toks = seq.tokens(start, start + n - len(s.drafts)) + s.drafts
         ids.extend(toks + [0] * (n - len(toks)))  # a token still on the device (pending): the feed writes it
         positions.extend(range(start, start + n))
         table = torch.tensor(seq.block_ids, dtype=torch.long)
@@ -93,6 +95,9 @@ class ModelRunner:
         self.cache = cache
         self.device = device
         self.graphs = graphs  # decode-only steps replay these when they fit
+        # Speculative decoding: the last step's batch and the target's hidden states [T, D], which the
+        # multi-token prediction layer drafts from (``draft``).
+        self._last: tuple[ForwardBatch, torch.Tensor] | None = None
 
     @torch.inference_mode()
     def run(self, scheduled: list[Scheduled], feed: Feed | None = None,
@@ -101,6 +106,7 @@ class ModelRunner:
         ``feed``: input tokens of decode rows still on the device (engine.overlap). ``ep_counts``: under
         expert parallelism, every EP member's rows this step; a member without rows still runs the MoE
         layers' collectives, unless no member has rows."""
+        self._last = None
         if ep_counts is not None and not scheduled:
             if any(ep_counts):
                 self.model.expert_collectives(ep_counts)
@@ -114,6 +120,8 @@ class ModelRunner:
         if feed is not None:
             feed.apply(batch.input_ids)
         hidden = self.model(batch, self.cache.layers)
+        if self.model.mtp is not None:
+            self._last = (batch, hidden)
         logits = self.model.compute_logits(hidden[batch.logits_rows]) if batch.logits_rows.numel() else None
         out: list[StepLogits | None] = []
         pos = 0
@@ -177,3 +185,50 @@ class ModelRunner:
                 out.append(StepLogits(s.num_new - 1, logits[k : k + 1]))
                 k += 1
         return out
+
+    @torch.inference_mode()
+    def draft(self, next_ids: list[int], picks: list[int], extra: list[int],
+              tables: list[list[int]]) -> list[list[int]]:
+        """Speculative decoding's drafts after the last step (``engine.speculative``). The MTP layer runs over
+        every row of that step, row r with the target's hidden state there and ``next_ids[r]`` (the token
+        after it), writing its own KV; at flat row ``picks[i]`` it predicts request i's first draft, then it
+        runs ``extra[i]`` more times one row further each (request i's block table ``tables[i]`` covers
+        those positions), each time on its own hidden state and the draft it made. Returns the drafts."""
+        assert self.model.mtp is not None and self.model.rope is not None and self._last is not None
+        index, layer = next(iter(self.model.mtp.items()))  # DeepSeek's one layer drafts every token
+        cache, rope = self.cache.layers[int(index)], self.model.rope
+        batch, hidden = self._last
+        self._last = None
+        h = layer.predict(torch.tensor(next_ids, device=self.device), hidden, batch, cache, rope)
+        rows = torch.tensor(picks, dtype=torch.long, device=self.device)
+        h = h[rows]
+        token = layer.compute_logits(h).argmax(-1)
+        drafts = [[t] for t in token.tolist()]
+        live = list(range(len(picks)))  # the requests still drafting, by index
+        pos = batch.positions[rows]
+        for j in range(1, max(extra, default=0) + 1):
+            keep = [n for n, i in enumerate(live) if extra[i] >= j]
+            if not keep:
+                break
+            sel = torch.tensor(keep, dtype=torch.long, device=self.device)
+            live = [live[n] for n in keep]
+            token, h, pos = token[sel], h[sel], pos[sel] + 1
+            step = _decode_rows(token, pos, [tables[i] for i in live], self.cache.block_size, self.device)
+            h = layer.predict(token, h, step, cache, rope)
+            token = layer.compute_logits(h).argmax(-1)
+            for i, t in zip(live, token.tolist()):
+                drafts[i].append(t)
+        return drafts
+
+
+def _decode_rows(tokens: torch.Tensor, positions: torch.Tensor, tables: list[list[int]], block_size: int,
+                 device: torch.device) -> ForwardBatch:
+    """One decode row per request: ``tokens`` at ``positions`` (each request's block table covers it)."""
+    width = max(len(t) for t in tables)
+    padded = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long, device=device)
+    pos = positions.to(device)
+    slots = padded.gather(1, (pos // block_size).unsqueeze(1)).squeeze(1) * block_size + pos % block_size
+    lens = pos + 1
+    return ForwardBatch(input_ids=tokens, positions=pos, slot_mapping=slots, num_decode=len(tables),
+                        decode_block_tables=padded, decode_seq_lens=lens, decode_max_len=int(lens.max().item()),
+                        prefills=[], logits_rows=torch.arange(len(tables), device=device))

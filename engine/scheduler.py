@@ -12,7 +12,7 @@ completes join the cache.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine.block_hash import block_hash
 from engine.kv_cache import BlockSpace
@@ -24,11 +24,12 @@ from engine.sequence import SeqStatus, Sequence
 class Scheduled:
     seq: Sequence
     num_new: int
+    drafts: list[int] = field(default_factory=list)  # the last num_new - 1 rows' tokens: drafts to verify
 
     @property
     def samples(self) -> bool:
         """Whether this step reaches the end of the request's tokens (so it samples one)."""
-        return self.seq.num_computed + self.num_new == self.seq.num_tokens
+        return self.seq.num_computed + self.num_new - len(self.drafts) == self.seq.num_tokens
 
 
 class Scheduler:
@@ -93,6 +94,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.preemptions += 1
+        seq.drafts = []
         self.free(seq.block_ids)
         seq.block_ids = []
         seq.num_computed = 0
@@ -113,6 +115,11 @@ class Scheduler:
             if seq.status != SeqStatus.RUNNING:
                 continue  # preempted earlier in this loop
             n = min(seq.num_remaining, budget)
+            drafts = seq.drafts[: budget - 1] if seq.num_remaining == 1 else []
+            if drafts and self.grow(seq, 1 + len(drafts)):
+                n = 1 + len(drafts)  # the last token and the drafts to verify (engine.speculative)
+            else:
+                drafts = []
             while not self.grow(seq, n):
                 # Preempt the most recently admitted request not already in this step.
                 victim = next(
@@ -124,7 +131,7 @@ class Scheduler:
                 self._preempt(victim)
             if seq.status != SeqStatus.RUNNING:
                 continue
-            out.append(Scheduled(seq, n))
+            out.append(Scheduled(seq, n, drafts))
             scheduled.add(seq.request_id)
             budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:

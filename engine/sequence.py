@@ -52,6 +52,7 @@ class Sequence:
     grammar: Grammar | None = None  # structured output: the matcher of what may come next
     cacheable: bool = True  # prefix caching may share its blocks (not when prompt logits are wanted)
     pending: int = 0  # tokens sampled on the device, not yet appended (engine.overlap: the next step runs on them)
+    drafts: list[int] = field(default_factory=list)  # speculative decoding: to verify next step (engine.speculative)
 
     @property
     def token_ids(self) -> list[int]:

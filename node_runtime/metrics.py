@@ -178,6 +178,12 @@ _PER_REPLICA: tuple[tuple[type, str, str, Callable[[ReplicaLoad], float | None]]
      "blocks count as free)", _usage),
     (CounterMetricFamily, "vllm:num_preemptions", "Running requests preempted for their blocks",
      lambda r: r.preemptions),
+    (CounterMetricFamily, "vllm:spec_decode_num_drafts", "Speculative decoding: verify steps with drafts",
+     lambda r: r.spec_drafts),
+    (CounterMetricFamily, "vllm:spec_decode_num_draft_tokens", "Speculative decoding: draft tokens",
+     lambda r: r.spec_draft_tokens),
+    (CounterMetricFamily, "vllm:spec_decode_num_accepted_tokens", "Speculative decoding: draft tokens accepted",
+     lambda r: r.spec_accepted_tokens),
     (GaugeMetricFamily, "pdcluster_queued_prefill_tokens", "Prompt tokens admitted, not computed yet",
      lambda r: r.queued_prefill_tokens),
     (GaugeMetricFamily, "pdcluster_prefix_cached_blocks", "KV blocks kept for a later prompt with the same prefix",
@@ -200,7 +206,7 @@ class _State(Collector):
             family = kind(name, doc, labels=REPLICA_LABELS)
             for r in loads:
                 v = value(r)
-                if v is not None:  # a vLLM engine's preemptions are not visible
+                if v is not None:  # not known (a vLLM engine's preemptions), or off (speculative decoding)
                     family.add_metric([*base, str(r.dp_rank)], v)
             yield family
         yield from self._transfers(base)

@@ -124,7 +124,8 @@ def test_a_prefill_answer_counts_its_prompt_cache_hits_and_one_token(clock: Cloc
 
 def test_the_state_series_read_the_worker_at_each_page() -> None:
     m = NodeMetrics("tiny", "decode", "decode-0")
-    worker = Worker([ReplicaLoad(dp_rank=0, running=3, waiting=1, used_blocks=16, free_blocks=48, preemptions=2),
+    worker = Worker([ReplicaLoad(dp_rank=0, running=3, waiting=1, used_blocks=16, free_blocks=48, preemptions=2,
+                                 spec_drafts=3, spec_draft_tokens=6, spec_accepted_tokens=4),
                      ReplicaLoad(dp_rank=1)],
                     pb.TransferTotals(done=7, bytes=4096, seconds=0.5, failures={"timeout": 1}))
     port = m.start("127.0.0.1", 0)
@@ -137,6 +138,10 @@ def test_the_state_series_read_the_worker_at_each_page() -> None:
         assert s[("vllm:kv_cache_usage_perc", labels(replica="0"))] == 0.25
         assert s[("vllm:num_preemptions_total", labels(replica="0"))] == 2
         assert ("vllm:num_preemptions_total", labels(replica="1")) not in s  # not known (None): not shown
+        assert s[("vllm:spec_decode_num_drafts_total", labels(replica="0"))] == 3
+        assert s[("vllm:spec_decode_num_draft_tokens_total", labels(replica="0"))] == 6
+        assert s[("vllm:spec_decode_num_accepted_tokens_total", labels(replica="0"))] == 4
+        assert ("vllm:spec_decode_num_drafts_total", labels(replica="1")) not in s  # off there
         assert s[("pdcluster_kv_transfers_total", labels(protocol="tcp"))] == 7
         assert s[("pdcluster_kv_transfer_bytes_total", labels(protocol="tcp"))] == 4096
         assert s[("pdcluster_kv_transfer_failures_total", labels(protocol="tcp", cause="timeout"))] == 1
@@ -161,3 +166,14 @@ def test_a_taken_port_is_a_clear_error() -> None:
             NodeMetrics("tiny", "decode", "decode-1").start("127.0.0.1", port)
     finally:
         first.stop()
+
+
+def test_pdctl_status_says_how_many_drafts_a_node_accepts() -> None:
+    from pdctl.cli import _spec_text
+
+    assert _spec_text([ReplicaLoad(dp_rank=0)]) == ""  # off
+    assert _spec_text([ReplicaLoad(dp_rank=0, spec_drafts=0, spec_draft_tokens=0, spec_accepted_tokens=0)]) \
+        == "\nMTP: no drafts yet"
+    both = [ReplicaLoad(dp_rank=0, spec_drafts=10, spec_draft_tokens=20, spec_accepted_tokens=14),
+            ReplicaLoad(dp_rank=1, spec_drafts=10, spec_draft_tokens=20, spec_accepted_tokens=16)]
+    assert _spec_text(both) == "\nMTP: 75% accepted, 2.5 tok/step"

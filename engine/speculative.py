@@ -1,0 +1,106 @@
+"""Speculative decoding with the model's multi-token prediction (MTP) layer (``engine.model.MTPLayer``).
+
+``speculative_config`` takes vLLM's form, ``{"method": "mtp", "num_speculative_tokens": k}`` (k >= 1; the
+one MTP layer is run k times for k > 1). A request's step, in order:
+
+1. **Verify.** A decoding request with drafts ``d1..dj`` (j <= k) is scheduled ``1 + j`` rows: its last
+   token and the drafts, at the positions they would take. The target computes all rows' logits in one
+   step (a prefill-like segment).
+2. **Accept.** The target's token at row i is ``t_i``; the drafts are accepted while ``d_{i+1} == t_i``,
+   then the target's own token follows (the bonus): the tokens are ``d1..da, t_a``, exactly what decoding
+   them one step at a time would give. ``num_computed`` advances by ``1 + a``: the KV of the rejected rows
+   stays in slots past it, overwritten when those positions are computed again.
+3. **Draft.** The MTP layer runs over every row of the step (its KV follows the target's), each row
+   with the target's hidden state there and the token after it; the row of the last accepted position
+   predicts the next draft, and the layer runs again, one row at a time, for the rest.
+
+This first version drafts for plain greedy requests only: temperature 0 without logprobs, penalties,
+``logit_bias``, structured output or a ``min_tokens`` still to reach (those change the logits the token
+is chosen from). Other requests decode one token per step beside them; their outputs are unchanged
+either way. Not yet: rejection sampling (temperature > 0), overlapped steps, CUDA graphs, rank processes
+(PCP / PP / expert parallelism), and the prefill node's hand-off of the MTP layer's KV.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from engine.sequence import Sequence
+
+METHODS = ("mtp",)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str
+    num_speculative_tokens: int
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"speculative_config method must be one of {METHODS}, got {self.method!r}")
+        if self.num_speculative_tokens < 1:
+            raise ValueError(f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}")
+
+    @staticmethod
+    def parse(text: str) -> SpeculativeConfig:
+        """vLLM's JSON form: ``{"method": "mtp", "num_speculative_tokens": k}``."""
+        try:
+            raw: Any = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"speculative_config is not JSON: {e}") from None
+        if not isinstance(raw, dict) or set(raw) - {"method", "num_speculative_tokens"}:
+            raise ValueError('speculative_config must be {"method": "mtp", "num_speculative_tokens": k}, '
+                             f"got {text!r}")
+        k = raw.get("num_speculative_tokens", 1)
+        if not isinstance(k, int) or isinstance(k, bool):
+            raise ValueError(f"num_speculative_tokens must be an integer, got {k!r}")
+        return SpeculativeConfig(str(raw.get("method", "")), k)
+
+
+def can_draft(seq: Sequence) -> bool:
+    """Whether the request's next tokens are the target's argmax of its raw logits (module docstring)."""
+    p = seq.params
+    return (p.temperature == 0 and p.logprobs is None and not p.logit_bias and seq.grammar is None
+            and p.presence_penalty == 0 and p.frequency_penalty == 0 and p.repetition_penalty == 1
+            and len(seq.output_token_ids) >= p.min_tokens)
+
+
+def draft_budget(seq: Sequence, k: int, max_model_len: int) -> int:
+    """How many drafts the request can use next step: at most ``k``, and none past its token budget or
+    the model's length (a step of 1 + j rows may produce j + 1 tokens)."""
+    left = min(seq.max_tokens - len(seq.output_token_ids), max_model_len - seq.num_tokens) - 1
+    return max(0, min(k, left))
+
+
+def accepted(drafts: list[int], target: list[int]) -> int:
+    """How many leading drafts the target's tokens confirm: ``drafts[i] == target[i]`` (``target[i]``:
+    the target's token after row i, whose input is the token before ``drafts[i]``)."""
+    a = 0
+    while a < len(drafts) and drafts[a] == target[a]:
+        a += 1
+    return a
+
+
+@dataclass
+class SpecCounts:
+    """An engine's drafts since start, for its metrics: verify steps, draft tokens, accepted ones."""
+
+    steps: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+
+    def add(self, drafts: int, accepted: int) -> None:
+        self.steps += 1
+        self.draft_tokens += drafts
+        self.accepted_tokens += accepted
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens per verify step: the accepted drafts and the target's own (vLLM's mean acceptance length)."""
+        return 1 + self.accepted_tokens / self.steps if self.steps else 0.0

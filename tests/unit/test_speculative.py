@@ -1,0 +1,167 @@
+"""Speculative decoding with the MTP layer (``engine.speculative``) in the in-process engine: greedy outputs
+equal decoding without it token for token, whatever the drafts (the model's own, all right, all wrong),
+with sampled requests beside them, under preemption and after aborts; every block is freed."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.llm_engine import LLMEngine
+from engine.speculative import SpeculativeConfig, accepted, can_draft, draft_budget
+from pdctl.tiny_model import make_tiny_model
+
+KW = dict(dtype="float32", device="cpu", max_model_len=512)
+LENGTHS = (3, 17, 40, 70)
+
+
+@pytest.fixture(scope="module")
+def mtp_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("spec") / "v3-mtp", arch="v3", moe=True, seed=7, mtp_layers=1)
+
+
+def spec(k: int) -> str:
+    return json.dumps({"method": "mtp", "num_speculative_tokens": k})
+
+
+def prompts(seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(4, 1000, (n,), generator=g).tolist() for n in LENGTHS]
+
+
+GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def reference(mtp_model: Path) -> list[list[int]]:
+    """Greedy outputs without speculative decoding."""
+    with LLM(str(mtp_model), **KW) as llm:
+        return [o.token_ids for o in llm.generate(prompts(), GREEDY)]
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_greedy_with_the_mtp_layers_drafts_equals_without(mtp_model: Path, reference: list[list[int]],
+                                                          k: int) -> None:
+    with LLM(str(mtp_model), speculative_config=spec(k), **KW) as llm:
+        outs = llm.generate(prompts(), GREEDY)
+        counts = llm.engine.spec_counts
+        assert [o.token_ids for o in outs] == reference
+        assert counts.steps > 0 and counts.draft_tokens > 0  # it drafted and verified
+        assert counts.draft_tokens <= counts.steps * k
+        assert llm.engine.num_used_blocks == 0
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_every_first_draft_is_the_plain_mtp_references_prediction(mtp_model: Path, reference: list[list[int]],
+                                                                  k: int) -> None:
+    """The MTP layer's KV builds up right through prompt chunks and verify steps with rejected rows: each
+    first draft, made after position q, equals the reference MTP layer's argmax at q over the whole final
+    sequence (tests/unit/test_mtp_layer.py's reference)."""
+    from test_mtp_layer import reference_mtp_logits
+
+    made: dict[tuple[int, ...], list[tuple[int, int]]] = {}
+    with LLM(str(mtp_model), speculative_config=spec(k), max_num_batched_tokens=32, **KW) as llm:
+        engine = llm.engine
+        draft = engine._draft
+
+        def recording(step: object) -> None:
+            draft(step)
+            for seq in engine.scheduler.running:
+                if seq.drafts:
+                    made.setdefault(tuple(seq.prompt_token_ids), []).append((seq.num_computed - 1, seq.drafts[0]))
+
+        engine._draft = recording  # type: ignore[method-assign]
+        outs = llm.generate(prompts(), GREEDY)
+    assert [o.token_ids for o in outs] == reference
+    for p, out in zip(prompts(), reference):
+        tokens = p + out
+        ref = reference_mtp_logits(mtp_model, tokens[:-1], tokens[1:]).argmax(-1).tolist()
+        drafts = made[tuple(p)]
+        assert len(drafts) >= len(out) // (k + 1)
+        assert [d for _, d in drafts] == [ref[q] for q, _ in drafts], p[:3]
+
+
+class Oracle:
+    """Drafts made from the known greedy continuation: right ones, or each one wrong."""
+
+    def __init__(self, engine: LLMEngine, reference: dict[tuple[int, ...], list[int]], k: int, wrong: bool) -> None:
+        self.engine, self.reference, self.k, self.wrong = engine, reference, k, wrong
+
+    def __call__(self, step: object) -> None:
+        for seq in self.engine.scheduler.running:
+            if seq.num_remaining != 1 or not can_draft(seq):
+                continue
+            n = draft_budget(seq, self.k, self.engine.max_model_len)
+            done = len(seq.output_token_ids)
+            future = self.reference[tuple(seq.prompt_token_ids)][done : done + n]
+            seq.drafts = [(t + 1) % 1000 if self.wrong else t for t in future]
+
+
+@pytest.mark.parametrize("wrong", [False, True], ids=["all-right", "all-wrong"])
+def test_right_drafts_are_all_accepted_and_wrong_ones_all_rejected(
+        mtp_model: Path, reference: list[list[int]], wrong: bool) -> None:
+    k = 3
+    with LLM(str(mtp_model), speculative_config=spec(k), **KW) as llm:
+        engine = llm.engine
+        engine._draft = Oracle(engine, {tuple(p): r for p, r in zip(prompts(), reference)}, k, wrong)  # type: ignore
+        outs = llm.generate(prompts(), GREEDY)
+        assert [o.token_ids for o in outs] == reference
+        c = engine.spec_counts
+        if wrong:
+            assert c.accepted_tokens == 0 and c.mean_accepted_length == 1.0
+        else:
+            assert c.accepted_tokens == c.draft_tokens > 0
+            # each verify step gives its k drafts and the bonus: 24 tokens in about 24 / (k + 1) steps each
+            assert c.mean_accepted_length > 3
+        assert engine.num_used_blocks == 0
+
+
+def test_sampled_requests_beside_drafting_ones_are_unchanged(mtp_model: Path, reference: list[list[int]]) -> None:
+    sampled = SamplingParams(max_tokens=24, temperature=1.0, seed=3, ignore_eos=True)
+    params = [GREEDY, sampled, GREEDY, sampled]
+    with LLM(str(mtp_model), **KW) as llm:
+        want = [o.token_ids for o in llm.generate(prompts(), params)]
+    with LLM(str(mtp_model), speculative_config=spec(2), **KW) as llm:
+        assert [o.token_ids for o in llm.generate(prompts(), params)] == want
+    assert want[0] == reference[0] and want[2] == reference[2]
+
+
+def test_preempted_and_aborted_requests_free_every_block(mtp_model: Path, reference: list[list[int]]) -> None:
+    # 12 blocks of 16: the four requests cannot all hold their prompts and drafts at once
+    with LLM(str(mtp_model), speculative_config=spec(3), num_kv_blocks=12, **{**KW, "max_model_len": 128}) as llm:
+        outs = llm.generate(prompts(), GREEDY)
+        assert [o.token_ids for o in outs] == reference
+        assert llm.engine.scheduler.preemptions > 0
+        engine = llm.engine
+        seqs = [engine.add_request(p, SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True))
+                for p in prompts(1)[:2]]
+        while not any(s.drafts for s in seqs):
+            engine.step()
+        engine.step()  # a verify step
+        for s in seqs:
+            engine.abort(s.request_id)
+        assert engine.num_used_blocks == 0 and not engine.has_unfinished()
+
+
+def test_the_config_and_the_acceptance_rule() -> None:
+    assert SpeculativeConfig.parse('{"method": "mtp", "num_speculative_tokens": 2}').num_speculative_tokens == 2
+    for bad in ('{"method": "eagle"}', '{"method": "mtp", "num_speculative_tokens": 0}', "mtp",
+                '{"method": "mtp", "k": 1}', '{"method": "mtp", "num_speculative_tokens": true}'):
+        with pytest.raises(ValueError):
+            SpeculativeConfig.parse(bad)
+    assert accepted([5, 6, 7], [5, 6, 9, 1]) == 2
+    assert accepted([5, 6], [4, 6, 1]) == 0
+    assert accepted([5, 6], [5, 6, 8]) == 2
+
+
+def test_a_model_without_an_mtp_layer_or_a_topology_it_cannot_run_is_refused(tmp_path: Path,
+                                                                             mtp_model: Path) -> None:
+    plain = make_tiny_model(tmp_path / "plain", arch="v3", moe=True, seed=7)
+    with pytest.raises(ValueError, match="no multi-token prediction layer"):
+        LLM(str(plain), speculative_config=spec(1), **KW)
+    with pytest.raises(ValueError, match="in-process"):
+        LLM(str(mtp_model), speculative_config=spec(1), pcp=2, **KW)
