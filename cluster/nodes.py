@@ -35,6 +35,7 @@ class NodeInfo:
     local_prefill: bool = False  # a decode node that can prefill a request itself (DecodeRequest.local_prefill)
     prefix_caching: bool = False  # its engine shares the KV of prompts' common prefixes (enable_prefix_caching)
     metrics_address: str = ""  # "host:port" of its Prometheus /metrics ("": it serves none)
+    speculative_tokens: int = 0  # speculative decoding with the MTP layer: tokens drafted a step (0: off)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

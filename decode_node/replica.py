@@ -78,6 +78,7 @@ class Job:
     first_token: int = 0
     first_logprob: float = math.nan
     first_top: dict[int, float] | None = None
+    drafts: tuple[int, ...] = ()  # speculative decoding: the prefill node's drafts after the first token
     t_submit: float = field(default_factory=time.monotonic)  # system-wide on Linux: valid in another process
 
 
@@ -134,9 +135,11 @@ class Replica(EngineLoop):
         self.engine = LLMEngine(config, ep=ep)
         self.waves = Waves(ep, owner.wave_started) if ep is not None else None
         self.stats = TransferStats()
+        # The MTP layer's cache moves when both sides have it (speculative decoding on both).
         self.receiver = KVReceiver(transport, register_cache(transport, self.engine.cache_layers),
-                                   timeout_s=timeout_s, stats=self.stats)
+                                   timeout_s=timeout_s, stats=self.stats, optional=self.engine.mtp_layers)
         self.timeout_s = timeout_s
+        self.no_mtp: set[str] = set()  # prefill nodes said (in the log) to send no MTP layer KV
         self.pool = pool
         self.owner = owner
         self.outbox = Outbox(owner.deliver)  # the requests' events, handed over once per loop iteration
@@ -244,8 +247,17 @@ class Replica(EngineLoop):
             return
         assert table is not None and request.seq is not None
         rec = self.stats.last(rid)
+        # Speculative decoding drafts for the request only if the MTP layer's KV of its prompt came too.
+        mtp = self.engine.mtp_layers
+        assert job.source is not None
+        drafts = list(job.drafts) if any(mtp & set(h.layers) for h in job.source.request.holders) else None
+        if drafts is None and self.engine.speculative is not None and job.source.prefill_node_id not in self.no_mtp:
+            self.no_mtp.add(job.source.prefill_node_id)
+            log.info("replica %d: prefill node %s sends no MTP layer KV (its speculative_config is off): its "
+                     "requests decode here without drafts", self.index, job.source.prefill_node_id)
         try:
-            done = self.engine.admit_prefilled(request.seq, table, job.first_token, job.first_logprob, job.first_top)
+            done = self.engine.admit_prefilled(request.seq, table, job.first_token, job.first_logprob, job.first_top,
+                                               drafts)
         except (ValueError, KeyError) as e:
             self.requests.pop(rid, None)
             self.engine.abort(rid)

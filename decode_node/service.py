@@ -147,7 +147,7 @@ class DecodeService(DecodeMux, pb_grpc.DecodeServiceServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt token ids outside the vocabulary")
         first = request.first_token
         job = Job(rid, list(request.prompt_token_ids), params, source, first.token_id, first.logprob,
-                  top_from_pb(first))
+                  top_from_pb(first), tuple(request.mtp_drafts))
         sink = self.metrics.decode_call(len(request.prompt_token_ids), sink)
         self.worker.submit(job, request.dp_rank, asyncio.get_running_loop(), sink)
 

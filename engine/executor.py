@@ -111,7 +111,7 @@ class LocalExecutor:
         if ep is not None:
             self.model.attach_expert_comm(GatherReduce(ep.group, ep.shard.rank))
         # Speculative decoding: the MTP layer's KV beside the stack's, one more cache layer (index num_layers).
-        cache_layers = self.num_layers + (1 if config.speculative is not None else 0)
+        self.cache_layers = cache_layers = self.num_layers + (1 if config.speculative is not None else 0)
         n = kv_blocks_for_memory(config, mc, max_model_len, self.device, cache_layers)
         check_kv_capacity(n, config.block_size, max_model_len)
         plan_prompt_attention(config, mc, max_model_len, self.dtype, self.device)
@@ -148,7 +148,7 @@ class LocalExecutor:
         return self.runner.draft(next_ids, picks, extra, tables)
 
     def ownership(self, block_ids: list[int]) -> list[RankBlocks]:
-        return kv_ownership(block_ids, ParallelConfig(), 0, self.num_layers)
+        return kv_ownership(block_ids, ParallelConfig(), 0, self.cache_layers)  # the MTP layer's too
 
     def read_blocks(self, pcp: int, pp: int, physical: list[int]) -> dict[int, torch.Tensor]:
         ids = torch.tensor(physical, dtype=torch.long, device=self.device)

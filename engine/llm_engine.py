@@ -230,13 +230,16 @@ class LLMEngine:
         first_token: int,
         first_logprob: float = float("nan"),
         first_top: dict[int, float] | None = None,
+        drafts: list[int] | None = None,
     ) -> bool:
         """Second half of ``begin_prefilled``: the blocks hold the prompt's KV in the order ``table`` (the
         transfer may place the prompt's blocks among them as it likes: ``kv_transfer.planner.
         arrange_destination``); with ``first_token`` as
         its first output the request queues to join the running batch, which the scheduler lets it do
         within ``max_num_seqs`` (a decode node never runs more; the queued ones count as waiting).
-        Returns True if that token already finished it."""
+        ``drafts`` (speculative decoding): the prefill node's drafts of the tokens after ``first_token``,
+        verified at its first step; the MTP layer's KV of the prompt came with the rest. None: that KV is
+        not here, and the request decodes without drafts. Returns True if that token already finished it."""
         if self._requests.get(seq.request_id) is not seq:
             raise KeyError(f"request {seq.request_id!r} is not waiting for admission (aborted?)")
         if sorted(table) != sorted(seq.block_ids):
@@ -257,6 +260,9 @@ class LLMEngine:
         if self._append(seq, first_token, first_logprob, top):  # max_tokens=1, or a stop token
             self._requests.pop(seq.request_id, None)
             return True
+        seq.mtp_kv = drafts is not None
+        if self.speculative is not None and drafts and can_draft(seq):
+            seq.drafts = list(drafts[: draft_budget(seq, self.speculative.num_speculative_tokens, self.max_model_len)])
         return False
 
     def _tokenize(self, prompt: str | list[int]) -> list[int]:
@@ -297,6 +303,13 @@ class LLMEngine:
     def kv_ownership(self, request_id: str) -> list[RankBlocks]:
         """Which (pcp, pp) rank holds which of the request's blocks, for which layers."""
         return self.executor.ownership(self._lookup(request_id).block_ids)
+
+    @property
+    def mtp_layers(self) -> frozenset[int]:
+        """The cache layers of the model's multi-token prediction layers (speculative decoding's): a KV
+        transfer moves them when both sides hold them (``kv_transfer.planner``)."""
+        n = self.model_config.num_hidden_layers
+        return frozenset(range(n, n + self.model_config.num_nextn_predict_layers))
 
     def held_kv(self, request_id: str) -> HeldKV:
         """Where a request's KV is (one held after it finished, ``hold_kv``, or one in flight)."""
@@ -514,8 +527,11 @@ class LLMEngine:
             seq.drafts = []
             known = len(seq.prompt_token_ids) + len(seq.output_token_ids)
             next_ids += [seq.token_at(p + 1) if p + 1 < known else 0 for p in range(first, first + s.num_new)]
-            budget = 0 if seq.is_finished or seq.num_remaining != 1 or not can_draft(seq) else \
-                draft_budget(seq, k, self.max_model_len)
+            if seq.is_finished:  # a prefill node's held request: one draft, for the decode side (no blocks more)
+                budget = int(seq.hold_kv and bool(seq.block_ids) and seq.finish_reason == "length" and can_draft(seq))
+            else:
+                budget = draft_budget(seq, k, self.max_model_len) \
+                    if seq.num_remaining == 1 and seq.mtp_kv and can_draft(seq) else 0
             # Further drafts write the MTP layer's KV one position on each: their blocks first.
             while budget > 1 and not self.scheduler.grow(seq, budget - 1):
                 budget -= 1

@@ -53,6 +53,7 @@ class Sequence:
     cacheable: bool = True  # prefix caching may share its blocks (not when prompt logits are wanted)
     pending: int = 0  # tokens sampled on the device, not yet appended (engine.overlap: the next step runs on them)
     drafts: list[int] = field(default_factory=list)  # speculative decoding: to verify next step (engine.speculative)
+    mtp_kv: bool = True  # speculative decoding: the MTP layer's KV of its prompt is here (not so: it never drafts)
 
     @property
     def token_ids(self) -> list[int]:

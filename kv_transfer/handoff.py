@@ -206,12 +206,14 @@ class KVReceiver:
 
     def __init__(
         self, transport: Transport, dest: CacheLayout, timeout_s: float = DEFAULT_TIMEOUT_S,
-        stats: TransferStats | None = None,
+        stats: TransferStats | None = None, optional: frozenset[int] = frozenset(),
     ) -> None:
+        """``optional``: layers only one side may have (``plan_transfer``: the MTP layer's cache)."""
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         self.transport = transport
         self.dest = dest
+        self.optional = optional
         self.timeout_s = timeout_s
         self.stats = stats or TransferStats()
 
@@ -255,7 +257,7 @@ class KVReceiver:
             return []  # every block was here already
         try:
             table = arrange_destination(wanted, block_ids)
-            plan = plan_transfer(wanted, sources, self.dest, table)
+            plan = plan_transfer(wanted, sources, self.dest, table, self.optional)
         except BaseException:
             self.stats.add(TransferRecord(request_id, False, 0, 0.0, 0, "invalid"))
             raise

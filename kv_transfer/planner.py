@@ -8,6 +8,8 @@
 - A source's blocks (in logical order) whose source and destination physical ids are both
   consecutive form one copy per layer (a contiguous byte range on both sides), which is what batch
   transfer descriptors want. ``arrange_destination`` picks destination ids so that they are.
+- Layers only one side has: an ``optional`` layer (the multi-token prediction layer's cache, which only a
+  node with speculative decoding has) moves when both sides have it; any other layer must be on both.
 """
 
 from __future__ import annotations
@@ -104,8 +106,10 @@ def plan_transfer(
     sources: dict[int, CacheLayout],
     dest: CacheLayout,
     dest_blocks: list[int],
+    optional: frozenset[int] = frozenset(),
 ) -> TransferPlan:
-    """Copies that fill ``dest_blocks[j]`` (every layer of ``dest``) with logical block j of the request.
+    """Copies that fill ``dest_blocks[j]`` (every layer of ``dest``; of the ``optional`` layers, those the
+    request's holders have too) with logical block j of the request.
 
     ``sources`` maps a holder's global rank to its registered cache layout.
     """
@@ -118,7 +122,8 @@ def plan_transfer(
     covered: set[int] = set()
     for pp in sorted(stages):
         stage = stages[pp]
-        layers = list(stage[0].layers)
+        wanted = set(dest.layers)
+        layers = [layer for layer in stage[0].layers if layer in wanted or layer not in optional]
         covered.update(layers)
         owner = _assign(stage, request.num_blocks)
         phys = {h.rank: dict(zip(h.logical, h.physical)) for h in stage}
@@ -136,7 +141,7 @@ def plan_transfer(
                         run = []
                     run.append(j)
                 plan.copies.append(_copy(run, src, layer, sources, dst, phys, dest_blocks))
-    missing = sorted(set(dest.layers) - covered)
+    missing = sorted(set(dest.layers) - covered - optional)
     if missing:
         raise ValueError(f"no PP stage holds layers {missing} that the destination expects")
     return plan

@@ -183,6 +183,11 @@ def _ep_size(config: NodeConfig) -> int:
     return config.tp if config.engine_backend == "vllm" else ep_size(ec)
 
 
+def _speculative_tokens(config: NodeConfig) -> int:
+    spec = config.engine.speculative if config.engine_backend == "native" else None
+    return spec.num_speculative_tokens if spec is not None else 0
+
+
 def node_info(config: NodeConfig, served: str, worker: NodeWorker, metrics_address: str = "") -> NodeInfo:
     """What the node publishes in the registry."""
     ec = config.engine
@@ -195,7 +200,8 @@ def node_info(config: NodeConfig, served: str, worker: NodeWorker, metrics_addre
                     kv_cache_dtype=worker.kv_cache_dtype, ep=ep,
                     experts_per_rank=worker.routed_experts // ep,
                     local_prefill=config.role == "decode" and config.engine_backend == "native",
-                    prefix_caching=worker.prefix_caching, metrics_address=metrics_address)
+                    prefix_caching=worker.prefix_caching, metrics_address=metrics_address,
+                    speculative_tokens=_speculative_tokens(config))
 
 
 AddServicer = Callable[[grpc.aio.Server, NodeMetrics], None]  # the role's servicer onto the server

@@ -89,6 +89,7 @@ class Route:
     candidates: tuple[Candidate, ...]  # prefill replicas
     decode_candidates: tuple[DecodeCandidate, ...] = ()
     prompt_tokens: int = 0
+    speculative: str | None = None  # what speculative decoding does on this route (None: neither node runs it)
 
 
 class AdminClient:
@@ -134,6 +135,7 @@ class AdminClient:
                 decode=DecodeChoice(str(d["node_id"]), int(d["dp_rank"]), str(d.get("reason", "")),
                                     int(d.get("cached_tokens", 0))),
                 prompt_tokens=int(body.get("prompt_tokens", prompt_tokens or 0)),
+                speculative=body.get("speculative"),
                 candidates=tuple(
                     Candidate(str(c["node_id"]), int(c["dp_rank"]), int(c.get("pcp", 1)), float(c.get("cost", 0.0)),
                               bool(c.get("eligible", True)), str(c.get("reason", "")))

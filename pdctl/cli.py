@@ -64,6 +64,9 @@ def make_model(
     scale_fmt: str | None = typer.Option(None, help="with --quantize fp8: ue8m0 for power-of-two scales (V3.1's)"),
     mtp_layers: int = typer.Option(0, min=0, help="multi-token prediction layers after the stack (DeepSeek-V3's "
                                                   "num_nextn_predict_layers: speculative decoding drafts with them)"),
+    train: int = typer.Option(0, min=0, help="then train it this many steps on the tiny corpus (CPU, ~0.5 s a "
+                                             "step), its MTP layer with it: a model whose drafts can be accepted "
+                                             "(pdctl/train_tiny.py; 300 is enough to learn the corpus)"),
 ) -> None:
     """Write a tiny random DeepSeek-format model (config, safetensors, tokenizer, chat template), or with
     --preset and --config-only a published model's shape without weights."""
@@ -86,12 +89,20 @@ def make_model(
         return
     if arch not in ("v2", "v3"):
         raise typer.BadParameter("arch must be v2 or v3", param_hint="--arch")
+    if train and quantize is not None:
+        raise typer.BadParameter("trains in float32: not with --quantize", param_hint="--train")
     path = make_tiny_model(out_dir, arch=arch, moe=moe, seed=seed, num_layers=layers, quantize=quantize,
                            scale_fmt=scale_fmt, mtp_layers=mtp_layers)
     kind = "MoE" if moe else "dense"
     fp8 = "" if quantize is None else f", block FP8{' (ue8m0 scales)' if scale_fmt else ''}"
     mtp = f", {mtp_layers} MTP layer{'s' if mtp_layers > 1 else ''}" if mtp_layers else ""
     console.print(f"wrote a tiny {arch} {kind} model ({layers} layers{mtp}, seed {seed}{fp8}) to [bold]{path}[/bold]")
+    if train:
+        from pdctl.train_tiny import train_tiny_model
+
+        report = train_tiny_model(path, steps=train, seed=seed, log=True)
+        mtp_loss = f", MTP loss {report.mtp_loss:.2f}" if report.mtp_loss is not None else ""
+        console.print(f"trained it {report.steps} steps in {report.seconds:.0f} s: loss {report.loss:.2f}{mtp_loss}")
 
 
 # --- up / down ---
@@ -398,6 +409,8 @@ def route(prompt_tokens: int | None = typer.Option(None, "--prompt-tokens", min=
                       markup=False, highlight=False, soft_wrap=True)
     console.print(f"decode:  {d.node_id} rank {d.dp_rank}: {d.reason}", markup=False, highlight=False,
                   soft_wrap=True)
+    if chosen.speculative:
+        console.print(f"speculative decoding: {chosen.speculative}", markup=False, highlight=False, soft_wrap=True)
     if chosen.candidates:
         table = Table(title="prefill candidates")
         for column in ("node", "replica", "PCP", "cost", "eligible", "reason"):
@@ -464,15 +477,16 @@ def _ep_text(info: NodeInfo) -> str:
 
 def _spec_text(replicas: Sequence[ReplicaLoad]) -> str:
     """Under speculative decoding a second line, "MTP: 72% accepted, 2.4 tok/step" (vLLM's acceptance rate and
-    mean acceptance length, over the node's replicas since start); else nothing."""
+    mean acceptance length, over the node's replicas' verify steps since start; "MTP on" before any); else
+    nothing."""
     on = [r for r in replicas if r.spec_draft_tokens is not None]
     if not on:
         return ""
     steps = sum(r.spec_drafts or 0 for r in on)
     drafted = sum(r.spec_draft_tokens or 0 for r in on)
     accepted = sum(r.spec_accepted_tokens or 0 for r in on)
-    if not drafted:
-        return "\nMTP: no drafts yet"
+    if not drafted:  # a prefill node's (it drafts for the decode side, which verifies), or none yet
+        return "\nMTP on"
     return f"\nMTP: {accepted / drafted:.0%} accepted, {1 + accepted / steps:.1f} tok/step"
 
 

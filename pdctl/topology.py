@@ -27,7 +27,8 @@ and node settings, the fields of ``NodeConfig`` (``port``, ``lease_s``, ``engine
 takes its own node flags (``lease_s`` is a prefill node's: ``cluster.config.NODE_ROLE_ONLY``). So a
 knob added to a dataclass is a topology key at once: add a knob by adding a field. Unknown keys are
 refused, naming the valid ones; for a field that may be None (``max_model_len``, ``num_kv_blocks``,
-...), ``null`` asks for the node's default.
+...), ``null`` asks for the node's default. ``gpus`` may be a list, ``speculative_config`` a mapping
+(``{method: mtp, num_speculative_tokens: 2}``: the flag's JSON).
 
 The defaults suit the tiny CPU model (``NODE_DEFAULTS``: float32 on CPU, 2048-token context). Only
 what the launcher needs is checked here, without importing the engine (``pdctl`` stays quick to
@@ -38,6 +39,7 @@ validates its full engine config again when it starts.
 from __future__ import annotations
 
 import functools
+import json
 import os
 import types
 from collections.abc import Callable, Mapping
@@ -94,6 +96,8 @@ class NodeSpec:
         values = {**NODE_DEFAULTS, **keys}
         if isinstance(values.get("gpus"), (list, tuple)):  # YAML's gpus: [2, 3] is the flag's "2,3"
             values["gpus"] = ",".join(str(g) for g in values["gpus"])
+        if isinstance(values.get("speculative_config"), dict):  # a YAML mapping is the flag's JSON
+            values["speculative_config"] = json.dumps(values["speculative_config"])
         for key, value in values.items():
             if key in _CHECKS:
                 _CHECKS[key](key, value)

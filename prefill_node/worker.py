@@ -254,6 +254,7 @@ class PrefillWorker(EngineLoop):
         if reason:
             eng.release(seq.request_id)
         else:
+            resp.mtp_drafts.extend(seq.drafts)  # speculative decoding: verified at the decode side's first step
             held = eng.held_kv(seq.request_id)
             self.held_on[seq.request_id] = d
             self.leases.hold(seq.request_id)

@@ -81,6 +81,11 @@ def admin_router(view: NodeView, router: Router, guard: Callable[..., Awaitable[
                                   for c in plan.decode_candidates],
             "local_prefill": plan.local,  # the decode rank would prefill it itself (prefill is null)
         }
+        if plan.decode is not None:
+            spec = speculative_pairing(nodes, plan.prefill.node_id if plan.prefill is not None else None,
+                                       plan.decode.node_id)
+            if spec:
+                body["speculative"] = spec
         if (plan.prefill is None and not plan.local) or plan.decode is None:
             role = "prefill" if plan.prefill is None and not plan.local else "decode"
             refused = plan.prefill_candidates if plan.prefill is None else plan.decode_candidates
@@ -98,3 +103,21 @@ def _pick(d: dict[str, Any], *keys: str) -> dict[str, Any]:
     # out rather than sent as null, so clients can default them.
     picked = {k: d[k] for k in keys if d[k] is not None}
     return {"node_id": d["node_id"], "dp_rank": d["dp_rank"], **picked, "reason": d["reason"]}
+
+
+def speculative_pairing(nodes: list[NodeState], prefill: str | None, decode: str) -> str | None:
+    """What speculative decoding does on this route (``prefill`` None: the decode rank prefills it itself), or
+    None where neither node runs it."""
+    info = {n.info.node_id: n.info for n in nodes}
+    k = info[decode].speculative_tokens if decode in info else 0
+    p = info[prefill].speculative_tokens if prefill in info else 0
+    if not k and not p:
+        return None
+    if not k:
+        return f"{prefill} drafts with its MTP layer, {decode} does not run it: the draft goes unused"
+    if prefill is None:
+        return f"MTP, {k} tokens drafted a step, from the first decode step (the prompt is prefilled on {decode})"
+    if not p:
+        return (f"{decode} runs MTP ({k} tokens a step), {prefill} does not: no MTP layer KV travels, so the request "
+                "decodes without drafts")
+    return f"MTP, {k} tokens drafted a step, from the first decode step: {prefill}'s draft and MTP KV travel"

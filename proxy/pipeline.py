@@ -355,7 +355,8 @@ class Generation:
         req, reply = self.request, self._reply
         decode = pb.DecodeRequest(request_id=req.request_id, prompt_token_ids=self._prompt_ids,
                                   sampling=req.sampling, dp_rank=self.route.decode.dp_rank,
-                                  first_token=reply.first_token if reply is not None else None)
+                                  first_token=reply.first_token if reply is not None else None,
+                                  mtp_drafts=reply.mtp_drafts if reply is not None else None)
         if reply is None:
             decode.local_prefill = True
         elif reply.WhichOneof("kv_source") == "kv":

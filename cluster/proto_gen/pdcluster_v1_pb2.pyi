@@ -166,7 +166,7 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., dp_rank: _Optional[int] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("request_id", "dp_rank", "first_token", "finish_reason", "queue_s", "prefill_s", "cached_tokens", "prompt_tokens", "kv", "vllm_kv_params_json")
+    __slots__ = ("request_id", "dp_rank", "first_token", "finish_reason", "queue_s", "prefill_s", "cached_tokens", "prompt_tokens", "mtp_drafts", "kv", "vllm_kv_params_json")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     DP_RANK_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
@@ -175,6 +175,7 @@ class PrefillResponse(_message.Message):
     PREFILL_S_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MTP_DRAFTS_FIELD_NUMBER: _ClassVar[int]
     KV_FIELD_NUMBER: _ClassVar[int]
     VLLM_KV_PARAMS_JSON_FIELD_NUMBER: _ClassVar[int]
     request_id: str
@@ -185,9 +186,10 @@ class PrefillResponse(_message.Message):
     prefill_s: float
     cached_tokens: int
     prompt_tokens: _containers.RepeatedCompositeFieldContainer[Token]
+    mtp_drafts: _containers.RepeatedScalarFieldContainer[int]
     kv: KVHandle
     vllm_kv_params_json: str
-    def __init__(self, request_id: _Optional[str] = ..., dp_rank: _Optional[int] = ..., first_token: _Optional[_Union[Token, _Mapping]] = ..., finish_reason: _Optional[str] = ..., queue_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., cached_tokens: _Optional[int] = ..., prompt_tokens: _Optional[_Iterable[_Union[Token, _Mapping]]] = ..., kv: _Optional[_Union[KVHandle, _Mapping]] = ..., vllm_kv_params_json: _Optional[str] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., dp_rank: _Optional[int] = ..., first_token: _Optional[_Union[Token, _Mapping]] = ..., finish_reason: _Optional[str] = ..., queue_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., cached_tokens: _Optional[int] = ..., prompt_tokens: _Optional[_Iterable[_Union[Token, _Mapping]]] = ..., mtp_drafts: _Optional[_Iterable[int]] = ..., kv: _Optional[_Union[KVHandle, _Mapping]] = ..., vllm_kv_params_json: _Optional[str] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)
@@ -214,12 +216,13 @@ class ReleaseResponse(_message.Message):
     def __init__(self, found: _Optional[bool] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "first_token", "dp_rank", "kv", "vllm_kv_params_json", "local_prefill")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "first_token", "dp_rank", "mtp_drafts", "kv", "vllm_kv_params_json", "local_prefill")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     DP_RANK_FIELD_NUMBER: _ClassVar[int]
+    MTP_DRAFTS_FIELD_NUMBER: _ClassVar[int]
     KV_FIELD_NUMBER: _ClassVar[int]
     VLLM_KV_PARAMS_JSON_FIELD_NUMBER: _ClassVar[int]
     LOCAL_PREFILL_FIELD_NUMBER: _ClassVar[int]
@@ -228,10 +231,11 @@ class DecodeRequest(_message.Message):
     sampling: SamplingParams
     first_token: Token
     dp_rank: int
+    mtp_drafts: _containers.RepeatedScalarFieldContainer[int]
     kv: KVHandle
     vllm_kv_params_json: str
     local_prefill: bool
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., first_token: _Optional[_Union[Token, _Mapping]] = ..., dp_rank: _Optional[int] = ..., kv: _Optional[_Union[KVHandle, _Mapping]] = ..., vllm_kv_params_json: _Optional[str] = ..., local_prefill: _Optional[bool] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., first_token: _Optional[_Union[Token, _Mapping]] = ..., dp_rank: _Optional[int] = ..., mtp_drafts: _Optional[_Iterable[int]] = ..., kv: _Optional[_Union[KVHandle, _Mapping]] = ..., vllm_kv_params_json: _Optional[str] = ..., local_prefill: _Optional[bool] = ...) -> None: ...
 
 class Admitted(_message.Message):
     __slots__ = ("dp_rank", "transfer_bytes", "transfer_s", "cached_tokens")

@@ -173,7 +173,7 @@ def test_pdctl_status_says_how_many_drafts_a_node_accepts() -> None:
 
     assert _spec_text([ReplicaLoad(dp_rank=0)]) == ""  # off
     assert _spec_text([ReplicaLoad(dp_rank=0, spec_drafts=0, spec_draft_tokens=0, spec_accepted_tokens=0)]) \
-        == "\nMTP: no drafts yet"
+        == "\nMTP on"
     both = [ReplicaLoad(dp_rank=0, spec_drafts=10, spec_draft_tokens=20, spec_accepted_tokens=14),
             ReplicaLoad(dp_rank=1, spec_drafts=10, spec_draft_tokens=20, spec_accepted_tokens=16)]
     assert _spec_text(both) == "\nMTP: 75% accepted, 2.5 tok/step"

@@ -12,7 +12,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.llm_engine import LLMEngine
-from engine.speculative import SpeculativeConfig, accepted, can_draft, draft_budget
+from engine.speculative import SpecCounts, SpeculativeConfig, accepted, can_draft, draft_budget
 from pdctl.tiny_model import make_tiny_model
 
 KW = dict(dtype="float32", device="cpu", max_model_len=512)
@@ -165,3 +165,96 @@ def test_a_model_without_an_mtp_layer_or_a_topology_it_cannot_run_is_refused(tmp
         LLM(str(plain), speculative_config=spec(1), **KW)
     with pytest.raises(ValueError, match="in-process"):
         LLM(str(mtp_model), speculative_config=spec(1), pcp=2, **KW)
+
+
+def _disaggregated(mtp_model: Path, prefill_spec: bool, decode_spec: bool,
+                   record: list[tuple[tuple[int, ...], int, int]] | None = None) -> tuple[list[list[int]], SpecCounts]:
+    """Each prompt prefilled on one engine (a prefill node's way: one token, KV held) and decoded on another
+    (``begin_prefilled`` / ``admit_prefilled`` with the prefill side's drafts), the KV copied between their
+    caches: every layer both hold (the MTP layer's when both do), as a transfer moves it."""
+
+    kw = dict(speculative_config=spec(2))
+    with LLM(str(mtp_model), **(kw if prefill_spec else {}), **KW) as p_llm:
+        d_llm = LLM(str(mtp_model), **(kw if decode_spec else {}), **KW)
+        p_eng, d_eng = p_llm.engine, d_llm.engine
+        if record is not None:
+            draft = d_eng._draft
+
+            def recording(step: object) -> None:
+                draft(step)
+                for q in d_eng.scheduler.running:
+                    if q.drafts:
+                        record.append((tuple(q.prompt_token_ids), q.num_computed - 1, q.drafts[0]))
+
+            d_eng._draft = recording  # type: ignore[method-assign]
+        layers = sorted(set(p_eng.cache_layers) & set(d_eng.cache_layers))
+        seqs = []
+        for i, prompt in enumerate(prompts()):
+            held = p_eng.add_request(prompt, SamplingParams(max_tokens=1, temperature=0.0), request_id=f"r{i}",
+                                     hold_kv=True)
+            while not held.is_finished:
+                p_eng.step()
+
+            def fill(block_ids: list[int], src: list[int] = held.block_ids) -> list[int]:
+                for layer in layers:
+                    d_eng.cache_layers[layer][block_ids] = p_eng.cache_layers[layer][src]
+                return block_ids
+
+            seq = d_eng.begin_prefilled(prompt, GREEDY, request_id=f"r{i}")
+            hit = seq.prefix_hit_blocks
+            d_eng.admit_prefilled(seq, seq.block_ids[:hit] + fill(seq.block_ids[hit:]), held.output_token_ids[0],
+                                  drafts=list(held.drafts) if p_eng.mtp_layers <= set(layers) else None)
+            if prefill_spec and decode_spec:  # the prefill side's draft, verified at the first step
+                assert held.drafts and seq.drafts == held.drafts[:1]
+            assert p_eng.release(f"r{i}")
+            seqs.append(seq)
+        while d_eng.has_unfinished():
+            d_eng.step()
+        outs = [s.output_token_ids for s in seqs]
+        assert p_eng.num_used_blocks == 0 and d_eng.num_used_blocks == 0
+        counts = d_eng.spec_counts
+    d_llm.shutdown()
+    return outs, counts
+
+
+@pytest.mark.parametrize("prefill_spec,decode_spec", [(True, True), (False, True), (True, False)],
+                         ids=["both", "decode-only", "prefill-only"])
+def test_a_transferred_request_drafts_from_its_first_step_when_both_sides_run_mtp(
+        mtp_model: Path, reference: list[list[int]], prefill_spec: bool, decode_spec: bool) -> None:
+    """Both sides with the MTP layer: the prefill side's draft and the MTP layer's KV of the prompt travel,
+    the decode side verifies that draft at its first step, and every later draft equals the plain MTP
+    reference's (so the transferred MTP KV is right). A prefill side without it: the decode side does not
+    draft for the request. A decode side without it: it takes the stack's layers only. Outputs equal
+    decoding in one engine, every time."""
+    from test_mtp_layer import reference_mtp_logits
+
+    made: list[tuple[tuple[int, ...], int, int]] = []
+    outs, counts = _disaggregated(mtp_model, prefill_spec, decode_spec, made)
+    assert outs == reference
+    if prefill_spec and decode_spec:
+        assert counts.steps >= len(prompts()) * (24 // 3)  # every step of every request verified drafts
+        for p, out in zip(prompts(), reference):
+            tokens = p + out
+            ref = reference_mtp_logits(mtp_model, tokens[:-1], tokens[1:]).argmax(-1).tolist()
+            mine = [(q, d) for key, q, d in made if key == tuple(p)]
+            assert mine and [d for _, d in mine] == [ref[q] for q, _ in mine]
+    else:
+        assert counts.steps == 0
+
+
+def test_pdctl_route_says_what_speculative_decoding_does_on_a_route() -> None:
+    from cluster.nodes import NodeInfo, NodeState
+    from proxy.admin import speculative_pairing
+
+    def node(node_id: str, role: str, k: int) -> NodeState:
+        return NodeState(NodeInfo(node_id=node_id, role=role, address="a:1", model="m", max_model_len=64, dp=1, pcp=1,
+                                  pp=1, kv_layout="sharded", block_size=16, num_blocks=8, started_at=0.0,
+                                  speculative_tokens=k))
+
+    nodes = [node("p-on", "prefill", 2), node("p-off", "prefill", 0), node("d-on", "decode", 2),
+             node("d-off", "decode", 0)]
+    assert speculative_pairing(nodes, "p-off", "d-off") is None
+    assert "p-on's draft and MTP KV travel" in speculative_pairing(nodes, "p-on", "d-on")
+    assert "decodes without drafts" in speculative_pairing(nodes, "p-off", "d-on")
+    assert "the draft goes unused" in speculative_pairing(nodes, "p-on", "d-off")
+    assert "prefilled on d-on" in speculative_pairing(nodes, None, "d-on")

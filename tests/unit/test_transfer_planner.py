@@ -117,3 +117,33 @@ def test_plan_refuses_what_cannot_be_moved() -> None:
         plan_transfer(RequestKV(own, 4), layouts, wide, [0, 1, 2, 3])
     with pytest.raises(ValueError, match="outside"):
         plan_transfer(RequestKV(own, 4), layouts, dest, [0, 1, 2, 8])
+
+
+@pytest.mark.parametrize("source_layers,dest_layers", [(5, 5), (4, 5), (5, 4)],
+                         ids=["both-have-it", "source-lacks-it", "dest-lacks-it"])
+def test_the_optional_mtp_layer_moves_only_when_both_sides_have_it(source_layers: int, dest_layers: int) -> None:
+    """Layer 4 (a 4-layer model's multi-token prediction layer) is optional: copied when both the prefill and
+    the decode side hold it, left alone when one lacks it; the stack's layers must be on both sides."""
+    ids = [2, 5, 7]
+    own = kv_ownership(ids, ParallelConfig(), dp=0, num_layers=source_layers)
+    caches = marked_caches(own, 16)
+    dest = {i: torch.zeros(20, BS, DIM) for i in range(dest_layers)}
+    plan = plan_transfer(RequestKV(own, len(ids)),
+                         {rank: describe_cache(f"prefill-{rank}", layers) for rank, layers in caches.items()},
+                         describe_cache("decode-0", dest), DEST_BLOCKS, optional=frozenset({LAYERS}))
+    _execute(plan, caches, dest)
+    assert {c.layer for c in plan.copies} == set(range(min(source_layers, dest_layers)))
+    _assert_filled({i: dest[i] for i in range(min(source_layers, dest_layers))}, len(ids))
+    if dest_layers > LAYERS and source_layers == LAYERS:
+        assert (dest[LAYERS] == 0).all()  # nothing came: the decode side knows from the holders' layers
+
+
+def test_a_layer_only_one_side_has_is_refused_unless_optional() -> None:
+    own = kv_ownership([2, 5], ParallelConfig(), dp=0, num_layers=3)
+    layouts = {rank: describe_cache(f"prefill-{rank}", layers) for rank, layers in marked_caches(own, 16).items()}
+    with pytest.raises(ValueError, match="holds no cache for layer 2"):
+        plan_transfer(RequestKV(own, 2), layouts, describe_cache("d", {i: torch.zeros(8, BS, DIM) for i in range(2)}),
+                      [0, 1])
+    with pytest.raises(ValueError, match=r"no PP stage holds layers \[3\]"):
+        plan_transfer(RequestKV(own, 2), layouts, describe_cache("d", {i: torch.zeros(8, BS, DIM) for i in range(4)}),
+                      [0, 1])
