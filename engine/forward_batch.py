@@ -1,8 +1,9 @@
 """What one forward step computes: a flat batch of token rows and, per request, where its KV lives.
 
 Rows are laid out decode-first (one row per decoding request, attended in the absorbed form over
-the latent cache), then one contiguous segment per prefilling request (decompressed form, the
-cached context merged with the new tokens by log-sum-exp).
+the latent cache; a speculative verify step's rows are decode rows too, each attending the cache up to
+its own position), then one contiguous segment per prefilling request (decompressed form, the cached
+context merged with the new tokens by log-sum-exp).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ class ForwardBatch:
     slot_mapping: torch.Tensor  # [T] int64: flat cache slot (block * block_size + offset) per row
     num_decode: int  # rows [0, num_decode) are decode rows
     decode_block_tables: torch.Tensor  # [B, max_blocks] int64 (padded with 0)
-    decode_seq_lens: torch.Tensor  # [B] int64: cached tokens incl. this step's token
+    decode_seq_lens: torch.Tensor  # [B] int64: cached tokens incl. this row's token
     decode_max_len: int  # max of decode_seq_lens, known on the host (no device sync to read it)
     prefills: list[PrefillSegment]
     logits_rows: torch.Tensor  # [N] int64: rows whose logits the step needs

@@ -63,10 +63,10 @@ def build_batch(scheduled: list[Scheduled], block_size: int, device: torch.devic
         positions.extend(range(start, start + n))
         table = torch.tensor(seq.block_ids, dtype=torch.long)
         slots.append(slots_for(table, start, start + n, block_size))
-        if n == 1:
+        if n == 1 or s.drafts:  # a verify step's rows too: each attends the cache up to its own position
             assert not prefills, "decode rows must precede prefill segments"
-            dec_tables.append(seq.block_ids)
-            dec_lens.append(start + 1)
+            dec_tables += [seq.block_ids] * n
+            dec_lens += range(start + 1, start + n + 1)
         else:
             prefills.append(PrefillSegment(row, n, start, table.to(device)))
         span = logits_span(s)

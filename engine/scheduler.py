@@ -148,8 +148,9 @@ class Scheduler:
             self.running.append(seq)
             out.append(Scheduled(seq, n))
             budget -= n
-        # Decode rows first: the model attends them in one batched absorbed pass.
-        out.sort(key=lambda s: s.num_new != 1)
+        # Decode rows first (a verify step's rows are decode rows): the model attends them in one batched
+        # absorbed pass.
+        out.sort(key=lambda s: s.num_new != 1 and not s.drafts)
         return out
 
     # -- prefix caching -----------------------------------------------------------------------
