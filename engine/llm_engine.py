@@ -33,7 +33,7 @@ from engine.sampler import PendingSamples, launch_sample, top_logprobs
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduled, Scheduler
 from engine.sequence import SeqStatus, Sequence
-from engine.speculative import SpecCounts, accepted, can_draft, draft_budget
+from engine.speculative import SpecCounts, can_draft, draft_budget, verify
 from engine.structured_output import Grammar, GuidanceTokenizers
 from engine.tokenizer import Tokenizer
 
@@ -497,12 +497,11 @@ class LLMEngine:
             if not s.drafts or seq.is_finished:
                 continue
             assert sl is not None
-            target = sl.logits.argmax(-1).tolist()  # can_draft: the raw logits' argmax is the greedy token
-            a = accepted(s.drafts, target)
+            a, tokens = verify(sl.logits, s.drafts, seq.params, seq.generator or self.generator)
             self.spec_counts.add(len(s.drafts), a)
             seq.drafts = []  # verified: the next ones come from _draft
             seq.num_computed += a
-            for token in s.drafts[:a] + [target[a]]:
+            for token in tokens:
                 if self._append(seq, token, math.nan, None):
                     finished.append(seq)
                     break

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.logits_processors import apply_bias_and_penalties
+from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
 from engine.structured_output import mask_logits
 
@@ -46,16 +47,11 @@ def _filter_sorted(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tenso
     return torch.empty_like(logits).scatter_(1, order, sorted_logits.masked_fill(drop, float("-inf")))
 
 
-def _sample_random(logits: torch.Tensor, seqs: list[Sequence], rows: list[int],
-                   default_generator: torch.Generator) -> torch.Tensor:
-    """Token ids [len(rows)] drawn for the given rows of logits [N, V]: temperature, min-p, top-k, top-p, all
-    rows at once on the logits' device; the draw is an exponential race (argmax of p / E, E ~ Exp(1)),
-    its noise from each seeded request's own generator (so neighbours never change its draw) and from
-    ``default_generator`` for the rest."""
+def processed_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """logits [R, V] -> the distributions [R, V] a token is drawn from: temperature, min-p, top-k, top-p,
+    row i by ``params[i]`` (temperature > 0), all rows at once on the logits' device."""
     dev, v = logits.device, logits.shape[-1]
-    params = [seqs[i].params for i in rows]
-    idx = torch.tensor(rows, device=dev)
-    sub = logits[idx] / torch.tensor([p.temperature for p in params], device=dev)[:, None]
+    sub = logits / torch.tensor([p.temperature for p in params], device=dev)[:, None]
     if any(p.min_p > 0 for p in params):  # tokens below min_p x the most likely one's probability
         probs = sub.softmax(-1)
         floor = probs.amax(-1, keepdim=True) * torch.tensor([p.min_p for p in params], device=dev,
@@ -64,7 +60,16 @@ def _sample_random(logits: torch.Tensor, seqs: list[Sequence], rows: list[int],
     if any(0 < p.top_k < v or p.top_p < 1.0 for p in params):
         ks = torch.tensor([p.top_k if 0 < p.top_k < v else v for p in params], device=dev)
         sub = _filter_sorted(sub, ks, torch.tensor([p.top_p for p in params], device=dev, dtype=sub.dtype))
-    probs = sub.softmax(-1)
+    return sub.softmax(-1)
+
+
+def _sample_random(logits: torch.Tensor, seqs: list[Sequence], rows: list[int],
+                   default_generator: torch.Generator) -> torch.Tensor:
+    """Token ids [len(rows)] drawn for the given rows of logits [N, V] (``processed_probs``); the draw is an
+    exponential race (argmax of p / E, E ~ Exp(1)), its noise from each seeded request's own generator (so
+    neighbours never change its draw) and from ``default_generator`` for the rest."""
+    dev, v = logits.device, logits.shape[-1]
+    probs = processed_probs(logits[torch.tensor(rows, device=dev)], [seqs[i].params for i in rows])
     noise = torch.empty_like(probs)
     shared = [j for j, i in enumerate(rows) if seqs[i].generator is None]
     if shared:

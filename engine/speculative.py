@@ -6,19 +6,26 @@ one MTP layer is run k times for k > 1). A request's step, in order:
 1. **Verify.** A decoding request with drafts ``d1..dj`` (j <= k) is scheduled ``1 + j`` rows: its last
    token and the drafts, at the positions they would take. The target computes all rows' logits in one
    step (a prefill-like segment).
-2. **Accept.** The target's token at row i is ``t_i``; the drafts are accepted while ``d_{i+1} == t_i``,
-   then the target's own token follows (the bonus): the tokens are ``d1..da, t_a``, exactly what decoding
-   them one step at a time would give. ``num_computed`` advances by ``1 + a``: the KV of the rejected rows
-   stays in slots past it, overwritten when those positions are computed again.
+2. **Accept.** Greedy: the target's token at row i is ``t_i``; the drafts are accepted while
+   ``d_{i+1} == t_i``, then the target's own token follows (the bonus): the tokens are ``d1..da, t_a``,
+   exactly what decoding them one step at a time would give. Sampled (temperature > 0): rejection
+   sampling with the draft as a point mass, so the tokens follow the target's distribution exactly:
+   ``d_{i+1}`` is accepted with probability ``p_i(d_{i+1})`` (``p_i``: row i's distribution after
+   temperature, min-p, top-k, top-p); at the first rejection a token is drawn from ``p_i`` without
+   ``d_{i+1}`` (the residual ``max(p_i - q, 0)``, renormalised), and when all are accepted the bonus is
+   drawn from the last row's ``p``; the uniforms and draws come from the request's generator when it is
+   seeded. ``num_computed`` advances by ``1 + a``: the KV of the rejected rows stays in slots past it,
+   overwritten when those positions are computed again.
 3. **Draft.** The MTP layer runs over every row of the step (its KV follows the target's), each row
    with the target's hidden state there and the token after it; the row of the last accepted position
    predicts the next draft, and the layer runs again, one row at a time, for the rest.
 
-This first version drafts for plain greedy requests only: temperature 0 without logprobs, penalties,
-``logit_bias``, structured output or a ``min_tokens`` still to reach (those change the logits the token
-is chosen from). Other requests decode one token per step beside them; their outputs are unchanged
-either way. Not yet: rejection sampling (temperature > 0), overlapped steps, CUDA graphs, rank processes
-(PCP / PP / expert parallelism), and the prefill node's hand-off of the MTP layer's KV.
+Requests draft unless they ask for logprobs, penalties, ``logit_bias``, structured output or a
+``min_tokens`` still to reach (those change a row's logits by the tokens before it, or need more than the
+token); those decode one token per step beside the others, unchanged. A prefill node with
+``speculative_config`` runs the MTP layer over the prompt and hands its draft and the layer's KV to the
+decode side (``LLMEngine.admit_prefilled``). Not yet: overlapped steps, CUDA graphs, rank processes
+(PCP / PP / expert parallelism).
 """
 
 from __future__ import annotations
@@ -27,6 +34,10 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
+from engine.sampler import processed_probs
+from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
 
 METHODS = ("mtp",)
@@ -60,9 +71,10 @@ class SpeculativeConfig:
 
 
 def can_draft(seq: Sequence) -> bool:
-    """Whether the request's next tokens are the target's argmax of its raw logits (module docstring)."""
+    """Whether the request's tokens are chosen from its rows' raw logits alone, by greedy or by temperature,
+    min-p, top-k and top-p (module docstring): then any row can verify a draft."""
     p = seq.params
-    return (p.temperature == 0 and p.logprobs is None and not p.logit_bias and seq.grammar is None
+    return (p.logprobs is None and not p.logit_bias and seq.grammar is None
             and p.presence_penalty == 0 and p.frequency_penalty == 0 and p.repetition_penalty == 1
             and len(seq.output_token_ids) >= p.min_tokens)
 
@@ -72,6 +84,30 @@ def draft_budget(seq: Sequence, k: int, max_model_len: int) -> int:
     the model's length (a step of 1 + j rows may produce j + 1 tokens)."""
     left = min(seq.max_tokens - len(seq.output_token_ids), max_model_len - seq.num_tokens) - 1
     return max(0, min(k, left))
+
+
+def verify(logits: torch.Tensor, drafts: list[int], params: SamplingParams,
+           generator: torch.Generator) -> tuple[int, list[int]]:
+    """A verify step's rows of one request, logits [1 + len(drafts), V] -> (drafts accepted, the tokens to
+    append: the accepted drafts and one more), greedy or by rejection sampling (module docstring)."""
+    if params.greedy:
+        target = logits.argmax(-1).tolist()
+        a = accepted(drafts, target)
+        return a, drafts[:a] + [target[a]]
+    probs = processed_probs(logits, [params] * logits.shape[0])
+    for i, d in enumerate(drafts):
+        if torch.rand((), generator=generator, device=probs.device) < probs[i, d]:
+            continue
+        residual = probs[i].clone()
+        residual[d] = 0.0
+        return i, drafts[:i] + [_draw(residual, generator)]
+    return len(drafts), drafts + [_draw(probs[-1], generator)]
+
+
+def _draw(probs: torch.Tensor, generator: torch.Generator) -> int:
+    """A token from ``probs`` [V] (unnormalised), by the sampler's exponential race."""
+    noise = torch.empty_like(probs).exponential_(generator=generator)
+    return int((probs / noise).argmax())
 
 
 def accepted(drafts: list[int], target: list[int]) -> int:

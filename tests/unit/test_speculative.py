@@ -120,14 +120,28 @@ def test_right_drafts_are_all_accepted_and_wrong_ones_all_rejected(
         assert engine.num_used_blocks == 0
 
 
-def test_sampled_requests_beside_drafting_ones_are_unchanged(mtp_model: Path, reference: list[list[int]]) -> None:
-    sampled = SamplingParams(max_tokens=24, temperature=1.0, seed=3, ignore_eos=True)
-    params = [GREEDY, sampled, GREEDY, sampled]
+def test_requests_that_cannot_draft_decode_beside_drafting_ones_unchanged(mtp_model: Path,
+                                                                         reference: list[list[int]]) -> None:
+    """Logprobs and penalties need each row's logits by the tokens before it: those requests decode one token
+    a step beside drafting ones, with the same tokens as without speculative decoding."""
+    plain = [SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=2),
+             SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, presence_penalty=0.5)]
+    params = [GREEDY, plain[0], GREEDY, plain[1]]
     with LLM(str(mtp_model), **KW) as llm:
         want = [o.token_ids for o in llm.generate(prompts(), params)]
     with LLM(str(mtp_model), speculative_config=spec(2), **KW) as llm:
         assert [o.token_ids for o in llm.generate(prompts(), params)] == want
     assert want[0] == reference[0] and want[2] == reference[2]
+
+
+def test_seeded_sampled_requests_draft_and_stay_reproducible(mtp_model: Path) -> None:
+    sampled = SamplingParams(max_tokens=24, temperature=1.0, seed=3, ignore_eos=True)
+    runs = []
+    for _ in range(2):
+        with LLM(str(mtp_model), speculative_config=spec(2), **KW) as llm:
+            runs.append([o.token_ids for o in llm.generate(prompts(), sampled)])
+            assert llm.engine.spec_counts.draft_tokens > 0
+    assert runs[0] == runs[1]
 
 
 def test_preempted_and_aborted_requests_free_every_block(mtp_model: Path, reference: list[list[int]]) -> None:
@@ -258,3 +272,52 @@ def test_pdctl_route_says_what_speculative_decoding_does_on_a_route() -> None:
     assert "decodes without drafts" in speculative_pairing(nodes, "p-off", "d-on")
     assert "the draft goes unused" in speculative_pairing(nodes, "p-on", "d-off")
     assert "prefilled on d-on" in speculative_pairing(nodes, None, "d-on")
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny model whose MTP layer learned the corpus (some drafts hold, some do not)."""
+    from pdctl.train_tiny import train_tiny_model
+
+    model = make_tiny_model(tmp_path_factory.mktemp("trained") / "tiny", arch="v3", moe=False, seed=4, mtp_layers=1)
+    train_tiny_model(model, steps=60, seed=4)
+    return model
+
+
+def test_rejection_sampling_keeps_the_targets_distribution(trained: Path) -> None:
+    """Sampled at temperature 1.3 (top-p 0.95), 600 seeded requests with MTP drafts (k = 2) and 600 without, from a
+    prompt the model did not train on: the
+    first three tokens' distributions are one distribution by Pearson's chi-square test of homogeneity
+    (scipy's chi2_contingency; categories with fewer than 10 samples in all pooled; p > 0.001 at each
+    position and for the first two tokens jointly), while drafts were both accepted and rejected."""
+    from collections import Counter
+
+    from scipy.stats import chi2_contingency
+
+    from pdctl.train_tiny import corpus_ids
+
+    prompt = corpus_ids(trained, held_out=True)[0][:16]
+    n = 600
+
+    def samples(seed0: int, **kw: object) -> list[list[int]]:
+        params = [SamplingParams(max_tokens=4, temperature=1.3, top_p=0.95, seed=seed0 + i, ignore_eos=True)
+                  for i in range(n)]
+        with LLM(str(trained), max_num_seqs=128, **kw, **KW) as llm:
+            outs = [o.token_ids for o in llm.generate([prompt] * n, params)]
+            if kw:
+                c = llm.engine.spec_counts
+                assert 0 < c.accepted_tokens < c.draft_tokens  # both branches ran
+        return outs
+
+    with_mtp, without = samples(0, speculative_config=spec(2)), samples(100_000)
+    for name, key in (("token 1", lambda o: o[0]), ("token 2", lambda o: o[1]), ("token 3", lambda o: o[2]),
+                      ("tokens 1-2", lambda o: (o[0], o[1]))):
+        a, b = Counter(map(key, with_mtp)), Counter(map(key, without))
+        common = [t for t in set(a) | set(b) if a[t] + b[t] >= 10]
+        table = [[a[t] for t in common] + [n - sum(a[t] for t in common)],
+                 [b[t] for t in common] + [n - sum(b[t] for t in common)]]
+        if table[0][-1] + table[1][-1] == 0:
+            table = [row[:-1] for row in table]
+        if len(table[0]) < 2:
+            continue  # one outcome only: nothing to compare
+        assert chi2_contingency(table).pvalue > 1e-3, (name, table)
