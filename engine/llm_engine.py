@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
-import math
 from dataclasses import dataclass, field
 
 import torch
@@ -501,8 +500,13 @@ class LLMEngine:
             self.spec_counts.add(len(s.drafts), a)
             seq.drafts = []  # verified: the next ones come from _draft
             seq.num_computed += a
-            for token in tokens:
-                if self._append(seq, token, math.nan, None):
+            # Token j came from row j: its logprob (and the top ones asked for) of that row's raw logits.
+            logp = torch.log_softmax(sl.logits[: len(tokens)], dim=-1)
+            chosen = logp.gather(1, torch.tensor(tokens, device=logp.device).unsqueeze(1)).squeeze(1).tolist()
+            n = seq.params.logprobs
+            tops = top_logprobs(logp, n) if n is not None else [None] * len(tokens)
+            for token, lp, top in zip(tokens, chosen, tops):
+                if self._append(seq, token, lp, top):
                     finished.append(seq)
                     break
             else:

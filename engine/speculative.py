@@ -20,9 +20,10 @@ one MTP layer is run k times for k > 1). A request's step, in order:
    with the target's hidden state there and the token after it; the row of the last accepted position
    predicts the next draft, and the layer runs again, one row at a time, for the rest.
 
-Requests draft unless they ask for logprobs, penalties, ``logit_bias``, structured output or a
-``min_tokens`` still to reach (those change a row's logits by the tokens before it, or need more than the
-token); those decode one token per step beside the others, unchanged. A prefill node with
+Requests draft unless they ask for penalties, ``logit_bias``, structured output or a ``min_tokens`` still
+to reach (those change a row's logits by the tokens before it); those decode one token per step beside the
+others, unchanged. Logprobs (and the top ones asked for) of every token come from its row's raw logits, as
+without drafts. A prefill node with
 ``speculative_config`` runs the MTP layer over the prompt and hands its draft and the layer's KV to the
 decode side (``LLMEngine.admit_prefilled``). Not yet: overlapped steps, CUDA graphs, rank processes
 (PCP / PP / expert parallelism).
@@ -74,7 +75,7 @@ def can_draft(seq: Sequence) -> bool:
     """Whether the request's tokens are chosen from its rows' raw logits alone, by greedy or by temperature,
     min-p, top-k and top-p (module docstring): then any row can verify a draft."""
     p = seq.params
-    return (p.logprobs is None and not p.logit_bias and seq.grammar is None
+    return (not p.logit_bias and seq.grammar is None
             and p.presence_penalty == 0 and p.frequency_penalty == 0 and p.repetition_penalty == 1
             and len(seq.output_token_ids) >= p.min_tokens)
 

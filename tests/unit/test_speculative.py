@@ -120,18 +120,23 @@ def test_right_drafts_are_all_accepted_and_wrong_ones_all_rejected(
         assert engine.num_used_blocks == 0
 
 
-def test_requests_that_cannot_draft_decode_beside_drafting_ones_unchanged(mtp_model: Path,
-                                                                         reference: list[list[int]]) -> None:
-    """Logprobs and penalties need each row's logits by the tokens before it: those requests decode one token
-    a step beside drafting ones, with the same tokens as without speculative decoding."""
-    plain = [SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=2),
-             SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, presence_penalty=0.5)]
-    params = [GREEDY, plain[0], GREEDY, plain[1]]
+def test_logprobs_with_drafts_and_penalised_requests_beside_them_equal_decoding_without(
+        mtp_model: Path, reference: list[list[int]]) -> None:
+    """A request asking for logprobs drafts, its tokens' logprobs and top logprobs from their rows as without
+    drafts; a penalised one (its row's logits depend on the tokens before it) decodes a token a step beside."""
+    with_lp = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=2)
+    penalised = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, presence_penalty=0.5)
+    params = [GREEDY, with_lp, GREEDY, penalised]
     with LLM(str(mtp_model), **KW) as llm:
-        want = [o.token_ids for o in llm.generate(prompts(), params)]
+        want = llm.generate(prompts(), params)
     with LLM(str(mtp_model), speculative_config=spec(2), **KW) as llm:
-        assert [o.token_ids for o in llm.generate(prompts(), params)] == want
-    assert want[0] == reference[0] and want[2] == reference[2]
+        got = llm.generate(prompts(), params)
+        assert llm.engine.spec_counts.steps > 0
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert got[1].logprobs == pytest.approx(want[1].logprobs, abs=1e-4)
+    seq_want, seq_got = want[1], got[1]
+    assert [sorted(t) for t in seq_got.top_logprobs] == [sorted(t) for t in seq_want.top_logprobs]
+    assert want[0].token_ids == reference[0] and want[2].token_ids == reference[2]
 
 
 def test_seeded_sampled_requests_draft_and_stay_reproducible(mtp_model: Path) -> None:
