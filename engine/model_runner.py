@@ -9,7 +9,7 @@ import torch
 from engine.cuda_graphs import DecodeGraphs
 from engine.forward_batch import ForwardBatch, PrefillSegment, slots_for
 from engine.kv_cache import KVCache
-from engine.model import DeepseekForCausalLM
+from engine.model import DeepseekForCausalLM, MTPLayer
 from engine.overlap import Feed
 from engine.scheduler import Scheduled
 
@@ -196,6 +196,7 @@ class ModelRunner:
         those positions), each time on its own hidden state and the draft it made. Returns the drafts."""
         assert self.model.mtp is not None and self.model.rope is not None and self._last is not None
         index, layer = next(iter(self.model.mtp.items()))  # DeepSeek's one layer drafts every token
+        assert isinstance(layer, MTPLayer)
         cache, rope = self.cache.layers[int(index)], self.model.rope
         batch, hidden = self._last
         self._last = None
