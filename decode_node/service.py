@@ -143,6 +143,8 @@ class DecodeService(DecodeMux, pb_grpc.DecodeServiceServicer):
             if not 0 <= request.first_token.token_id < self.vocab_size:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                     f"first token {request.first_token.token_id} outside the vocabulary")
+            if any(not 0 <= t < self.vocab_size for t in request.mtp_drafts):
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "an MTP draft token is outside the vocabulary")
         elif any(not 0 <= t < self.vocab_size for t in request.prompt_token_ids):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt token ids outside the vocabulary")
         first = request.first_token

@@ -126,6 +126,8 @@ class LLMEngine:
         if self.speculative is not None and not self._local:
             raise ValueError("speculative_config needs the model in this process (pcp 1, pp 1)")
         self.spec_counts = SpecCounts()
+        if self.speculative is not None:
+            self.scheduler.spare_blocks = 1
         self.overlap = self._local and overlap and self.speculative is None  # may change between steps
         self.overlapped_steps = 0  # steps launched on the previous step's samples, still on the device
         # Expert parallelism across DP replicas (engine.parallel.expert_parallel): while the node steps any
@@ -248,10 +250,15 @@ class LLMEngine:
             raise ValueError(f"the block table must keep the {hit} cached prefix blocks first, in order")
         if not 0 <= first_token < self.model_config.vocab_size:
             raise ValueError(f"first token {first_token} outside the vocabulary")
+        if any(not 0 <= t < self.model_config.vocab_size for t in drafts or ()):
+            raise ValueError("a draft token is outside the vocabulary")
         if seq.grammar is not None and not seq.grammar.allows(first_token):
             raise ValueError(f"first token {first_token} is not allowed by the request's structured output")
         seq.block_ids = list(table)
         seq.num_computed = len(seq.prompt_token_ids)
+        seq.mtp_kv = drafts is not None
+        if self.speculative is not None and not seq.mtp_kv:
+            seq.cacheable = False  # its blocks lack the MTP layer's KV: no later prompt may share them
         self.scheduler.cache_computed(seq)  # its full prompt blocks now hold KV: later requests may share them
         seq.status = SeqStatus.WAITING
         self.scheduler.waiting.append(seq)
@@ -259,7 +266,6 @@ class LLMEngine:
         if self._append(seq, first_token, first_logprob, top):  # max_tokens=1, or a stop token
             self._requests.pop(seq.request_id, None)
             return True
-        seq.mtp_kv = drafts is not None
         if self.speculative is not None and drafts and can_draft(seq):
             seq.drafts = list(drafts[: draft_budget(seq, self.speculative.num_speculative_tokens, self.max_model_len)])
         return False
@@ -413,8 +419,10 @@ class LLMEngine:
         if self._local:  # in process the logits are here now: sampling is queued behind the step
             step.logits = self.executor.collect()
             self._queue_samples(step, step.logits)
-        if self.overlap:
-            self.scheduler.free_after = step.id  # blocks freed from now on wait for this step
+        if self.overlap or self.speculative is not None:
+            # Blocks freed from now on wait for this step (speculative decoding: for its MTP pass too, which
+            # writes every row of the step after the tokens are taken).
+            self.scheduler.free_after = step.id
         return step
 
     def _queue_samples(self, step: _Launched, logits: list[StepLogits | None]) -> None:
@@ -456,7 +464,8 @@ class LLMEngine:
     def _complete(self, step: _Launched, newer: _Launched | None) -> list[Sequence]:
         """Wait for ``step``'s samples and apply them: tokens appended, stops checked, blocks cached
         (blocks freed meanwhile wait for ``newer``, the step still in flight, if any)."""
-        self.scheduler.free_after = newer.id if newer is not None else None
+        self.scheduler.free_after = newer.id if newer is not None else (
+            step.id if self.speculative is not None else None)
         logits = step.logits if step.logits is not None else self.executor.collect()
         if step.samples is None and step.sampled is None:  # before the rows count as computed: that decides
             self._queue_samples(step, logits)  # which rows sample
@@ -485,6 +494,8 @@ class LLMEngine:
             if seq.hold_kv and seq.block_ids:
                 self.held[seq.request_id] = seq
         self.scheduler.release_deferred(step.id)
+        if self.speculative is not None and newer is None:
+            self.scheduler.free_after = None
         return finished
 
     def _verify(self, scheduled: list[Scheduled], logits: list[StepLogits | None]) -> list[Sequence]:

@@ -112,14 +112,16 @@ class PrefixCache:
         return used
 
     # -- the cache -----------------------------------------------------------------------------
-    def match(self, hashes: Sequence[int]) -> list[int]:
-        """Take a reference on the cached blocks of the longest prefix of ``hashes``; their ids."""
+    def match(self, hashes: Sequence[int], spare: int = 0) -> list[int]:
+        """Take a reference on the cached blocks of the longest prefix of ``hashes``, but its last ``spare``
+        ones; their ids."""
         ids: list[int] = []
         for h in hashes:
             b = self._block_of.get(h)
             if b is None:
                 break
             ids.append(b)
+        ids = ids[: max(0, len(ids) - spare)]
         self.queries += len(hashes)
         self.hits += len(ids)
         for b in ids:

@@ -46,6 +46,9 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.preemptions = 0  # since start, for the node's metrics
+        # Speculative decoding: the MTP layer's KV at a block's last position depends on the next block's first
+        # token, which a prefix hash does not cover: a prompt recomputes (or pulls) the last block it matched.
+        self.spare_blocks = 0
         # Blocks freed while a launched step may still write them wait for that step (engine.overlap):
         # ``free_after`` is the newest step in flight (None: none), ``_deferred`` its frees.
         self.free_after: int | None = None
@@ -138,6 +141,12 @@ class Scheduler:
             seq = self.waiting[0]
             hit = self._match_prefix(seq)
             n = min(seq.num_remaining, budget)
+            # A transferred request joins with the prefill node's drafts (engine.speculative): verified now.
+            drafts = seq.drafts[: budget - 1] if seq.num_remaining == 1 else []
+            if drafts and self.grow(seq, 1 + len(drafts)):
+                n = 1 + len(drafts)
+            else:
+                drafts = []
             if not self.grow(seq, n):
                 if hit:  # give the shared blocks back: the request starts over when there is room
                     self.free(seq.block_ids)
@@ -146,7 +155,7 @@ class Scheduler:
             self.waiting.popleft()
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
-            out.append(Scheduled(seq, n))
+            out.append(Scheduled(seq, n, drafts))
             budget -= n
         # Decode rows first (a verify step's rows are decode rows): the model attends them in one batched
         # absorbed pass.
@@ -167,7 +176,7 @@ class Scheduler:
         least its last token to compute, whose logits sample the next one). Returns the blocks hit."""
         if self.prefix is None or not seq.cacheable or seq.num_computed or seq.block_ids:
             return 0
-        ids = self.prefix.match(self._hashes(seq, (seq.num_tokens - 1) // self.block_size))
+        ids = self.prefix.match(self._hashes(seq, (seq.num_tokens - 1) // self.block_size), self.spare_blocks)
         seq.block_ids = ids
         seq.num_registered = seq.prefix_hit_blocks = len(ids)
         seq.num_computed = len(ids) * self.block_size
@@ -179,7 +188,7 @@ class Scheduler:
         was computed elsewhere, so every full block may hit."""
         if self.prefix is None or not seq.cacheable:
             return []
-        ids = self.prefix.match(self._hashes(seq, len(seq.prompt_token_ids) // self.block_size))
+        ids = self.prefix.match(self._hashes(seq, len(seq.prompt_token_ids) // self.block_size), self.spare_blocks)
         seq.num_registered = seq.prefix_hit_blocks = len(ids)
         return ids
 

@@ -55,15 +55,21 @@ def test_greedy_with_the_mtp_layers_drafts_equals_without(mtp_model: Path, refer
         assert llm.engine.num_used_blocks == 0
 
 
-@pytest.mark.parametrize("k", [1, 3])
+SHARED = [(i * 13 + 7) % 1000 + 2 for i in range(32)]  # two full blocks two prompts begin with
+
+
+@pytest.mark.parametrize("k,shared", [(1, False), (3, False), (2, True)], ids=["k1", "k3", "k2-shared-prefix"])
 def test_every_first_draft_is_the_plain_mtp_references_prediction(mtp_model: Path, reference: list[list[int]],
-                                                                  k: int) -> None:
+                                                                  k: int, shared: bool) -> None:
     """The MTP layer's KV builds up right through prompt chunks and verify steps with rejected rows: each
     first draft, made after position q, equals the reference MTP layer's argmax at q over the whole final
-    sequence (tests/unit/test_mtp_layer.py's reference)."""
+    sequence (tests/unit/test_mtp_layer.py's reference). With prompts sharing two full blocks, the second
+    one's prefix cache hit leaves the last shared block to be recomputed (its last position's MTP KV
+    depends on the token after it)."""
     from test_mtp_layer import reference_mtp_logits
 
     made: dict[tuple[int, ...], list[tuple[int, int]]] = {}
+    batch = [SHARED + p for p in prompts()[:2]] if shared else prompts()
     with LLM(str(mtp_model), speculative_config=spec(k), max_num_batched_tokens=32, **KW) as llm:
         engine = llm.engine
         draft = engine._draft
@@ -75,9 +81,14 @@ def test_every_first_draft_is_the_plain_mtp_references_prediction(mtp_model: Pat
                     made.setdefault(tuple(seq.prompt_token_ids), []).append((seq.num_computed - 1, seq.drafts[0]))
 
         engine._draft = recording  # type: ignore[method-assign]
-        outs = llm.generate(prompts(), GREEDY)
-    assert [o.token_ids for o in outs] == reference
-    for p, out in zip(prompts(), reference):
+        if shared:
+            outs = [llm.generate([p], GREEDY)[0] for p in batch]  # one after the other: the second hits the cache
+            assert engine.scheduler.prefix is not None and engine.scheduler.prefix.hits == 1  # 2 matched, 1 spared
+        else:
+            outs = llm.generate(batch, GREEDY)
+    if not shared:
+        assert [o.token_ids for o in outs] == reference
+    for p, out in zip(batch, [o.token_ids for o in outs]):
         tokens = p + out
         ref = reference_mtp_logits(mtp_model, tokens[:-1], tokens[1:]).argmax(-1).tolist()
         drafts = made[tuple(p)]
@@ -227,6 +238,8 @@ def _disaggregated(mtp_model: Path, prefill_spec: bool, decode_spec: bool,
                 assert held.drafts and seq.drafts == held.drafts[:1]
             assert p_eng.release(f"r{i}")
             seqs.append(seq)
+        d_eng.step()  # the first decode step: each request verifies the prefill side's draft in it
+        assert d_eng.spec_counts.steps == (len(seqs) if prefill_spec and decode_spec else 0)
         while d_eng.has_unfinished():
             d_eng.step()
         outs = [s.output_token_ids for s in seqs]
