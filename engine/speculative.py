@@ -5,7 +5,7 @@ one MTP layer is run k times for k > 1). A request's step, in order:
 
 1. **Verify.** A decoding request with drafts ``d1..dj`` (j <= k) is scheduled ``1 + j`` rows: its last
    token and the drafts, at the positions they would take. The target computes all rows' logits in one
-   step (a prefill-like segment).
+   step, each row a decode row attending the cache up to its own position.
 2. **Accept.** Greedy: the target's token at row i is ``t_i``; the drafts are accepted while
    ``d_{i+1} == t_i``, then the target's own token follows (the bonus): the tokens are ``d1..da, t_a``,
    exactly what decoding them one step at a time would give. Sampled (temperature > 0): rejection
@@ -23,10 +23,16 @@ one MTP layer is run k times for k > 1). A request's step, in order:
 Requests draft unless they ask for penalties, ``logit_bias``, structured output or a ``min_tokens`` still
 to reach (those change a row's logits by the tokens before it); those decode one token per step beside the
 others, unchanged. Logprobs (and the top ones asked for) of every token come from its row's raw logits, as
-without drafts. A prefill node with
-``speculative_config`` runs the MTP layer over the prompt and hands its draft and the layer's KV to the
-decode side (``LLMEngine.admit_prefilled``). Not yet: overlapped steps, CUDA graphs, rank processes
-(PCP / PP / expert parallelism).
+without drafts. A prefill node with ``speculative_config`` runs the MTP layer over the prompt and hands its
+draft and the layer's KV to the decode side (``LLMEngine.admit_prefilled``), which verifies it at its first
+step.
+
+Prefix caching: the MTP layer's KV at a block's last position depends on the first token of the next block,
+which the block's hash does not cover, so a prompt that hits the cache recomputes (or pulls) the last block
+it matched (``Scheduler.spare_blocks``); a request admitted without the layer's KV shares none of its blocks.
+
+Not yet: overlapped steps, CUDA graphs, rank processes (PCP / PP / expert parallelism), drafts checked
+by a request's grammar.
 """
 
 from __future__ import annotations
