@@ -1,0 +1,125 @@
+"""What a speculative decoding step costs against a plain decode step, and the speedup that projects to.
+
+A model of a published shape with one MTP layer and dummy weights (``--preset v2-lite``: DeepSeek-V2-Lite's
+config plus ``num_nextn_predict_layers`` 1), or ``--model DIR``. For each batch size, ``batch`` requests of
+``--prompt-len`` random tokens decode greedily:
+
+- without speculative decoding, as users run it (CUDA graphs on a GPU) and eagerly (the speculative step's
+  comparison: it runs without graphs so far);
+- with ``num_speculative_tokens`` k = 1..3: each step verifies every request's k drafts (k + 1 rows) and runs
+  the MTP layer over them and once more per further draft. Dummy weights accept almost nothing, which does
+  not change a step's cost (its rows are the same): the step time is what is measured.
+
+Projected tokens/s ratio at an acceptance rate a (drafts accepted independently, each with probability a):
+a step gives ``(1 - a^(k+1)) / (1 - a)`` tokens, so ratio = that x decode step time / speculative step time.
+Reported at DeepSeek's published 85% and at ``--acceptance`` (e.g. the trained tiny model's, from
+``benchmarks/mtp_acceptance.py``), labelled as projections. Ends with one JSON line.
+
+    python benchmarks/mtp_verify.py --preset v2-lite --batch 1 8 64          # on the GPU machine
+    python benchmarks/mtp_verify.py --tiny --device cpu --batch 1 4           # a check of the script on CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from engine import LLM, SamplingParams  # noqa: E402
+from pdctl.model_presets import PRESETS, preset_config  # noqa: E402
+from pdctl.tiny_model import make_tiny_model, write_config_only  # noqa: E402
+
+DEEPSEEK_ACCEPTANCE = 0.85  # DeepSeek-V3's report: 85-90% of second tokens accepted
+
+
+def step_time(model: Path, device: str, batch: int, prompt_len: int, steps: int, k: int, eager: bool,
+              dummy: bool) -> float:
+    """Seconds per engine step with ``batch`` requests decoding (k drafts each when k > 0)."""
+    kw: dict = dict(dtype="bfloat16" if device != "cpu" else "float32", device=device,
+                    max_model_len=prompt_len + steps * (k + 1) + 64, max_num_seqs=max(batch, 1),
+                    max_num_batched_tokens=max(2048, prompt_len), enforce_eager=eager)
+    if dummy:
+        kw["load_format"] = "dummy"
+    if k:
+        kw["speculative_config"] = json.dumps({"method": "mtp", "num_speculative_tokens": k})
+    with LLM(str(model), **kw) as llm:
+        eng = llm.engine
+        g = torch.Generator().manual_seed(1)
+        seqs = [eng.add_request(torch.randint(10, 1000, (prompt_len,), generator=g).tolist(),
+                                SamplingParams(max_tokens=steps * (k + 1) + 16, temperature=0.0, ignore_eos=True))
+                for _ in range(batch)]
+        while any(s.num_computed < len(s.prompt_token_ids) for s in seqs):
+            eng.step()
+        for _ in range(3):  # warm-up steps (the first verify steps among them)
+            eng.step()
+        assert not k or all(s.drafts for s in seqs), "every request drafts"
+        sync = torch.cuda.synchronize if device != "cpu" else (lambda: None)
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            eng.step()
+        sync()
+        dt = (time.perf_counter() - t0) / steps
+        for s in seqs:
+            eng.abort(s.request_id)
+        return dt
+
+
+def tokens_per_step(acceptance: float, k: int) -> float:
+    return float(k + 1) if acceptance >= 1 else (1 - acceptance ** (k + 1)) / (1 - acceptance)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    src = ap.add_mutually_exclusive_group()
+    src.add_argument("--preset", choices=sorted(PRESETS), help="a published shape with dummy weights")
+    src.add_argument("--model", type=Path, help="a model directory with an MTP layer")
+    src.add_argument("--tiny", action="store_true", help="the tiny random model (checks the script on CPU)")
+    ap.add_argument("--layers", type=int, help="with --preset: this many decoder layers")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 64])
+    ap.add_argument("--k", type=int, nargs="+", default=[1, 2, 3])
+    ap.add_argument("--prompt-len", type=int, default=512)
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--acceptance", type=float, default=0.972,
+                    help="another acceptance rate to project at (default: the trained tiny model's at k=1)")
+    a = ap.parse_args()
+    tmp = Path(tempfile.mkdtemp(prefix="mtp-verify-"))
+    dummy = a.preset is not None
+    if a.preset:
+        cfg = preset_config(a.preset, num_layers=a.layers)
+        cfg["num_nextn_predict_layers"] = 1
+        model = write_config_only(tmp / a.preset, cfg)
+    elif a.model:
+        model = a.model
+    else:
+        model = make_tiny_model(tmp / "tiny", arch="v3", seed=0, mtp_layers=1)
+    rows = []
+    for batch in a.batch:
+        base = step_time(model, a.device, batch, a.prompt_len, a.steps, 0, eager=False, dummy=dummy)
+        eager = step_time(model, a.device, batch, a.prompt_len, a.steps, 0, eager=True, dummy=dummy)
+        for k in a.k:
+            spec = step_time(model, a.device, batch, a.prompt_len, a.steps, k, eager=True, dummy=dummy)
+            row = {"batch": batch, "k": k, "decode_step_ms": round(base * 1e3, 3),
+                   "eager_decode_step_ms": round(eager * 1e3, 3), "spec_step_ms": round(spec * 1e3, 3),
+                   "spec_over_decode": round(spec / base, 3),
+                   "projected_speedup_at_85pct": round(tokens_per_step(DEEPSEEK_ACCEPTANCE, k) * base / spec, 2),
+                   f"projected_speedup_at_{a.acceptance:g}": round(tokens_per_step(a.acceptance, k) * base / spec, 2)}
+            rows.append(row)
+            print(f"batch {batch:3} k={k}: spec step {spec * 1e3:.2f} ms vs decode {base * 1e3:.2f} ms "
+                  f"(eager {eager * 1e3:.2f}); projected {row['projected_speedup_at_85pct']:.2f}x at 85% "
+                  f"acceptance (a projection)")
+    print(json.dumps({"benchmark": "mtp_verify", "model": a.preset or str(model), "device": a.device,
+                      "gpu": torch.cuda.get_device_name() if a.device != "cpu" and torch.cuda.is_available() else None,
+                      "prompt_len": a.prompt_len, "steps": a.steps, "rows": rows}))
+
+
+if __name__ == "__main__":
+    main()
