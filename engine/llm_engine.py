@@ -32,7 +32,7 @@ from engine.sampler import PendingSamples, launch_sample, top_logprobs
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduled, Scheduler
 from engine.sequence import SeqStatus, Sequence
-from engine.speculative import SpecCounts, can_draft, draft_budget, verify
+from engine.speculative import Drafts, SpecCounts, can_draft, draft_budget
 from engine.structured_output import Grammar, GuidanceTokenizers
 from engine.tokenizer import Tokenizer
 
@@ -123,11 +123,12 @@ class LLMEngine:
             overlap = getattr(self.executor, "device", torch.device("cpu")).type == "cuda"
         # Speculative decoding (engine.speculative): drafts need the model in process; its steps are not overlapped.
         self.speculative = config.speculative
-        if self.speculative is not None and not self._local:
-            raise ValueError("speculative_config needs the model in this process (pcp 1, pp 1)")
-        self.spec_counts = SpecCounts()
+        self.drafts: Drafts | None = None
         if self.speculative is not None:
-            self.scheduler.spare_blocks = 1
+            if not isinstance(self.executor, LocalExecutor):
+                raise ValueError("speculative_config needs the model in this process (pcp 1, pp 1)")
+            self.drafts = Drafts(self.speculative, self.scheduler, self.executor, self.max_model_len)
+        self.spec_counts = self.drafts.counts if self.drafts is not None else SpecCounts()
         self.overlap = self._local and overlap and self.speculative is None  # may change between steps
         self.overlapped_steps = 0  # steps launched on the previous step's samples, still on the device
         # Expert parallelism across DP replicas (engine.parallel.expert_parallel): while the node steps any
@@ -499,64 +500,14 @@ class LLMEngine:
         return finished
 
     def _verify(self, scheduled: list[Scheduled], logits: list[StepLogits | None]) -> list[Sequence]:
-        """Speculative decoding: each request's accepted drafts and the target's next token appended
-        (``engine.speculative``); returns the requests that finished."""
-        finished = []
-        for s, sl in zip(scheduled, logits):
-            seq = s.seq
-            if not s.drafts or seq.is_finished:
-                continue
-            assert sl is not None
-            a, tokens = verify(sl.logits, s.drafts, seq.params, seq.generator or self.generator)
-            self.spec_counts.add(len(s.drafts), a)
-            seq.drafts = []  # verified: the next ones come from _draft
-            seq.num_computed += a
-            # Token j came from row j: its logprob (and the top ones asked for) of that row's raw logits.
-            logp = torch.log_softmax(sl.logits[: len(tokens)], dim=-1)
-            chosen = logp.gather(1, torch.tensor(tokens, device=logp.device).unsqueeze(1)).squeeze(1).tolist()
-            n = seq.params.logprobs
-            tops = top_logprobs(logp, n) if n is not None else [None] * len(tokens)
-            for token, lp, top in zip(tokens, chosen, tops):
-                if self._append(seq, token, lp, top):
-                    finished.append(seq)
-                    break
-            else:
-                self.scheduler.cache_computed(seq)
-        return finished
+        """Speculative decoding: the step's drafts verified and the tokens appended; the requests that finished."""
+        assert self.drafts is not None
+        return self.drafts.verify(scheduled, logits, self.generator, self._append)
 
     def _draft(self, step: _Launched) -> None:
-        """Speculative decoding: the MTP layer over the step's rows (its KV), and the next drafts of the
-        requests that decode on (``engine.speculative``)."""
-        assert self.speculative is not None and isinstance(self.executor, LocalExecutor)
-        if not step.scheduled:
-            return
-        k = self.speculative.num_speculative_tokens
-        next_ids: list[int] = []
-        picks: list[int] = []
-        extra: list[int] = []
-        drafting: list[Sequence] = []
-        row = 0
-        for s, first in zip(step.scheduled, step.starts):
-            seq = s.seq
-            seq.drafts = []
-            known = len(seq.prompt_token_ids) + len(seq.output_token_ids)
-            next_ids += [seq.token_at(p + 1) if p + 1 < known else 0 for p in range(first, first + s.num_new)]
-            if seq.is_finished:  # a prefill node's held request: one draft, for the decode side (no blocks more)
-                budget = int(seq.hold_kv and bool(seq.block_ids) and seq.finish_reason == "length" and can_draft(seq))
-            else:
-                budget = draft_budget(seq, k, self.max_model_len) \
-                    if seq.num_remaining == 1 and seq.mtp_kv and can_draft(seq) else 0
-            # Further drafts write the MTP layer's KV one position on each: their blocks first.
-            while budget > 1 and not self.scheduler.grow(seq, budget - 1):
-                budget -= 1
-            if budget:
-                picks.append(row + seq.num_computed - 1 - first)  # the last computed position: its next token is new
-                extra.append(budget - 1)
-                drafting.append(seq)
-            row += s.num_new
-        drafts = self.executor.draft(next_ids, picks, extra, [q.block_ids for q in drafting])
-        for seq, d in zip(drafting, drafts):
-            seq.drafts = d
+        """Speculative decoding: the MTP layer over the step's rows, and the next drafts."""
+        assert self.drafts is not None
+        self.drafts.draft(step.scheduled, step.starts)
 
     def _record_prompt_logits(self, s: Scheduled, sl: StepLogits | None) -> None:
         """Record prompt logits/logprobs of this step's rows, skipping rows recorded before (a

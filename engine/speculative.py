@@ -38,12 +38,14 @@ by a request's grammar.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
+from collections.abc import Sequence as Sequence_
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
-from engine.sampler import processed_probs
+from engine.sampler import processed_probs, top_logprobs
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
 
@@ -147,3 +149,109 @@ class SpecCounts:
     def mean_accepted_length(self) -> float:
         """Tokens per verify step: the accepted drafts and the target's own (vLLM's mean acceptance length)."""
         return 1 + self.accepted_tokens / self.steps if self.steps else 0.0
+
+
+# What the engine's parts look like from here (engine_config imports this module, so it imports none of them):
+class Rows(Protocol):
+    """A scheduled request's rows this step (``engine.scheduler.Scheduled``)."""
+
+    seq: Sequence
+    num_new: int
+    drafts: list[int]
+
+
+class RowLogits(Protocol):
+    """Their logits (``engine.model_runner.StepLogits``): [rows, V]."""
+
+    logits: torch.Tensor
+
+
+class Blocks(Protocol):
+    """The scheduler's block keeping (``engine.scheduler.Scheduler``)."""
+
+    spare_blocks: int
+
+    def grow(self, seq: Sequence, num_new: int) -> bool: ...
+
+    def cache_computed(self, seq: Sequence) -> None: ...
+
+
+class Drafter(Protocol):
+    """The executor's half (``LocalExecutor.draft``, ``ModelRunner.draft``)."""
+
+    def draft(self, next_ids: list[int], picks: list[int], extra: list[int],
+              tables: list[list[int]]) -> list[list[int]]: ...
+
+
+Append = Callable[[Sequence, int, float, "dict[int, float] | None"], bool]  # the engine's: True when it finished
+
+
+class Drafts:
+    """One engine's speculative decoding: a step's drafts verified (``verify``), the next ones made (``draft``)."""
+
+    def __init__(self, config: SpeculativeConfig, scheduler: Blocks, executor: Drafter,
+                 max_model_len: int) -> None:
+        self.k = config.num_speculative_tokens
+        self.scheduler = scheduler
+        self.executor = executor
+        self.max_model_len = max_model_len
+        self.counts = SpecCounts()
+        scheduler.spare_blocks = 1  # (module docstring: prefix caching)
+
+    def verify(self, scheduled: Sequence_[Rows], logits: Sequence_[RowLogits | None], generator: torch.Generator,
+               append: Append) -> list[Sequence]:
+        """Each request's accepted drafts and one more token appended; returns the requests that finished."""
+        finished = []
+        for s, sl in zip(scheduled, logits):
+            seq = s.seq
+            if not s.drafts or seq.is_finished:
+                continue
+            assert sl is not None
+            a, tokens = verify(sl.logits, s.drafts, seq.params, seq.generator or generator)
+            self.counts.add(len(s.drafts), a)
+            seq.drafts = []  # verified: the next ones come from draft()
+            seq.num_computed += a
+            # Token j came from row j: its logprob (and the top ones asked for) of that row's raw logits.
+            logp = torch.log_softmax(sl.logits[: len(tokens)], dim=-1)
+            chosen = logp.gather(1, torch.tensor(tokens, device=logp.device).unsqueeze(1)).squeeze(1).tolist()
+            n = seq.params.logprobs
+            tops = top_logprobs(logp, n) if n is not None else [None] * len(tokens)
+            for token, lp, top in zip(tokens, chosen, tops):
+                if append(seq, token, lp, top):
+                    finished.append(seq)
+                    break
+            else:
+                self.scheduler.cache_computed(seq)
+        return finished
+
+    def draft(self, scheduled: Sequence_[Rows], starts: list[int]) -> None:
+        """The MTP layer over the step's rows (``starts``: each request's first row's position), and the next
+        drafts of the requests that decode on."""
+        if not scheduled:
+            return
+        next_ids: list[int] = []
+        picks: list[int] = []
+        extra: list[int] = []
+        drafting: list[Sequence] = []
+        row = 0
+        for s, first in zip(scheduled, starts):
+            seq = s.seq
+            seq.drafts = []
+            known = len(seq.prompt_token_ids) + len(seq.output_token_ids)
+            next_ids += [seq.token_at(p + 1) if p + 1 < known else 0 for p in range(first, first + s.num_new)]
+            if seq.is_finished:  # a prefill node's held request: one draft, for the decode side (no blocks more)
+                budget = int(seq.hold_kv and bool(seq.block_ids) and seq.finish_reason == "length" and can_draft(seq))
+            else:
+                budget = draft_budget(seq, self.k, self.max_model_len) \
+                    if seq.num_remaining == 1 and seq.mtp_kv and can_draft(seq) else 0
+            # Further drafts write the MTP layer's KV one position on each: their blocks first.
+            while budget > 1 and not self.scheduler.grow(seq, budget - 1):
+                budget -= 1
+            if budget:
+                picks.append(row + seq.num_computed - 1 - first)  # the last computed position: its next token is new
+                extra.append(budget - 1)
+                drafting.append(seq)
+            row += s.num_new
+        drafts = self.executor.draft(next_ids, picks, extra, [q.block_ids for q in drafting])
+        for seq, d in zip(drafting, drafts):
+            seq.drafts = d

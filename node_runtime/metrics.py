@@ -25,7 +25,7 @@ Two kinds of series:
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, start_http_server
@@ -220,9 +220,7 @@ class _State(Collector):
                 ("pdcluster_kv_transfer_bytes", "KV bytes pulled (decode)", t.bytes),
                 ("pdcluster_kv_transfer_seconds", "Time spent in KV pulls (decode)", t.seconds),
                 ("pdcluster_kv_leases_expired", "Prefill: held KV freed because its lease ran out", t.leases_expired)):
-            family = CounterMetricFamily(name, doc, labels=labels)
-            family.add_metric(values, value)
-            yield family
+            yield _one(CounterMetricFamily, name, doc, labels, values, value)
         failures = CounterMetricFamily("pdcluster_kv_transfer_failures", "KV pulls that failed, by cause (decode)",
                                        labels=[*labels, "cause"])
         for cause, n in sorted(t.failures.items()):
@@ -233,13 +231,16 @@ class _State(Collector):
         i = self.info
         shape = {"engine": i.engine, "dp": str(i.dp), "pcp": str(i.pcp), "pp": str(i.pp), "ep": str(i.ep),
                  "kv_layout": i.kv_layout, "kv_cache_dtype": i.kv_cache_dtype, "kv_protocol": i.kv_protocol}
-        family = GaugeMetricFamily("pdcluster_node_info", "The node's shape (always 1)", labels=[*LABELS, *shape])
-        family.add_metric([*base, *shape.values()], 1)
-        yield family
-        for name, doc, value in (
-                ("pdcluster_experts_per_rank", "Routed experts each rank holds (all of them without expert "
-                 "parallelism; 0: no MoE layers)", i.experts_per_rank),
-                ("pdcluster_kv_cache_blocks", "KV blocks of one replica", i.num_blocks)):
-            gauge = GaugeMetricFamily(name, doc, labels=LABELS)
-            gauge.add_metric(base, value)
-            yield gauge
+        yield _one(GaugeMetricFamily, "pdcluster_node_info", "The node's shape (always 1)", [*LABELS, *shape],
+                   [*base, *shape.values()], 1)
+        yield _one(GaugeMetricFamily, "pdcluster_experts_per_rank", "Routed experts each rank holds (all of them "
+                   "without expert parallelism; 0: no MoE layers)", LABELS, base, i.experts_per_rank)
+        yield _one(GaugeMetricFamily, "pdcluster_kv_cache_blocks", "KV blocks of one replica", LABELS, base,
+                   i.num_blocks)
+
+
+def _one(kind: type, name: str, doc: str, labels: Sequence[str], values: Sequence[str], value: float) -> Any:
+    """A family of one sample."""
+    family = kind(name, doc, labels=labels)
+    family.add_metric(list(values), value)
+    return family
