@@ -4,11 +4,11 @@ A model of a published shape with one MTP layer and dummy weights (``--preset v2
 config plus ``num_nextn_predict_layers`` 1), or ``--model DIR``. For each batch size, ``batch`` requests of
 ``--prompt-len`` random tokens decode greedily:
 
-- without speculative decoding, as users run it (CUDA graphs on a GPU) and eagerly (the speculative step's
-  comparison: it runs without graphs so far);
-- with ``num_speculative_tokens`` k = 1..3: each step verifies every request's k drafts (k + 1 rows) and runs
-  the MTP layer over them and once more per further draft. Dummy weights accept almost nothing, which does
-  not change a step's cost (its rows are the same): the step time is what is measured.
+- without speculative decoding, as users run it (CUDA graphs on a GPU);
+- with ``num_speculative_tokens`` k = 1..3, also with graphs: each step verifies every request's k drafts
+  (k + 1 rows, replayed from the graph of that many rows) and runs the MTP layer over them (eagerly) and
+  once more per further draft. Dummy weights accept almost nothing, which does not change a step's cost
+  (its rows are the same): the step time is what is measured. ``--eager`` adds both without graphs.
 
 Projected tokens/s ratio at an acceptance rate a (drafts accepted independently, each with probability a):
 a step gives ``(1 - a^(k+1)) / (1 - a)`` tokens, so ratio = that x decode step time / speculative step time.
@@ -88,6 +88,7 @@ def main() -> None:
     ap.add_argument("--k", type=int, nargs="+", default=[1, 2, 3])
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--eager", action="store_true", help="also both steps without CUDA graphs")
     ap.add_argument("--acceptance", type=float, default=0.972,
                     help="another acceptance rate to project at (default: the trained tiny model's at k=1)")
     a = ap.parse_args()
@@ -104,17 +105,21 @@ def main() -> None:
     rows = []
     for batch in a.batch:
         base = step_time(model, a.device, batch, a.prompt_len, a.steps, 0, eager=False, dummy=dummy)
-        eager = step_time(model, a.device, batch, a.prompt_len, a.steps, 0, eager=True, dummy=dummy)
+        eager = step_time(model, a.device, batch, a.prompt_len, a.steps, 0, eager=True, dummy=dummy) if a.eager else 0.0
         for k in a.k:
-            spec = step_time(model, a.device, batch, a.prompt_len, a.steps, k, eager=True, dummy=dummy)
+            spec = step_time(model, a.device, batch, a.prompt_len, a.steps, k, eager=False, dummy=dummy)
+            spec_eager = (step_time(model, a.device, batch, a.prompt_len, a.steps, k, eager=True, dummy=dummy)
+                          if a.eager else 0.0)
             row = {"batch": batch, "k": k, "decode_step_ms": round(base * 1e3, 3),
-                   "eager_decode_step_ms": round(eager * 1e3, 3), "spec_step_ms": round(spec * 1e3, 3),
+                   "eager_decode_step_ms": round(eager * 1e3, 3) or None, "spec_step_ms": round(spec * 1e3, 3),
+                   "eager_spec_step_ms": round(spec_eager * 1e3, 3) or None,
                    "spec_over_decode": round(spec / base, 3),
                    "projected_speedup_at_85pct": round(tokens_per_step(DEEPSEEK_ACCEPTANCE, k) * base / spec, 2),
                    f"projected_speedup_at_{a.acceptance:g}": round(tokens_per_step(a.acceptance, k) * base / spec, 2)}
             rows.append(row)
             print(f"batch {batch:3} k={k}: spec step {spec * 1e3:.2f} ms vs decode {base * 1e3:.2f} ms "
-                  f"(eager {eager * 1e3:.2f}); projected {row['projected_speedup_at_85pct']:.2f}x at 85% "
+                  f"(eager {eager * 1e3:.2f} / {spec_eager * 1e3:.2f}); "
+                  f"projected {row['projected_speedup_at_85pct']:.2f}x at 85% "
                   f"acceptance (a projection)")
     print(json.dumps({"benchmark": "mtp_verify", "model": a.preset or str(model), "device": a.device,
                       "gpu": torch.cuda.get_device_name() if a.device != "cpu" and torch.cuda.is_available() else None,

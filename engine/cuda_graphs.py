@@ -186,6 +186,16 @@ class DecodeGraphs:
             return self._logits[rows]
         return self.model.compute_logits(self._hidden[rows])
 
+    def last_step(self, rows: int) -> tuple[ForwardBatch, torch.Tensor]:
+        """The last replay's first ``rows`` rows as decode rows and their final hidden states [rows, D]:
+        views of the graphs' buffers, valid until the next replay (speculative decoding's MTP pass)."""
+        batch = ForwardBatch(
+            input_ids=self.input_ids[:rows], positions=self.positions[:rows], slot_mapping=self.slots[:rows],
+            num_decode=rows, decode_block_tables=self.tables[:rows], decode_seq_lens=self.lens[:rows],
+            decode_max_len=self.width * self.block_size, prefills=[],
+            logits_rows=torch.arange(rows, device=self.input_ids.device))
+        return batch, self._hidden[:rows]
+
     def _replay(self, token_ids: list[int], positions: list[int], block_tables: list[list[int]],
                 repeats: list[int], feed: Feed | None = None) -> int:
         b = len(token_ids)
@@ -205,10 +215,15 @@ class DecodeGraphs:
         if size > b:  # padding rows: no context, their latents into the spare block
             self.lens[b:size].zero_()  # (their group flags are 0: update_group_flags keeps rows >= b clear)
             self.slots[b:size].fill_(self.scratch_slot)
-        with torch.cuda.device(self.device):
-            self._graphs[size].replay()
+        self._launch(size)
         self.replays += 1
         return size
+
+    def _launch(self, size: int) -> None:
+        """Replay the graph of ``size`` rows over the static buffers just filled (tests on CPU run the
+        captured step eagerly here instead: ``tests/unit/test_graph_rows_spec.py``)."""
+        with torch.cuda.device(self.device):
+            self._graphs[size].replay()
 
 
 def update_group_flags(buf: torch.Tensor, flags: np.ndarray, high_water: int) -> int:

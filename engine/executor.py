@@ -116,8 +116,7 @@ class LocalExecutor:
         check_kv_capacity(n, config.block_size, max_model_len)
         plan_prompt_attention(config, mc, max_model_len, self.dtype, self.device)
         # Under EP a captured step would need every member replaying one padded size: not built, so eager.
-        graphs = (self.device.type == "cuda" and not config.enforce_eager and HAS_TRITON and ep is None
-                  and config.speculative is None)  # drafting needs every step's hidden states: not captured yet
+        graphs = self.device.type == "cuda" and not config.enforce_eager and HAS_TRITON and ep is None
         if ep is not None and self.device.type == "cuda" and not config.enforce_eager:
             log.warning("expert parallelism: decode steps run eagerly (no CUDA graphs across an EP group yet)")
         self.cache = KVCache(config.kv_format(mc), range(cache_layers), n, config.block_size, self.device,

@@ -147,18 +147,20 @@ class ModelRunner:
                 return None
             known = [q.token_at(q.num_computed) if q.num_computed < q.num_tokens - q.pending else 0 for q in seqs]
             logits = graphs.run(known, [q.num_computed for q in seqs], tables, feed)
+            self._keep_replayed(graphs, len(seqs))
             return [StepLogits(0, logits[i : i + 1]) for i in range(len(scheduled))]
         if feed is not None:
             return None  # fed rows replay only as a decode step
         rows = sum(s.num_new for s in scheduled)
         spans = [logits_span(s) for s in scheduled]
-        if rows > graphs.max_rows or any(sp is not None and sp != (s.num_new - 1, 1)
+        if rows > graphs.max_rows or any(sp is not None and sp != (s.num_new - 1, 1) and not s.drafts
                                          for s, sp in zip(scheduled, spans)):
             return None  # too large, or prompt logprobs (logits of every prompt row): eager
         # A prefill row attends its whole context on its own (absorbed form), where the eager path
         # decompresses the context once per request: past this many (row, key) pairs eager is cheaper.
+        # (A speculative step's verify rows are decode rows on either path.)
         keys = sum(s.num_new * s.seq.num_computed + s.num_new * (s.num_new + 1) // 2
-                   for s in scheduled if s.num_new > 1)
+                   for s in scheduled if s.num_new > 1 and not s.drafts)
         if keys > GRAPH_PREFILL_MAX_KEYS:
             return None
         tables = [s.seq.block_ids for s in scheduled]
@@ -170,21 +172,28 @@ class ModelRunner:
         row = 0
         for s, sp in zip(scheduled, spans):
             start = s.seq.num_computed
-            ids.extend(s.seq.tokens(start, start + s.num_new))
+            ids.extend(s.seq.tokens(start, start + s.num_new - len(s.drafts)) + s.drafts)
             positions.extend(range(start, start + s.num_new))
-            row += s.num_new
             if sp is not None:
-                logit_rows.append(row - 1)
+                logit_rows.extend(range(row + sp[0], row + sp[0] + sp[1]))
+            row += s.num_new
         logits = graphs.run_rows(ids, positions, tables, [s.num_new for s in scheduled], logit_rows)
+        self._keep_replayed(graphs, rows)
         out: list[StepLogits | None] = []
         k = 0
-        for s, sp in zip(scheduled, spans):
+        for sp in spans:
             if sp is None:
                 out.append(None)
             else:
-                out.append(StepLogits(s.num_new - 1, logits[k : k + 1]))
-                k += 1
+                out.append(StepLogits(sp[0], logits[k : k + sp[1]]))
+                k += sp[1]
         return out
+
+    def _keep_replayed(self, graphs: DecodeGraphs, rows: int) -> None:
+        """Speculative decoding: the replayed step's rows and hidden states, for the MTP pass (``draft``),
+        which runs before the next replay overwrites them."""
+        if self.model.mtp is not None:
+            self._last = graphs.last_step(rows)
 
     @torch.inference_mode()
     def draft(self, next_ids: list[int], picks: list[int], extra: list[int],

@@ -1,0 +1,98 @@
+"""Speculative decoding through the CUDA-graph path on CPU: ``ModelRunner`` builds each step as the rows of a graph
+(``DecodeGraphs``: static buffers, decode steps and short prefills as rows each attending up to its own
+position, speculative decoding's verify rows with their drafts, the MTP pass over the replayed step's hidden
+states), and here each "replay" runs the captured step's forward eagerly (``_launch``), since capturing needs
+CUDA. tests/unit/test_graph_rows.py checks plain steps as rows with a stand-in of the interface; here the real
+``DecodeGraphs`` assembles them. tests/gpu/test_cuda_graphs.py and test_mtp_gpu.py replay real graphs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.cuda_graphs import DecodeGraphs
+from pdctl.tiny_model import make_tiny_model
+
+KW = dict(dtype="float32", device="cpu", max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64)
+GREEDY = SamplingParams(max_tokens=20, temperature=0.0, logprobs=1, ignore_eos=True)
+
+
+class EagerRows(DecodeGraphs):
+    """Every row count "captured" (so no step pads: the CPU cache has no spare block for padding rows), each
+    replay the step's forward run eagerly over the buffers the replay filled."""
+
+    def __init__(self, llm: LLM, max_rows: int) -> None:
+        ex = llm.engine.executor
+        super().__init__(ex.model, ex.cache, 0, KW["max_model_len"], KW["max_num_seqs"], max_rows)
+        self.sizes = list(range(1, max_rows + 1))
+
+    def _launch(self, size: int) -> None:
+        self._forward(size)
+
+
+@pytest.fixture(scope="module")
+def mtp_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("rows") / "v3-mtp", arch="v3", moe=True, seed=7, mtp_layers=1)
+
+
+def prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(2)
+    return [torch.randint(4, 1000, (n,), generator=g).tolist() for n in (5, 30, 12, 47)]
+
+
+@pytest.fixture(scope="module")
+def reference(mtp_model: Path) -> list:
+    with LLM(str(mtp_model), **KW) as llm:
+        return llm.generate(prompts(), GREEDY)
+
+
+@pytest.mark.parametrize("k", [0, 1, 3])
+def test_steps_as_graph_rows_equal_eager_steps(mtp_model: Path, reference: list, k: int) -> None:
+    """Greedy tokens and logprobs through the graph rows (k = 0: plain decoding; k > 0: MTP drafts verified
+    as graph rows, the MTP pass on the replay's hidden states) equal the eager engine's without drafts."""
+    spec = {"speculative_config": json.dumps({"method": "mtp", "num_speculative_tokens": k})} if k else {}
+    with LLM(str(mtp_model), **KW, **spec) as llm:
+        rows = EagerRows(llm, max_rows=64)
+        llm.engine.executor.runner.graphs = rows
+        outs = llm.generate(prompts(), GREEDY)
+        assert [o.token_ids for o in outs] == [r.token_ids for r in reference]
+        for o, r in zip(outs, reference):
+            assert max(abs(a - b) for a, b in zip(o.logprobs, r.logprobs)) < 1e-4
+        assert rows.replays > 10 and rows.prefill_replays > 0  # decode steps, prefills (and verify steps) as rows
+        if k:
+            c = llm.engine.spec_counts
+            assert c.steps > 0 and c.draft_tokens > 0
+            assert rows.prefill_replays > rows.replays // 2  # the verify steps too, not run eagerly
+        assert llm.engine.num_used_blocks == 0
+
+
+def test_right_drafts_verified_as_graph_rows_are_all_accepted(mtp_model: Path, reference: list) -> None:
+    """Drafts from the known continuation (k = 3), verified as graph rows: all accepted, the same tokens."""
+    from engine.speculative import can_draft, draft_budget
+
+    k = 3
+    future = {tuple(p): r.token_ids for p, r in zip(prompts(), reference)}
+    with LLM(str(mtp_model), speculative_config=json.dumps({"method": "mtp", "num_speculative_tokens": k}),
+             **KW) as llm:
+        engine = llm.engine
+        rows = EagerRows(llm, max_rows=64)
+        engine.executor.runner.graphs = rows
+
+        def oracle(step: object) -> None:
+            for seq in engine.scheduler.running:
+                if seq.num_remaining == 1 and can_draft(seq):
+                    done = len(seq.output_token_ids)
+                    n = draft_budget(seq, k, engine.max_model_len)
+                    seq.drafts = future[tuple(seq.prompt_token_ids)][done : done + n]
+
+        engine._draft = oracle  # type: ignore[method-assign]
+        outs = llm.generate(prompts(), GREEDY)
+        assert [o.token_ids for o in outs] == [r.token_ids for r in reference]
+        c = engine.spec_counts
+        assert c.accepted_tokens == c.draft_tokens > 0 and c.mean_accepted_length > 3
+        assert rows.prefill_replays > 0
+        assert engine.num_used_blocks == 0
