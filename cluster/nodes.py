@@ -36,6 +36,7 @@ class NodeInfo:
     prefix_caching: bool = False  # its engine shares the KV of prompts' common prefixes (enable_prefix_caching)
     metrics_address: str = ""  # "host:port" of its Prometheus /metrics ("": it serves none)
     speculative_tokens: int = 0  # speculative decoding with the MTP layer: tokens drafted a step (0: off)
+    mtp_recompute: bool = False  # a decode node with it: computes the MTP layer's KV of a prompt prefilled without
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -12,6 +12,12 @@ Request lifecycle (SGLang-style queues, one replica):
 3. **Run**: every step's new tokens go to the request's stream; the last event has the finish
    reason. Aborts (client gone, node stopping) free the blocks between steps.
 
+With speculative decoding, a request from a prefill node without it (its KV lacks the MTP layer's) pulls
+nothing when ``mtp_recompute`` is on: the transfer thread releases the prefill node's lease at once, and
+the engine computes the prompt (and the first token) again in the request's blocks, the MTP layer with
+it, so the request drafts from the step after (``LLMEngine.admit_prefilled``); with it off the KV is pulled
+and the request decodes without drafts. The replica logs which, once per prefill node.
+
 A job without a KV source prefills here instead (colocated serving): it joins the scheduler like an
 offline request, and every token, the first too, goes out as the steps make them.
 
@@ -108,6 +114,8 @@ class _Request:
     sent: int = 1  # output tokens already known to the client (the first came from prefill)
     admitted: bool = False  # the pull is done and the request is in the running batch
     cancelled: bool = False
+    mtp_kv: bool = False  # the source's KV includes the MTP layer's (speculative decoding: the request drafts)
+    recompute: bool = False  # it lacks it, and the prompt is computed again here for it: nothing is pulled
     # admission's phases (time.monotonic): the engine thread took it, the pull ended, the prefill node confirmed
     t_started: float = 0.0
     t_pulled: float = 0.0
@@ -210,14 +218,35 @@ class Replica(EngineLoop):
             request.admitted = True
             self.outbox.put(job.request_id, pb.DecodeEvent(admitted=pb.Admitted(dp_rank=self.index)))
             return
+        request.mtp_kv = any(self.engine.mtp_layers & set(h.layers) for h in job.source.request.holders)
+        request.recompute = not request.mtp_kv and self.engine.recomputes_mtp_kv(request.seq)
+        if not request.mtp_kv and self.engine.speculative is not None:
+            self._say_no_mtp(job.source.prefill_node_id)
         request.t_started = time.monotonic()
         self.pool.submit(self._pull, request)
+
+    def _say_no_mtp(self, prefill_node_id: str) -> None:
+        """Log once per prefill node that its KV lacks the MTP layer's, and what this replica does then."""
+        if prefill_node_id in self.no_mtp:
+            return
+        self.no_mtp.add(prefill_node_id)
+        if self.engine.config.mtp_recompute:
+            what = ("this replica computes the MTP layer's KV itself: it prefills the prompts of its requests "
+                    "that can draft again instead of pulling their KV, and they draft from the step after "
+                    "(mtp_recompute)")
+        else:
+            what = "its requests decode here without drafts (mtp_recompute is off)"
+        log.info("replica %d: prefill node %s sends no MTP layer KV (its speculative_config is off): %s",
+                 self.index, prefill_node_id, what)
 
     def _pull(self, request: _Request) -> None:
         """On a transfer thread: pull the KV not cached here, confirm, then hand the table back."""
         job, seq = request.job, request.seq
         assert job.source is not None and seq is not None
         source = job.source
+        if request.recompute:  # its KV is computed here: nothing to pull, and the prefill node's lease ends now
+            self._release_unpulled(request)
+            return
         hit = seq.prefix_hit_blocks  # cached here already (prefix caching): not pulled
         try:
             # The prefill node frees the blocks when its lease runs out, even mid-pull.
@@ -234,6 +263,20 @@ class Replica(EngineLoop):
         except BaseException as e:
             self.send(Pulled(request, None, e))
 
+    def _release_unpulled(self, request: _Request) -> None:
+        """On a transfer thread: a request whose prompt is computed here again (``recompute``) releases the
+        prefill node's blocks without reading them (whatever the answer: nothing was read), then joins."""
+        job, seq = request.job, request.seq
+        assert job.source is not None and seq is not None
+        request.t_pulled = time.monotonic()
+        try:
+            self.owner.confirm(job.source.prefill_address, job.request_id)
+        except Exception as e:  # its lease frees the blocks anyway
+            log.warning("could not release %s on %s (%s); its lease will", job.request_id,
+                        job.source.prefill_node_id, e)
+        request.t_confirmed = time.monotonic()
+        self.send(Pulled(request, list(seq.block_ids), None))
+
     def _admit(self, request: _Request, table: list[int] | None, error: BaseException | None) -> None:
         job = request.job
         rid = job.request_id
@@ -247,14 +290,9 @@ class Replica(EngineLoop):
             return
         assert table is not None and request.seq is not None
         rec = self.stats.last(rid)
-        # Speculative decoding drafts for the request only if the MTP layer's KV of its prompt came too.
-        mtp = self.engine.mtp_layers
-        assert job.source is not None
-        drafts = list(job.drafts) if any(mtp & set(h.layers) for h in job.source.request.holders) else None
-        if drafts is None and self.engine.speculative is not None and job.source.prefill_node_id not in self.no_mtp:
-            self.no_mtp.add(job.source.prefill_node_id)
-            log.info("replica %d: prefill node %s sends no MTP layer KV (its speculative_config is off): its "
-                     "requests decode here without drafts", self.index, job.source.prefill_node_id)
+        # Speculative decoding: the prefill node's drafts if the MTP layer's KV of the prompt came too; without
+        # it the engine computes the prompt again (request.recompute: nothing was pulled) or decodes no drafts.
+        drafts = list(job.drafts) if request.mtp_kv else None
         try:
             done = self.engine.admit_prefilled(request.seq, table, job.first_token, job.first_logprob, job.first_top,
                                                drafts)

@@ -45,6 +45,10 @@ class EngineConfig:
         "help": 'speculative decoding in vLLM\'s JSON form, {"method": "mtp", "num_speculative_tokens": K}: the '
                 "model's multi-token prediction layer drafts K tokens and one target step verifies them "
                 "(engine/speculative.py; greedy requests, in-process models)", "metavar": "JSON"})
+    mtp_recompute: bool = field(default=True, metadata={
+        "help": "decode, with speculative_config: a request from a prefill node without it (its KV lacks the MTP "
+                "layer's) has its prompt computed again here for the MTP layer's KV, and drafts after that; off: it "
+                "decodes without drafts (its prompt's KV is pulled)"})
     block_size: int = field(default=16, metadata={"help": "tokens per KV cache block"})
     kv_cache_dtype: str = field(default="auto", metadata={
         "help": "how the KV cache stores each token's latent row (engine/kv_format.py): auto = the model's dtype; "

@@ -32,7 +32,7 @@ from engine.sampler import PendingSamples, launch_sample, top_logprobs
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduled, Scheduler
 from engine.sequence import SeqStatus, Sequence
-from engine.speculative import Drafts, SpecCounts, can_draft, draft_budget
+from engine.speculative import Drafts, SpecCounts, can_draft, draft_budget, may_draft
 from engine.structured_output import Grammar, GuidanceTokenizers
 from engine.tokenizer import Tokenizer
 
@@ -241,7 +241,10 @@ class LLMEngine:
         within ``max_num_seqs`` (a decode node never runs more; the queued ones count as waiting).
         ``drafts`` (speculative decoding): the prefill node's drafts of the tokens after ``first_token``,
         verified at its first step; the MTP layer's KV of the prompt came with the rest. None: that KV is
-        not here, and the request decodes without drafts. Returns True if that token already finished it."""
+        not here. Then, where ``recomputes_mtp_kv(seq)``, the prompt and ``first_token`` are computed again here
+        as a preempted request's are (from its cached prefix blocks on: the rest of its blocks need hold no
+        KV), the MTP layer running over them as over any prompt, and the request drafts from the step after;
+        otherwise it decodes without drafts. Returns True if ``first_token`` already finished it."""
         if self._requests.get(seq.request_id) is not seq:
             raise KeyError(f"request {seq.request_id!r} is not waiting for admission (aborted?)")
         if sorted(table) != sorted(seq.block_ids):
@@ -256,8 +259,10 @@ class LLMEngine:
         if seq.grammar is not None and not seq.grammar.allows(first_token):
             raise ValueError(f"first token {first_token} is not allowed by the request's structured output")
         seq.block_ids = list(table)
-        seq.num_computed = len(seq.prompt_token_ids)
-        seq.mtp_kv = drafts is not None
+        recompute = drafts is None and self.recomputes_mtp_kv(seq)
+        # Recomputed: from its cached prefix (whose MTP layer's KV is there: only requests with it share blocks).
+        seq.num_computed = seq.prefix_hit_blocks * self.config.block_size if recompute else len(seq.prompt_token_ids)
+        seq.mtp_kv = drafts is not None or recompute
         if self.speculative is not None and not seq.mtp_kv:
             seq.cacheable = False  # its blocks lack the MTP layer's KV: no later prompt may share them
         self.scheduler.cache_computed(seq)  # its full prompt blocks now hold KV: later requests may share them
@@ -270,6 +275,12 @@ class LLMEngine:
         if self.speculative is not None and drafts and can_draft(seq):
             seq.drafts = list(drafts[: draft_budget(seq, self.speculative.num_speculative_tokens, self.max_model_len)])
         return False
+
+    def recomputes_mtp_kv(self, seq: Sequence) -> bool:
+        """Whether ``seq``, admitted without the MTP layer's KV of its prompt (``admit_prefilled`` without
+        drafts), computes its prompt again here to draft: speculative decoding in process with
+        ``mtp_recompute``, and a request that may draft (not one with penalties, a bias or a grammar)."""
+        return self.speculative is not None and self._local and self.config.mtp_recompute and may_draft(seq)
 
     def _tokenize(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):

@@ -25,7 +25,9 @@ to reach (those change a row's logits by the tokens before it); those decode one
 others, unchanged. Logprobs (and the top ones asked for) of every token come from its row's raw logits, as
 without drafts. A prefill node with ``speculative_config`` runs the MTP layer over the prompt and hands its
 draft and the layer's KV to the decode side (``LLMEngine.admit_prefilled``), which verifies it at its first
-step.
+step. A decode side with it fed by one without it (no MTP layer KV came) computes the prompt and the first token
+again itself, as a preempted request is (``mtp_recompute``, on by default; ``may_draft`` requests only), and
+drafts from the step after; with ``mtp_recompute`` off the request decodes without drafts.
 
 Prefix caching: the MTP layer's KV at a block's last position depends on the first token of the next block,
 which the block's hash does not cover, so a prompt that hits the cache recomputes (or pulls) the last block
@@ -82,10 +84,14 @@ class SpeculativeConfig:
 def can_draft(seq: Sequence) -> bool:
     """Whether the request's tokens are chosen from its rows' raw logits alone, by greedy or by temperature,
     min-p, top-k and top-p (module docstring): then any row can verify a draft."""
+    return may_draft(seq) and len(seq.output_token_ids) >= seq.params.min_tokens
+
+
+def may_draft(seq: Sequence) -> bool:
+    """Whether the request drafts at some step: ``can_draft`` once its ``min_tokens`` are reached."""
     p = seq.params
     return (not p.logit_bias and seq.grammar is None
-            and p.presence_penalty == 0 and p.frequency_penalty == 0 and p.repetition_penalty == 1
-            and len(seq.output_token_ids) >= p.min_tokens)
+            and p.presence_penalty == 0 and p.frequency_penalty == 0 and p.repetition_penalty == 1)
 
 
 def draft_budget(seq: Sequence, k: int, max_model_len: int) -> int:

@@ -201,7 +201,9 @@ def node_info(config: NodeConfig, served: str, worker: NodeWorker, metrics_addre
                     experts_per_rank=worker.routed_experts // ep,
                     local_prefill=config.role == "decode" and config.engine_backend == "native",
                     prefix_caching=worker.prefix_caching, metrics_address=metrics_address,
-                    speculative_tokens=_speculative_tokens(config))
+                    speculative_tokens=_speculative_tokens(config),
+                    mtp_recompute=(config.role == "decode" and _speculative_tokens(config) > 0
+                                   and config.engine.mtp_recompute))
 
 
 AddServicer = Callable[[grpc.aio.Server, NodeMetrics], None]  # the role's servicer onto the server

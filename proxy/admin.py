@@ -117,7 +117,10 @@ def speculative_pairing(nodes: list[NodeState], prefill: str | None, decode: str
         return f"{prefill} drafts with its MTP layer, {decode} does not run it: the draft goes unused"
     if prefill is None:
         return f"MTP, {k} tokens drafted a step, from the first decode step (the prompt is prefilled on {decode})"
+    if not p and info[decode].mtp_recompute:
+        return (f"{decode} runs MTP ({k} tokens a step), {prefill} does not: {decode} computes the MTP layer's KV "
+                "itself (it prefills the prompt again instead of pulling its KV), then drafts from the next step")
     if not p:
-        return (f"{decode} runs MTP ({k} tokens a step), {prefill} does not: no MTP layer KV travels, so the request "
-                "decodes without drafts")
+        return (f"{decode} runs MTP ({k} tokens a step), {prefill} does not: no MTP layer KV travels and {decode} "
+                "does not compute it (mtp_recompute off), so the request decodes without drafts")
     return f"MTP, {k} tokens drafted a step, from the first decode step: {prefill}'s draft and MTP KV travel"

@@ -4,6 +4,8 @@ batching, and what happens to the blocks when a pull fails, times out, or is abo
 from __future__ import annotations
 
 import asyncio
+import json
+import logging
 import threading
 import time
 from pathlib import Path
@@ -23,6 +25,7 @@ from kv_transfer.handoff import KVLost
 from kv_transfer.layout import describe_cache
 from kv_transfer.transport import TransferError
 from kv_transfer.transports.fake import Fabric
+from pdctl.tiny_model import make_tiny_model
 
 KW = dict(dtype="float32", device="cpu", max_model_len=512)
 PROMPTS = [[(i * 7 + k) % 1000 + 2 for i in range(n)] for k, n in ((3, 150), (5, 40))]
@@ -37,7 +40,8 @@ def want(tiny_model: Path) -> list[list[int]]:
 class Setup:
     """An in-process prefill engine and a decode worker on one fake fabric."""
 
-    def __init__(self, model: Path, timeout_s: float, lease_s: float = 30.0, overlap: bool | None = None) -> None:
+    def __init__(self, model: Path, timeout_s: float, lease_s: float = 30.0, overlap: bool | None = None,
+                 **decode_kw: object) -> None:
         self.fabric = Fabric()
         self.lease_s = lease_s
         self.lock = threading.Lock()  # the prefill engine is used from the test and the pull threads
@@ -47,7 +51,8 @@ class Setup:
         src = self.fabric.transport("prefill")
         self.layout = describe_cache("prefill", pe.executor.cache.layers)
         src.register(self.layout)
-        engine = EngineConfig(model=str(model), num_kv_blocks=64, async_scheduling=overlap, **KW)
+        engine = EngineConfig(model=str(model), num_kv_blocks=64, async_scheduling=overlap, **KW,
+                              **decode_kw)  # type: ignore[arg-type]
         cfg = NodeConfig(role="decode", node_id="d", engine=engine, transfer_timeout_s=timeout_s)
         self.worker = DecodeWorker(cfg, "127.0.0.1", transport=self.fabric.transport("decode"), confirm=self.confirm)
         self.engine = self.worker.replicas[0].replica.engine
@@ -196,6 +201,34 @@ def test_abort_during_the_pull_frees_the_blocks_when_it_returns(tiny_model: Path
             isinstance(e, pb.DecodeEvent) and e.HasField("tokens") for e in events)
         assert wait_used(s.engine, 0)
         assert not s.engine.has_unfinished()
+    finally:
+        s.close()
+
+
+@pytest.mark.parametrize("recompute", [True, False], ids=["recompute", "no-recompute"])
+def test_a_decode_node_with_mtp_fed_by_a_prefill_node_without_it(tmp_path_factory: pytest.TempPathFactory,
+                                                                  caplog: pytest.LogCaptureFixture,
+                                                                  recompute: bool) -> None:
+    """The decode node runs MTP, the prefill node does not (its handle lacks the MTP layer's KV). With
+    ``mtp_recompute`` the replica pulls nothing, releases the prefill node's blocks at once, and the engine
+    computes the prompts again and drafts; off, it pulls and decodes without drafts. The answers are the same,
+    and the replica says which, once for the prefill node."""
+    model = make_tiny_model(tmp_path_factory.mktemp("mtp") / "v3-mtp", arch="v3", moe=True, seed=7, mtp_layers=1)
+    with LLM(str(model), **KW) as llm:
+        want = [o.token_ids for o in llm.generate(PROMPTS, SamplingParams(max_tokens=6, temperature=0.0))]
+    spec = json.dumps({"method": "mtp", "num_speculative_tokens": 2})
+    s = Setup(model, timeout_s=10, speculative_config=spec, mtp_recompute=recompute)
+    try:
+        with caplog.at_level(logging.INFO, logger="pdcluster.decode"):
+            got = [asyncio.run(s.decode(rid, p)) for rid, p in zip("ab", PROMPTS)]
+        for events, expected in zip(got, want):
+            assert tokens(expected[0], events) == expected
+            assert (events[0].admitted.transfer_bytes == 0) == recompute  # nothing pulled
+        said = [r.getMessage() for r in caplog.records if "sends no MTP layer KV" in r.getMessage()]
+        assert len(said) == 1 and ("computes the MTP layer's KV itself" in said[0]) == recompute
+        assert (s.engine.spec_counts.steps > 0) == recompute
+        assert s.confirmed == ["a", "b"] and s.prefill.engine.num_used_blocks == 0  # released either way
+        assert wait_used(s.engine, 0)
     finally:
         s.close()
 

@@ -12,6 +12,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.llm_engine import LLMEngine
+from engine.sequence import Sequence
 from engine.speculative import SpecCounts, SpeculativeConfig, accepted, can_draft, draft_budget
 from pdctl.tiny_model import make_tiny_model
 
@@ -198,14 +199,18 @@ def test_a_model_without_an_mtp_layer_or_a_topology_it_cannot_run_is_refused(tmp
 
 
 def _disaggregated(mtp_model: Path, prefill_spec: bool, decode_spec: bool,
-                   record: list[tuple[tuple[int, ...], int, int]] | None = None) -> tuple[list[list[int]], SpecCounts]:
+                   record: list[tuple[tuple[int, ...], int, int]] | None = None, k: int = 2,
+                   recompute: bool = True) -> tuple[list[list[int]], SpecCounts]:
     """Each prompt prefilled on one engine (a prefill node's way: one token, KV held) and decoded on another
     (``begin_prefilled`` / ``admit_prefilled`` with the prefill side's drafts), the KV copied between their
-    caches: every layer both hold (the MTP layer's when both do), as a transfer moves it."""
+    caches: every layer both hold (the MTP layer's when both do), as a transfer moves it. A decode side with
+    the MTP layer and ``recompute`` (``mtp_recompute``) fed by a prefill side without it pulls nothing: its
+    blocks are filled with noise, and it computes the prompts again."""
 
-    kw = dict(speculative_config=spec(2))
+    kw = dict(speculative_config=spec(k))
+    recomputes = decode_spec and not prefill_spec and recompute
     with LLM(str(mtp_model), **(kw if prefill_spec else {}), **KW) as p_llm:
-        d_llm = LLM(str(mtp_model), **(kw if decode_spec else {}), **KW)
+        d_llm = LLM(str(mtp_model), **(dict(kw, mtp_recompute=recompute) if decode_spec else {}), **KW)
         p_eng, d_eng = p_llm.engine, d_llm.engine
         if record is not None:
             draft = d_eng._draft
@@ -226,8 +231,11 @@ def _disaggregated(mtp_model: Path, prefill_spec: bool, decode_spec: bool,
                 p_eng.step()
 
             def fill(block_ids: list[int], src: list[int] = held.block_ids) -> list[int]:
-                for layer in layers:
-                    d_eng.cache_layers[layer][block_ids] = p_eng.cache_layers[layer][src]
+                for layer, cache in d_eng.cache_layers.items():
+                    if recomputes:  # nothing pulled: whatever the blocks held
+                        cache[block_ids] = torch.randn_like(cache[block_ids])
+                    elif layer in layers:
+                        cache[block_ids] = p_eng.cache_layers[layer][src]
                 return block_ids
 
             seq = d_eng.begin_prefilled(prompt, GREEDY, request_id=f"r{i}")
@@ -238,8 +246,11 @@ def _disaggregated(mtp_model: Path, prefill_spec: bool, decode_spec: bool,
                 assert held.drafts and seq.drafts == held.drafts[:1]
             assert p_eng.release(f"r{i}")
             seqs.append(seq)
-        d_eng.step()  # the first decode step: each request verifies the prefill side's draft in it
+        # The first decode step: each request verifies the prefill side's draft in it, or computes its prompt
+        # again (and the first token); then all draft.
+        d_eng.step()
         assert d_eng.spec_counts.steps == (len(seqs) if prefill_spec and decode_spec else 0)
+        assert all(bool(s.drafts) == (prefill_spec and decode_spec or recomputes) for s in seqs)
         while d_eng.has_unfinished():
             d_eng.step()
         outs = [s.output_token_ids for s in seqs]
@@ -250,18 +261,18 @@ def _disaggregated(mtp_model: Path, prefill_spec: bool, decode_spec: bool,
 
 
 @pytest.mark.parametrize("prefill_spec,decode_spec", [(True, True), (False, True), (True, False)],
-                         ids=["both", "decode-only", "prefill-only"])
+                         ids=["both", "decode-only-no-recompute", "prefill-only"])
 def test_a_transferred_request_drafts_from_its_first_step_when_both_sides_run_mtp(
         mtp_model: Path, reference: list[list[int]], prefill_spec: bool, decode_spec: bool) -> None:
     """Both sides with the MTP layer: the prefill side's draft and the MTP layer's KV of the prompt travel,
     the decode side verifies that draft at its first step, and every later draft equals the plain MTP
-    reference's (so the transferred MTP KV is right). A prefill side without it: the decode side does not
-    draft for the request. A decode side without it: it takes the stack's layers only. Outputs equal
-    decoding in one engine, every time."""
+    reference's (so the transferred MTP KV is right). A prefill side without it and ``mtp_recompute`` off:
+    the decode side does not draft for the request. A decode side without it: it takes the stack's layers
+    only. Outputs equal decoding in one engine, every time."""
     from test_mtp_layer import reference_mtp_logits
 
     made: list[tuple[tuple[int, ...], int, int]] = []
-    outs, counts = _disaggregated(mtp_model, prefill_spec, decode_spec, made)
+    outs, counts = _disaggregated(mtp_model, prefill_spec, decode_spec, made, recompute=False)
     assert outs == reference
     if prefill_spec and decode_spec:
         assert counts.steps >= len(prompts()) * (24 // 3)  # every step of every request verified drafts
@@ -274,20 +285,98 @@ def test_a_transferred_request_drafts_from_its_first_step_when_both_sides_run_mt
         assert counts.steps == 0
 
 
+@pytest.mark.parametrize("k", [1, 2])
+def test_a_decode_side_with_mtp_computes_the_mtp_kv_itself_when_the_prefill_side_has_none(
+        mtp_model: Path, reference: list[list[int]], k: int) -> None:
+    """A prefill side without the MTP layer, a decode side with it (``mtp_recompute``, the default): the
+    decode side computes each prompt and its first token again in the request's blocks (noise: nothing was
+    pulled), drafts from the step after, and every draft equals the plain MTP reference's (so the MTP KV it
+    computed is right). Outputs equal decoding in one engine."""
+    from test_mtp_layer import reference_mtp_logits
+
+    made: list[tuple[tuple[int, ...], int, int]] = []
+    outs, counts = _disaggregated(mtp_model, False, True, made, k=k)
+    assert outs == reference
+    assert counts.steps >= len(prompts()) * ((24 - 2) // (k + 1))  # every step after the recompute verified
+    for p, out in zip(prompts(), reference):
+        tokens = p + out
+        ref = reference_mtp_logits(mtp_model, tokens[:-1], tokens[1:]).argmax(-1).tolist()
+        mine = [(q, d) for key, q, d in made if key == tuple(p)]
+        assert mine[0][0] == len(p)  # the first draft: after the first token, right after the recompute
+        assert [d for _, d in mine] == [ref[q] for q, _ in mine]
+
+
+def _admit_without_mtp_kv(engine: LLMEngine, prompt: list[int], first: int, params: SamplingParams,
+                          rid: str) -> Sequence:
+    """A transferred request whose KV lacks the MTP layer's (nothing pulled: its blocks as they are)."""
+    seq = engine.begin_prefilled(prompt, params, request_id=rid)
+    assert not engine.admit_prefilled(seq, list(seq.block_ids), first)
+    return seq
+
+
+def test_a_recomputed_request_keeps_its_first_token_reuses_cached_blocks_and_frees_every_block(
+        mtp_model: Path) -> None:
+    """The recompute keeps the prefill side's first token as the first output of a seeded sampled request
+    (one the model would hardly sample), starts after the blocks the decode side's prefix cache holds (its
+    MTP KV right: every draft equals the reference's), and frees every block, at the end and when aborted
+    mid-recompute (chunked: 32 tokens a step)."""
+    from test_mtp_layer import reference_mtp_logits
+
+    a, b = SHARED + prompts()[0], SHARED + prompts()[1]
+    with LLM(str(mtp_model), **KW) as plain:
+        want_b = plain.generate([b], GREEDY)[0].token_ids
+    with LLM(str(mtp_model), speculative_config=spec(2), max_num_batched_tokens=32, **KW) as llm:
+        engine = llm.engine
+        made: list[tuple[int, int]] = []
+        draft = engine._draft
+
+        def recording(step: object) -> None:
+            draft(step)
+            made.extend((q.num_computed - 1, q.drafts[0]) for q in engine.scheduler.running
+                        if q.request_id == "b" and q.drafts)
+
+        engine._draft = recording  # type: ignore[method-assign]
+        llm.generate([a], SamplingParams(max_tokens=2, temperature=0.0))  # a's blocks: cached, with MTP KV
+        seq = _admit_without_mtp_kv(engine, b, want_b[0], GREEDY, "b")
+        assert seq.prefix_hit_blocks == 1 and seq.num_computed == 16  # 2 shared, the last spared
+        while engine.has_unfinished():
+            engine.step()
+        assert seq.output_token_ids == want_b and engine.spec_counts.steps > 0
+        ref = reference_mtp_logits(mtp_model, (b + want_b)[:-1], (b + want_b)[1:]).argmax(-1).tolist()
+        assert made[0][0] == len(b) and [d for _, d in made] == [ref[q] for q, _ in made]
+
+        steps = engine.spec_counts.steps
+        sampled = SamplingParams(max_tokens=12, temperature=0.9, seed=3, ignore_eos=True)
+        seq = _admit_without_mtp_kv(engine, prompts()[2], 999, sampled, "s")
+        while engine.has_unfinished():
+            engine.step()
+        assert seq.output_token_ids[0] == 999 and len(seq.output_token_ids) == 12
+        assert engine.spec_counts.steps > steps
+
+        seq = _admit_without_mtp_kv(engine, prompts()[3], 5, GREEDY, "x")  # 70 tokens: three chunks
+        engine.step()
+        assert 0 < seq.num_computed < len(prompts()[3])
+        assert engine.abort("x")
+        assert engine.num_used_blocks == 0 and not engine.has_unfinished()
+
+
 def test_pdctl_route_says_what_speculative_decoding_does_on_a_route() -> None:
     from cluster.nodes import NodeInfo, NodeState
     from proxy.admin import speculative_pairing
 
-    def node(node_id: str, role: str, k: int) -> NodeState:
+    def node(node_id: str, role: str, k: int, recompute: bool = False) -> NodeState:
         return NodeState(NodeInfo(node_id=node_id, role=role, address="a:1", model="m", max_model_len=64, dp=1, pcp=1,
                                   pp=1, kv_layout="sharded", block_size=16, num_blocks=8, started_at=0.0,
-                                  speculative_tokens=k))
+                                  speculative_tokens=k, mtp_recompute=recompute))
 
     nodes = [node("p-on", "prefill", 2), node("p-off", "prefill", 0), node("d-on", "decode", 2),
-             node("d-off", "decode", 0)]
+             node("d-off", "decode", 0), node("d-re", "decode", 2, recompute=True)]
     assert speculative_pairing(nodes, "p-off", "d-off") is None
     assert "p-on's draft and MTP KV travel" in speculative_pairing(nodes, "p-on", "d-on")
+    assert "p-on's draft and MTP KV travel" in speculative_pairing(nodes, "p-on", "d-re")
     assert "decodes without drafts" in speculative_pairing(nodes, "p-off", "d-on")
+    assert ("p-off does not: d-re computes the MTP layer's KV itself (it prefills the prompt again"
+            in speculative_pairing(nodes, "p-off", "d-re"))
     assert "the draft goes unused" in speculative_pairing(nodes, "p-on", "d-off")
     assert "prefilled on d-on" in speculative_pairing(nodes, None, "d-on")
 
