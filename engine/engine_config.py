@@ -44,7 +44,9 @@ class EngineConfig:
     speculative_config: str | None = field(default=None, metadata={
         "help": 'speculative decoding in vLLM\'s JSON form, {"method": "mtp", "num_speculative_tokens": K}: the '
                 "model's multi-token prediction layer drafts K tokens and one target step verifies them "
-                "(engine/speculative.py; greedy requests, in-process models)", "metavar": "JSON"})
+                "(engine/speculative.py). On rank processes (a prefill node's DP, PCP, PP) the MTP layer runs over "
+                "the prompt for the hand-off only: its draft and KV go to the decode side. No expert parallelism",
+                "metavar": "JSON"})
     mtp_recompute: bool = field(default=True, metadata={
         "help": "decode, with speculative_config: a request from a prefill node without it (its KV lacks the MTP "
                 "layer's) has its prompt computed again here for the MTP layer's KV, and drafts after that; off: it "
@@ -170,9 +172,9 @@ class EngineConfig:
         self.speculative  # noqa: B018 (parses: a bad form raises)
         if self.async_scheduling:
             raise ValueError("speculative_config does not run with async_scheduling yet (engine/speculative.py)")
-        if self.pcp > 1 or self.pp > 1 or self.enable_expert_parallel:
-            raise ValueError("speculative_config runs in-process models only yet: pcp 1, pp 1, no expert "
-                             "parallelism (engine/speculative.py)")
+        if self.enable_expert_parallel:
+            raise ValueError("speculative_config does not run with expert parallelism yet: the MTP layer's MoE "
+                             "would dispatch over the EP group in a pass of its own (engine/speculative.py)")
 
     def torch_device(self) -> torch.device:
         if self.gpus is not None:

@@ -41,6 +41,9 @@ class Executor(Protocol):
 
     def ownership(self, block_ids: list[int]) -> list[RankBlocks]: ...
 
+    def draft(self, next_ids: list[int], picks: list[int], extra: list[int],
+              tables: list[list[int]]) -> list[list[int]]: ...  # speculative decoding (engine.speculative)
+
     def read_blocks(self, pcp: int, pp: int, physical: list[int]) -> dict[int, torch.Tensor]: ...
 
     def shutdown(self) -> None: ...
@@ -147,7 +150,7 @@ class LocalExecutor:
         return self.runner.draft(next_ids, picks, extra, tables)
 
     def ownership(self, block_ids: list[int]) -> list[RankBlocks]:
-        return kv_ownership(block_ids, ParallelConfig(), 0, self.cache_layers)  # the MTP layer's too
+        return kv_ownership(block_ids, ParallelConfig(), 0, self.num_layers, self.cache_layers - self.num_layers)
 
     def read_blocks(self, pcp: int, pp: int, physical: list[int]) -> dict[int, torch.Tensor]:
         ids = torch.tensor(physical, dtype=torch.long, device=self.device)

@@ -121,13 +121,13 @@ class LLMEngine:
         overlap = config.async_scheduling
         if overlap is None:  # on a GPU the launch returns at once; on a CPU the step runs inside it
             overlap = getattr(self.executor, "device", torch.device("cpu")).type == "cuda"
-        # Speculative decoding (engine.speculative): drafts need the model in process; its steps are not overlapped.
+        # Speculative decoding (engine.speculative): its steps are not overlapped. On rank processes only the
+        # prefill hand-off drafts (verify steps run in process only).
         self.speculative = config.speculative
         self.drafts: Drafts | None = None
         if self.speculative is not None:
-            if not isinstance(self.executor, LocalExecutor):
-                raise ValueError("speculative_config needs the model in this process (pcp 1, pp 1)")
-            self.drafts = Drafts(self.speculative, self.scheduler, self.executor, self.max_model_len)
+            self.drafts = Drafts(self.speculative, self.scheduler, self.executor, self.max_model_len,
+                                 decoding=self._local)
         self.spec_counts = self.drafts.counts if self.drafts is not None else SpecCounts()
         self.overlap = self._local and overlap and self.speculative is None  # may change between steps
         self.overlapped_steps = 0  # steps launched on the previous step's samples, still on the device
@@ -272,8 +272,8 @@ class LLMEngine:
         if self._append(seq, first_token, first_logprob, top):  # max_tokens=1, or a stop token
             self._requests.pop(seq.request_id, None)
             return True
-        if self.speculative is not None and drafts and can_draft(seq):
-            seq.drafts = list(drafts[: draft_budget(seq, self.speculative.num_speculative_tokens, self.max_model_len)])
+        if self.drafts is not None and self.drafts.decoding and drafts and can_draft(seq):
+            seq.drafts = list(drafts[: draft_budget(seq, self.drafts.k, self.max_model_len)])
         return False
 
     def recomputes_mtp_kv(self, seq: Sequence) -> bool:

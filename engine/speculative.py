@@ -29,12 +29,20 @@ step. A decode side with it fed by one without it (no MTP layer KV came) compute
 again itself, as a preempted request is (``mtp_recompute``, on by default; ``may_draft`` requests only), and
 drafts from the step after; with ``mtp_recompute`` off the request decodes without drafts.
 
+On rank processes (DP > 1, PCP, PP: ``engine.parallel``) the last PP stage holds the MTP layer and its cache
+layer; after each step that stage's PCP ranks run it over their own rows of the step (``RunDraft``), its
+attention the PCP attention of every other layer, so its KV is sharded (or replicated) as theirs, and the
+rank that computed a prompt's last row has the draft. There only the prefill hand-off drafts (``Drafts``'s
+``decoding`` off): a held request's one draft goes to the decode side with the layer's KV, and requests that
+go on decoding on the ranks decode one token a step (verify steps run in process only).
+
 Prefix caching: the MTP layer's KV at a block's last position depends on the first token of the next block,
 which the block's hash does not cover, so a prompt that hits the cache recomputes (or pulls) the last block
 it matched (``Scheduler.spare_blocks``); a request admitted without the layer's KV shares none of its blocks.
 
-Not yet: overlapped steps, CUDA graphs, rank processes (PCP / PP / expert parallelism), drafts checked
-by a request's grammar.
+Not yet: overlapped steps, verify steps on rank processes (above), expert parallelism (the MTP layer's MoE
+would dispatch over the EP group in a pass of its own, the DP replicas in lockstep), drafts checked by a
+request's grammar.
 """
 
 from __future__ import annotations
@@ -183,7 +191,8 @@ class Blocks(Protocol):
 
 
 class Drafter(Protocol):
-    """The executor's half (``LocalExecutor.draft``, ``ModelRunner.draft``)."""
+    """The executor's half (``LocalExecutor.draft``, ``ModelRunner.draft``; on rank processes
+    ``engine.parallel.replica.ReplicaExecutor.draft``)."""
 
     def draft(self, next_ids: list[int], picks: list[int], extra: list[int],
               tables: list[list[int]]) -> list[list[int]]: ...
@@ -196,8 +205,11 @@ class Drafts:
     """One engine's speculative decoding: a step's drafts verified (``verify``), the next ones made (``draft``)."""
 
     def __init__(self, config: SpeculativeConfig, scheduler: Blocks, executor: Drafter,
-                 max_model_len: int) -> None:
+                 max_model_len: int, decoding: bool = True) -> None:
+        """``decoding``: requests that go on decoding here draft (in-process models); off, only a prefill
+        node's held requests draft, once, for the decode side (rank processes: module docstring)."""
         self.k = config.num_speculative_tokens
+        self.decoding = decoding
         self.scheduler = scheduler
         self.executor = executor
         self.max_model_len = max_model_len
@@ -244,12 +256,13 @@ class Drafts:
             seq = s.seq
             seq.drafts = []
             known = len(seq.prompt_token_ids) + len(seq.output_token_ids)
-            next_ids += [seq.token_at(p + 1) if p + 1 < known else 0 for p in range(first, first + s.num_new)]
+            ahead = seq.tokens(first + 1, min(first + 1 + s.num_new, known))  # the token after each row ...
+            next_ids += ahead + [0] * (s.num_new - len(ahead))  # ... unknown past the last: unused
             if seq.is_finished:  # a prefill node's held request: one draft, for the decode side (no blocks more)
                 budget = int(seq.hold_kv and bool(seq.block_ids) and seq.finish_reason == "length" and can_draft(seq))
             else:
                 budget = draft_budget(seq, self.k, self.max_model_len) \
-                    if seq.num_remaining == 1 and seq.mtp_kv and can_draft(seq) else 0
+                    if self.decoding and seq.num_remaining == 1 and seq.mtp_kv and can_draft(seq) else 0
             # Further drafts write the MTP layer's KV one position on each: their blocks first.
             while budget > 1 and not self.scheduler.grow(seq, budget - 1):
                 budget -= 1

@@ -7,7 +7,8 @@ The driver keeps one block table per request in *global* block ids:
   rank, ``kv_owner(j·bs)`` (runs of ``interleave`` tokens rotate over the ranks). Its global id is
   ``physical · PCP + owner``, so the owner and the physical id can be recovered from the id alone.
 
-Every PP stage of a PCP rank uses the same physical ids for its own layers, so one allocator per
+Every PP stage of a PCP rank uses the same physical ids for its own layers (the last stage's include the
+multi-token prediction layer's cache under speculative decoding, sharded as the others), so one allocator per
 PCP rank serves all stages. The ownership query (``kv_ownership``) answers, for a request, which
 (pcp, pp) rank holds which physical blocks for which layers: what kv_transfer consumes.
 """
@@ -100,11 +101,16 @@ class RankBlocks:
     physical: list[int]  # ... and its physical block id in this rank's cache
 
 
-def kv_ownership(global_ids: list[int], par: ParallelConfig, dp: int, num_layers: int) -> list[RankBlocks]:
-    """For a request with block table ``global_ids``, which rank holds which blocks for which layers."""
+def kv_ownership(global_ids: list[int], par: ParallelConfig, dp: int, num_layers: int,
+                 mtp_layers: int = 0) -> list[RankBlocks]:
+    """For a request with block table ``global_ids``, which rank holds which blocks for which layers.
+    ``mtp_layers``: cache layers after the stack's ``num_layers`` (the multi-token prediction layer's, under
+    speculative decoding), held by the last stage beside its own."""
     out = []
     for pp in range(par.pp):
         layers = stage_layers(num_layers, par.pp, pp)
+        if pp == par.pp - 1:
+            layers = range(layers.start, layers.stop + mtp_layers)
         for pcp in range(par.pcp):
             local = local_block_ids(global_ids, par, pcp)
             held = [(j, b) for j, b in enumerate(local) if b >= 0]

@@ -53,3 +53,13 @@ class PCPStep:
     def row_counts(self) -> list[int]:
         """Rows per PCP rank this step (every decode row on each, plus its prefill rows), computed once."""
         return [self.num_decode + n for n in self.new_counts]
+
+    def plan_rows(self) -> torch.Tensor:
+        """[local rows] int64 on the host: each of this rank's rows' index among the plan's rows flattened in
+        plan order (decode rows, then each prefill's new tokens): what the multi-token prediction pass needs
+        to find a row's next token (``rank_worker.RankWorker.draft``)."""
+        parts = [torch.arange(self.num_decode)]
+        for seg in self.segments:
+            base = self.num_decode + seg.new.start
+            parts += [torch.arange(base + a, base + b) for a, b in seg.runs]
+        return torch.cat(parts)

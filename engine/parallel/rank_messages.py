@@ -8,7 +8,10 @@ between, the rank worker (``rank_worker.py``) and the driver (``replica.py``) sp
    every rank); rank -> ``CacheReady`` (with the node's ``CacheExporter`` answer, when it gave one).
 2. driver -> ``RunStep``: every rank of the replica runs the plan; the last PP stage's PCP rank 0
    answers ``StepOutput`` with the logits rows in plan order.
-3. driver -> ``ReadBlocks``: the rank answers ``Blocks`` (tests reassemble the KV this way).
+3. driver -> ``RunDraft`` (speculative decoding, after a step's ``StepOutput``, before the next ``RunStep``):
+   the last PP stage's PCP ranks run the multi-token prediction layer over their rows of that step;
+   when the driver asks for drafts, that stage's PCP rank 0 answers ``Drafted``.
+4. driver -> ``ReadBlocks``: the rank answers ``Blocks`` (tests reassemble the KV this way).
 """
 
 from __future__ import annotations
@@ -60,6 +63,17 @@ class RunStep:
 @dataclass(frozen=True)
 class StepOutput:
     logits: torch.Tensor | None  # [rows needing logits, vocab] in plan order (None: no such rows)
+
+
+@dataclass(frozen=True)
+class RunDraft:
+    next_ids: torch.Tensor  # [rows of the last step, flattened in plan order] int64: the token after each row's
+    picks: list[int]  # flattened plan rows whose prediction is a draft (empty: none, and no answer)
+
+
+@dataclass(frozen=True)
+class Drafted:
+    tokens: list[int]  # the draft at each of ``RunDraft.picks``
 
 
 @dataclass(frozen=True)

@@ -2,6 +2,12 @@
 
 The protocol with the driver is in ``rank_messages.py``. With a ``CacheExporter`` (the node's KV
 transport), the rank registers its cache through it and hands the answer to the driver.
+
+With ``speculative_config`` the last PP stage also holds the multi-token prediction (MTP) layer and its
+KV cache layer (index ``num_hidden_layers``, after the stage's own). After each step its PCP ranks run the
+layer over their own rows of that step (``RunDraft``: the step's batch and final hidden states, kept until
+then), through the same PCP attention as the stack's layers, so its KV is sharded (or replicated) exactly
+as theirs; the rank that computed a row the driver picks has that row's draft, and PCP rank 0 answers.
 """
 
 from __future__ import annotations
@@ -19,7 +25,9 @@ from engine.cache_export import CacheExporter
 from engine.config import ModelConfig
 from engine.engine_config import EngineConfig
 from engine.executor import kv_blocks_for_memory, load_model, plan_prompt_attention
+from engine.forward_batch import ForwardBatch
 from engine.kv_cache import KVCache
+from engine.model import MTPLayer
 from engine.parallel.collectives import gather_padded
 from engine.parallel.expert_parallel import GatherReduce, exchange_counts, expert_shard, spans_dp
 from engine.parallel.grid import ParallelConfig, stage_layers
@@ -27,8 +35,10 @@ from engine.parallel.rank_group import RankContext
 from engine.parallel.rank_messages import (
     Blocks,
     CacheReady,
+    Drafted,
     Loaded,
     ReadBlocks,
+    RunDraft,
     RunStep,
     SizeCache,
     StepOutput,
@@ -67,6 +77,10 @@ class RankWorker:
         self.layers = stage_layers(self.mc.num_hidden_layers, self.par.pp, self.coord.pp)
         self.experts = expert_shard(cfg, self.mc, rank)
         self.model = load_model(cfg, self.mc, self.dtype, self.device, self.layers, self.experts)
+        # Speculative decoding: the last stage's MTP layer has a cache layer after the stage's own.
+        mtp = 1 if self.model.mtp is not None else 0
+        self.cache_layers = range(self.layers.start, self.layers.stop + mtp)
+        self._last: tuple[ForwardBatch, torch.Tensor] | None = None  # the last step's batch, hidden [T, D]
         self.max_model_len = spec.max_model_len
         # Every rank creates every PCP group, in the same order (new_group is collective).
         self.pcp_group: dist.ProcessGroup | None = None
@@ -101,13 +115,13 @@ class RankWorker:
 
     def capacity_blocks(self) -> int:
         return kv_blocks_for_memory(
-            self.config, self.mc, self.max_model_len, self.device, len(self.layers)
+            self.config, self.mc, self.max_model_len, self.device, len(self.cache_layers)
         )
 
     def init_cache(self, num_blocks: int) -> object:
         """Allocate the cache; with an exporter, register it and return its answer for the driver."""
         plan_prompt_attention(self.config, self.mc, self.max_model_len, self.dtype, self.device)
-        self.cache = KVCache(self.config.kv_format(self.mc), self.layers, num_blocks, self.config.block_size,
+        self.cache = KVCache(self.config.kv_format(self.mc), self.cache_layers, num_blocks, self.config.block_size,
                              self.device)
         return self.exporter.export(self.cache.layers) if self.exporter is not None else None
 
@@ -150,6 +164,7 @@ class RankWorker:
     @torch.inference_mode()
     def _execute(self, plan: StepPlan) -> torch.Tensor | None:
         assert self.cache is not None
+        self._last = None
         self._mark("start")
         batch = build_rank_batch(plan, self.par, self.coord.pcp, self.cache.block_size, self.device, self.pcp_group)
         if self.experts is not None:  # the MoE layers' dispatch sizes, once for all of them
@@ -172,12 +187,45 @@ class RankWorker:
             if n:
                 dist.send(hidden.contiguous(), dst=self.next_rank)
             return None
+        if self.model.mtp is not None:
+            self._last = (batch, hidden)  # for the MTP layer's pass (``draft``), which follows
         st = batch.pcp
         assert st is not None and st.logits_index is not None
         rows = gather_padded(hidden[batch.logits_rows], st.logits_counts, self.pcp_group)[st.logits_index]
         if not self.reports or rows.shape[0] == 0:
             return None
         return self.model.compute_logits(rows).cpu()
+
+    @torch.inference_mode()
+    def draft(self, next_ids: torch.Tensor, picks: list[int]) -> list[int]:
+        """The MTP layer over this rank's rows of the last step, each row with the stack's hidden state there
+        and ``next_ids`` [the step's rows, flattened in plan order] at its plan row, its KV written where the
+        step's went; returns the drafts at the plan rows ``picks`` (``[]`` when none), agreed over the PCP
+        group: each pick from the rank that computed its row (a decode row: every rank, alike)."""
+        assert self.model.mtp is not None and self.model.rope is not None and self.cache is not None
+        assert self._last is not None, "RunDraft without a step before it"
+        batch, hidden = self._last
+        self._last = None
+        st = batch.pcp
+        assert st is not None
+        index, layer = next(iter(self.model.mtp.items()))  # DeepSeek's one layer (as ModelRunner.draft)
+        assert isinstance(layer, MTPLayer)
+        mine = st.plan_rows()  # [local rows] their plan rows
+        h = layer.predict(next_ids[mine].to(self.device), hidden, batch, self.cache.layers[int(index)],
+                          self.model.rope)
+        if not picks:
+            return []
+        where = torch.full((next_ids.numel(),), -1, dtype=torch.long)
+        where[mine] = torch.arange(mine.numel())
+        local = where[torch.tensor(picks, dtype=torch.long)]  # [picks] the local row, or -1: another rank's
+        have = torch.nonzero(local >= 0).flatten()
+        tokens = torch.full((len(picks),), -1, dtype=torch.long, device=self.device)
+        if have.numel():
+            rows = local[have].to(self.device)
+            tokens[have.to(self.device)] = layer.compute_logits(h[rows]).argmax(-1)
+        if self.par.pcp > 1:
+            dist.all_reduce(tokens, op=dist.ReduceOp.MAX, group=self.pcp_group)
+        return tokens.tolist()
 
     def read_blocks(self, physical: list[int]) -> dict[int, torch.Tensor]:
         assert self.cache is not None
@@ -204,6 +252,10 @@ def serve_rank(ctx: RankContext) -> None:
                     out = worker.execute(plan)
                     if worker.reports:
                         ctx.conn.send(StepOutput(out))
+                case RunDraft(next_ids, picks):
+                    drafts = worker.draft(next_ids, picks)
+                    if worker.reports and picks:
+                        ctx.conn.send(Drafted(drafts))
                 case ReadBlocks(physical):
                     ctx.conn.send(Blocks(worker.read_blocks(physical)))
                 case other:

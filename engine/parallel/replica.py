@@ -5,6 +5,10 @@ same plan (request rows, global block tables, which rows need logits) to every r
 and the last PP stage's PCP rank 0 returns the logits in plan order. Sampled tokens come back into
 the next plan, so every stage sees the global batch's tokens. DP replicas are independent: the
 driver launches a step on each before collecting any, so they compute concurrently.
+
+With ``speculative_config`` the last stage holds the multi-token prediction layer (``rank_worker``): after
+a step's logits the executor's ``draft`` has that stage's PCP ranks run it over the step's rows, and the
+ownership query counts its cache layer on that stage, so a KV transfer moves it with the rest.
 """
 
 from __future__ import annotations
@@ -23,7 +27,17 @@ from engine.model_runner import StepLogits, logits_span
 from engine.parallel.grid import ParallelConfig
 from engine.parallel.kv_layout import RankBlocks, ShardedBlockAllocator, kv_ownership, max_blocks_per_rank
 from engine.parallel.rank_group import RankFailure, RankGroup
-from engine.parallel.rank_messages import Blocks, CacheReady, Loaded, ReadBlocks, RunStep, SizeCache, StepOutput
+from engine.parallel.rank_messages import (
+    Blocks,
+    CacheReady,
+    Drafted,
+    Loaded,
+    ReadBlocks,
+    RunDraft,
+    RunStep,
+    SizeCache,
+    StepOutput,
+)
 from engine.parallel.rank_worker import RankSpec, serve_rank
 from engine.parallel.step_plan import PlanRow, StepPlan, int_tensor, local_token_counts
 from engine.scheduler import Scheduled
@@ -39,6 +53,8 @@ class ParallelNode:
         self.config = config
         self.par: ParallelConfig = config.parallel()
         self.num_layers = ModelConfig.from_pretrained(config.model).num_hidden_layers
+        # Speculative decoding: the MTP layer's cache layer, on the last stage after its own.
+        self.mtp_layers = 1 if config.speculative is not None else 0
         if self.par.pp > self.num_layers:
             raise ValueError(f"pp={self.par.pp} exceeds the model's {self.num_layers} layers")
         ws = self.par.world_size
@@ -101,6 +117,7 @@ class ReplicaExecutor:
         self.block_size = node.config.block_size
         self.ranks = par.replica_ranks(dp)
         self.reporter = par.rank(dp, par.pp - 1, 0)
+        self.last_stage = [par.rank(dp, par.pp - 1, c) for c in range(par.pcp)]  # (the MTP layer's ranks)
         self.allocator: BlockSpace = (
             ShardedBlockAllocator(node.num_blocks, par.pcp, self.block_size, par.interleave(self.block_size))
             if par.kv_layout == "sharded"
@@ -110,6 +127,8 @@ class ReplicaExecutor:
         self.local_counts: list[int] = []  # the last step's rows per PCP rank (DP metadata)
 
     def launch(self, scheduled: list[Scheduled]) -> None:
+        if any(s.drafts for s in scheduled):  # (engine.speculative.Drafts does not draft for them here)
+            raise ValueError("verifying drafts needs the model in this process")
         plan = StepPlan([
             PlanRow(
                 token_ids=int_tensor(s.seq.tokens(s.seq.num_computed, s.seq.num_computed + s.num_new)),
@@ -144,8 +163,27 @@ class ReplicaExecutor:
             pos += k
         return out
 
+    def draft(self, next_ids: list[int], picks: list[int], extra: list[int],
+              tables: list[list[int]]) -> list[list[int]]:
+        """Speculative decoding, after a step's ``collect``: the MTP layer over that step's rows on the last
+        stage's PCP ranks (``RunDraft``; ``next_ids``: the token after each row, flattened in plan order) and
+        the draft at each row of ``picks``. Only one per pick: further drafts (``extra``) are for requests
+        decoding on, which draft in process only (``engine.speculative.Drafts``), so ``tables`` goes unused."""
+        if any(extra):
+            raise ValueError("drafts after the first need the model in this process")
+        msg = RunDraft(int_tensor(next_ids), list(picks))
+        for r in self.last_stage:
+            self.node.group.send(r, msg)
+        if not picks:
+            return []
+        reply = self.node.group.recv(self.reporter, self.node.config.rank_timeout_s)
+        if not isinstance(reply, Drafted) or len(reply.tokens) != len(picks) or min(reply.tokens) < 0:
+            self.node.shutdown(why=f"rank {self.reporter} answered a draft with {str(reply)[:80]}")
+            raise RankFailure(f"rank {self.reporter} sent {str(reply)[:80]} instead of {len(picks)} drafts")
+        return [[t] for t in reply.tokens]
+
     def ownership(self, block_ids: list[int]) -> list[RankBlocks]:
-        return kv_ownership(block_ids, self.par, self.dp, self.node.num_layers)
+        return kv_ownership(block_ids, self.par, self.dp, self.node.num_layers, self.node.mtp_layers)
 
     def read_blocks(self, pcp: int, pp: int, physical: list[int]) -> dict[int, torch.Tensor]:
         if self._pending is not None:

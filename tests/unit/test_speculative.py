@@ -194,8 +194,8 @@ def test_a_model_without_an_mtp_layer_or_a_topology_it_cannot_run_is_refused(tmp
     plain = make_tiny_model(tmp_path / "plain", arch="v3", moe=True, seed=7)
     with pytest.raises(ValueError, match="no multi-token prediction layer"):
         LLM(str(plain), speculative_config=spec(1), **KW)
-    with pytest.raises(ValueError, match="in-process"):
-        LLM(str(mtp_model), speculative_config=spec(1), pcp=2, **KW)
+    with pytest.raises(ValueError, match="expert parallelism"):
+        LLM(str(mtp_model), speculative_config=spec(1), dp=2, enable_expert_parallel=True, **KW)
 
 
 def _disaggregated(mtp_model: Path, prefill_spec: bool, decode_spec: bool,

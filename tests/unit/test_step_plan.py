@@ -72,6 +72,16 @@ def test_rank_shares_cover_the_step_and_gathers_restore_its_order(pcp, layout) -
     logits_pos = _gather(rows_pos, steps[0].logits_counts)[steps[0].logits_index]
     assert logits_pos.tolist() == [9, 30, *range(23), 30]
 
+    # Each rank's rows' index among the plan's rows (the MTP pass's next tokens): their tokens, every row
+    # of the plan once (decode rows on every rank).
+    flat = torch.cat([row.token_ids for row in plan.rows])
+    seen = torch.zeros(flat.numel(), dtype=torch.long)
+    for b in batches:
+        mine = b.pcp.plan_rows()
+        assert torch.equal(flat[mine], b.input_ids)
+        seen[mine] += 1
+    assert seen[:2].eq(pcp).all() and seen[2:].eq(1).all()
+
     # Decode rows: sharded, each cached position is attended by exactly one rank.
     cover = sum(st.dec_mask.long() for st in steps)
     assert cover[0, :10].eq(1 if layout == "sharded" else pcp).all() and not cover[0, 10:].any()
@@ -89,6 +99,9 @@ def test_sharded_allocator_places_blocks_on_their_owner() -> None:
     assert [(o.pcp, o.pp, o.logical, list(o.layers)) for o in own] == [
         (0, 0, [0, 1, 4], [0, 1]), (1, 0, [2, 3], [0, 1]), (0, 1, [0, 1, 4], [2]), (1, 1, [2, 3], [2]),
     ]
+    # Speculative decoding: the MTP layer's cache (layer 3) on the last stage, beside its own.
+    own = kv_ownership(ids, par, dp=0, num_layers=3, mtp_layers=1)
+    assert [list(o.layers) for o in own] == [[0, 1], [0, 1], [2, 3], [2, 3]]
     a.free(ids)
     assert a.num_used == 0
     with pytest.raises(ValueError, match="freed twice"):

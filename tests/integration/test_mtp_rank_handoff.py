@@ -1,0 +1,155 @@
+"""Speculative decoding's hand-off from a prefill engine on rank processes (``engine.speculative``: PCP2 with
+sharded KV, PP2 x PCP2): the last stage holds the MTP layer, and each of its PCP ranks runs it over its own
+rows of every step.
+
+Prompts are prefilled in 32-token chunks (one chunk; a last chunk of one row, which PCP runs as a decode row
+on every rank; several) with their KV held, as a prefill node does. Their first token and the MTP layer's
+draft equal the in-process (PCP1) prefill's, the KV they hold (the MTP layer's cache layer included) equals
+PCP1's within fp32 rounding, and the ownership query puts the MTP layer's cache on the last stage only. A
+decode engine with the MTP layer pulls the KV through Mooncake (the MTP layer's as an optional layer, as a
+decode node does), verifies the prefill's draft at its first step, and decodes as one engine without
+speculative decoding, token for token, for k = 1 and 2.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from engine_helpers import read_kv
+
+from engine import LLM, SamplingParams
+from engine.llm_engine import LLMEngine
+from kv_transfer.handoff import KVReceiver
+from kv_transfer.layout import CacheLayout, RequestKV
+from kv_transfer.transport import register_cache
+from kv_transfer.transports.mooncake import MooncakeExporter, MooncakeTransport
+from pdctl.tiny_model import make_tiny_model
+
+KW = dict(dtype="float32", device="cpu", max_model_len=512)
+CHUNK = 32  # max_num_batched_tokens of the prefills
+LENGTHS = (3, 17, 33, 70)
+TOKENS = 24
+GREEDY = SamplingParams(max_tokens=TOKENS, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def mtp_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("mtp-ranks") / "v3-mtp", arch="v3", moe=True, seed=7,
+                           mtp_layers=1)
+
+
+def spec(k: int) -> str:
+    return json.dumps({"method": "mtp", "num_speculative_tokens": k})
+
+
+def prompts() -> list[list[int]]:
+    """Then one that begins with the last one's first four blocks: a prefix cache hit, whose last matched
+    block is computed again (the MTP layer's KV there depends on the token after it), over a cached context."""
+    g = torch.Generator().manual_seed(0)
+    out = [torch.randint(4, 1000, (n,), generator=g).tolist() for n in LENGTHS]
+    return out + [out[-1][:64] + torch.randint(4, 1000, (20,), generator=g).tolist()]
+
+
+@dataclass
+class Prefilled:
+    first: int  # the first token
+    drafts: list[int]  # the MTP layer's draft of the token after it
+    kv: dict[int, torch.Tensor]  # layer -> [prompt tokens, L + R], the MTP layer's cache layer included
+
+
+def _prefill(engine: LLMEngine) -> list[Prefilled]:
+    """Every prompt prefilled as a prefill node runs it (one token, KV held as request "r{i}")."""
+    out = []
+    for i, prompt in enumerate(prompts()):
+        seq = engine.add_request(prompt, SamplingParams(max_tokens=1, temperature=0.0), request_id=f"r{i}",
+                                 hold_kv=True)
+        while not seq.is_finished:
+            engine.step()
+        out.append(Prefilled(seq.output_token_ids[0], list(seq.drafts), read_kv(engine, f"r{i}")))
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(mtp_model: Path) -> list[list[int]]:
+    """Greedy outputs of one engine without speculative decoding."""
+    with LLM(str(mtp_model), **KW) as llm:
+        return [o.token_ids for o in llm.generate(prompts(), GREEDY)]
+
+
+@pytest.fixture(scope="module")
+def pcp1(mtp_model: Path) -> list[Prefilled]:
+    """The in-process prefill with the MTP layer (engine.speculative's own)."""
+    with LLM(str(mtp_model), speculative_config=spec(1), max_num_batched_tokens=CHUNK, **KW) as llm:
+        got = _prefill(llm.engine)
+        for i in range(len(got)):
+            assert llm.engine.release(f"r{i}")
+        return got
+
+
+def _decode(mtp_model: Path, k: int, prefill: LLMEngine, sources: dict[int, CacheLayout],
+            held: list[Prefilled]) -> list[list[int]]:
+    """Each held request pulled through Mooncake into a decode engine with the MTP layer (k drafts a step) and
+    decoded there; returns the outputs."""
+    with LLM(str(mtp_model), speculative_config=spec(k), **KW) as llm:
+        de = llm.engine
+        transport = MooncakeTransport()
+        try:
+            receiver = KVReceiver(transport, register_cache(transport, de.cache_layers), timeout_s=30,
+                                  optional=de.mtp_layers)
+            seqs = []
+            for i, (prompt, p) in enumerate(zip(prompts(), held)):
+                rid = f"r{i}"
+                request = RequestKV(prefill.kv_ownership(rid), len(prefill.held[rid].block_ids))
+                seq = de.begin_prefilled(prompt, GREEDY, request_id=rid)
+                hit = seq.prefix_hit_blocks
+                table = seq.block_ids[:hit] + receiver.pull_into(rid, request, sources, seq.block_ids[hit:])
+                de.admit_prefilled(seq, table, p.first, drafts=p.drafts)
+                assert seq.drafts == p.drafts  # verified at its first step
+                got = read_kv(de, rid)
+                assert sorted(got) == sorted(p.kv)  # the MTP layer's cache moved with the stack's
+                for layer, t in p.kv.items():
+                    assert torch.equal(got[layer], t), f"layer {layer} differs after the transfer"
+                seqs.append(seq)
+            de.step()  # the first decode step: each request verifies the prefill's draft in it
+            assert de.spec_counts.steps == len(seqs)
+            while de.has_unfinished():
+                de.step()
+            assert de.num_used_blocks == 0
+            assert de.spec_counts.steps >= len(seqs) * (TOKENS - 2) // (k + 1)  # it drafted on
+            return [s.output_token_ids for s in seqs]
+        finally:
+            transport.close()
+
+
+@pytest.mark.parametrize("topology", [dict(pcp=2), dict(pcp=2, pp=2)], ids=["pcp2", "pp2-pcp2"])
+def test_a_prefill_on_rank_processes_hands_off_the_mtp_layers_draft_and_kv(
+        mtp_model: Path, reference: list[list[int]], pcp1: list[Prefilled], topology: dict[str, int]) -> None:
+    with LLM(str(mtp_model), speculative_config=spec(2), cache_exporter=MooncakeExporter(),
+             max_num_batched_tokens=CHUNK, kv_layout="sharded", **topology, **KW) as prefill:
+        pe = prefill.engine
+        n = pe.model_config.num_hidden_layers
+        held = _prefill(pe)
+        for i, (mine, ref) in enumerate(zip(held, pcp1)):
+            assert mine.first == ref.first
+            assert len(ref.drafts) == 1 and mine.drafts == ref.drafts, f"prompt {i}"
+            assert sorted(mine.kv) == sorted(ref.kv) == list(range(n + 1))  # n: the MTP layer's cache
+            for layer, t in ref.kv.items():
+                assert not mine.kv[layer].isnan().any(), f"layer {layer}: a position is held by no rank"
+                torch.testing.assert_close(mine.kv[layer], t, atol=1e-5, rtol=0)
+        last = topology.get("pp", 1) - 1
+        for rb in pe.kv_ownership("r3"):
+            assert (n in rb.layers) == (rb.pp == last)
+            assert rb.physical  # sharded: every PCP rank holds some of a 70-token prompt's blocks
+        for k in (1, 2):
+            assert _decode(mtp_model, k, pe, prefill.cache_exports, held) == reference, f"k={k}"
+        assert pe.prefix_cache is not None and pe.prefix_cache.hits == 3  # the last prompt's (one spared)
+        for i in range(len(held)):
+            assert pe.release(f"r{i}")
+        assert pe.num_used_blocks == 0
+        # Requests decoding on the ranks do not draft (verify steps run in process only): outputs unchanged.
+        assert [o.token_ids for o in prefill.generate(prompts(), GREEDY)] == reference
+        assert pe.spec_counts.steps == 0 and pe.num_used_blocks == 0
