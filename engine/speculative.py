@@ -6,7 +6,9 @@ one MTP layer is run k times for k > 1). A request's step, in order:
 1. **Verify.** A decoding request with drafts ``d1..dj`` (j <= k) is scheduled ``1 + j`` rows: its last
    token and the drafts, at the positions they would take. The target computes all rows' logits in one
    step, each row a decode row attending the cache up to its own position.
-2. **Accept.** Greedy: the target's token at row i is ``t_i``; the drafts are accepted while
+2. **Accept.** Row i's logits are first changed as the sampler changes a decode row's: a request's
+   ``logit_bias`` added, and its grammar's mask after its tokens so far and ``d1..di`` applied (below).
+   Greedy: the target's token at row i is ``t_i``; the drafts are accepted while
    ``d_{i+1} == t_i``, then the target's own token follows (the bonus): the tokens are ``d1..da, t_a``,
    exactly what decoding them one step at a time would give. Sampled (temperature > 0): rejection
    sampling with the draft as a point mass, so the tokens follow the target's distribution exactly:
@@ -20,10 +22,19 @@ one MTP layer is run k times for k > 1). A request's step, in order:
    with the target's hidden state there and the token after it; the row of the last accepted position
    predicts the next draft, and the layer runs again, one row at a time, for the rest.
 
-Requests draft unless they ask for penalties, ``logit_bias``, structured output or a ``min_tokens`` still
-to reach (those change a row's logits by the tokens before it); those decode one token per step beside the
-others, unchanged. Logprobs (and the top ones asked for) of every token come from its row's raw logits, as
-without drafts. A prefill node with ``speculative_config`` runs the MTP layer over the prompt and hands its
+Structured output: the grammar checks the drafts as they are made (and again before they are verified): one
+it does not allow at its position ends them there, and so does one after which the output is complete
+(``grammar_drafts``, ``Grammar.draftable``), so a forbidden token is never scheduled or verified. To verify,
+the matcher is advanced through the drafts to fill each row's mask and rolled back (``mask_drafted``, all
+grammar requests' rows in one bitmask on llguidance's threads); the accepted tokens then advance it one by
+one as single-token decoding's do (``LLMEngine._append``). So greedy outputs equal decoding without drafts,
+and sampled ones follow the target's masked distribution. A ``logit_bias`` does not depend on the tokens
+before a row: it is added to every row. Requests asking for penalties (a row's logits depend on the counts
+of the tokens before it) or with a ``min_tokens`` still to reach (the stop tokens banned until then) do not
+draft: they decode one token per step beside the others, unchanged. Logprobs (and the top ones asked for) of
+every token come from its row's raw logits, as without drafts.
+
+A prefill node with ``speculative_config`` runs the MTP layer over the prompt and hands its (grammar-checked)
 draft and the layer's KV to the decode side (``LLMEngine.admit_prefilled``), which verifies it at its first
 step. A decode side with it fed by one without it (no MTP layer KV came) computes the prompt and the first token
 again itself, as a preempted request is (``mtp_recompute``, on by default; ``may_draft`` requests only), and
@@ -41,8 +52,10 @@ which the block's hash does not cover, so a prompt that hits the cache recompute
 it matched (``Scheduler.spare_blocks``); a request admitted without the layer's KV shares none of its blocks.
 
 Not yet: overlapped steps, verify steps on rank processes (above), expert parallelism (the MTP layer's MoE
-would dispatch over the EP group in a pass of its own, the DP replicas in lockstep), drafts checked by a
-request's grammar.
+would dispatch over the EP group in a pass of its own, the DP replicas in lockstep), penalties with drafts
+(each row's counts would take the drafts before it), and the grammar's mask on the MTP layer's own choice
+(the layer picks its argmax over the whole vocabulary, so with a grammar the drafts of a model that has not
+learned the format are mostly cut: a masked choice would need the matcher in ``ModelRunner.draft``'s loop).
 """
 
 from __future__ import annotations
@@ -55,9 +68,11 @@ from typing import Any, Protocol
 
 import torch
 
+from engine.logits_processors import apply_bias_and_penalties
 from engine.sampler import processed_probs, top_logprobs
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
+from engine.structured_output import Grammar, mask_drafted
 
 METHODS = ("mtp",)
 
@@ -90,16 +105,23 @@ class SpeculativeConfig:
 
 
 def can_draft(seq: Sequence) -> bool:
-    """Whether the request's tokens are chosen from its rows' raw logits alone, by greedy or by temperature,
-    min-p, top-k and top-p (module docstring): then any row can verify a draft."""
+    """Whether the request's token at a row is chosen from that row's logits, its bias and its grammar's mask
+    after the tokens before it, by greedy or by temperature, min-p, top-k and top-p (module docstring): then
+    any row can verify a draft."""
     return may_draft(seq) and len(seq.output_token_ids) >= seq.params.min_tokens
 
 
 def may_draft(seq: Sequence) -> bool:
-    """Whether the request drafts at some step: ``can_draft`` once its ``min_tokens`` are reached."""
+    """Whether the request drafts at some step: ``can_draft`` once its ``min_tokens`` are reached (until then
+    the stop tokens are banned by a count that drafts would move)."""
     p = seq.params
-    return (not p.logit_bias and seq.grammar is None
-            and p.presence_penalty == 0 and p.frequency_penalty == 0 and p.repetition_penalty == 1)
+    return p.presence_penalty == 0 and p.frequency_penalty == 0 and p.repetition_penalty == 1
+
+
+def grammar_drafts(seq: Sequence, drafts: list[int]) -> list[int]:
+    """The leading drafts the request's grammar takes, one after another (all of them without a grammar): a
+    draft it does not allow at its position ends them, and so does one after which the output is complete."""
+    return drafts if seq.grammar is None else drafts[: seq.grammar.draftable(drafts)]
 
 
 def draft_budget(seq: Sequence, k: int, max_model_len: int) -> int:
@@ -219,18 +241,21 @@ class Drafts:
     def verify(self, scheduled: Sequence_[Rows], logits: Sequence_[RowLogits | None], generator: torch.Generator,
                append: Append) -> list[Sequence]:
         """Each request's accepted drafts and one more token appended; returns the requests that finished."""
-        finished = []
+        todo: list[tuple[Sequence, torch.Tensor, list[int]]] = []
         for s, sl in zip(scheduled, logits):
-            seq = s.seq
-            if not s.drafts or seq.is_finished:
-                continue
-            assert sl is not None
-            a, tokens = verify(sl.logits, s.drafts, seq.params, seq.generator or generator)
-            self.counts.add(len(s.drafts), a)
+            if s.drafts and not s.seq.is_finished:
+                assert sl is not None
+                # Cut to the grammar's when made (its state unchanged since); checked again where it matters.
+                drafts = grammar_drafts(s.seq, s.drafts)
+                todo.append((s.seq, sl.logits[: 1 + len(drafts)], drafts))
+        finished = []
+        for (seq, raw, drafts), rows in zip(todo, _chosen_logits(todo)):
+            a, tokens = verify(rows, drafts, seq.params, seq.generator or generator)
+            self.counts.add(len(drafts), a)
             seq.drafts = []  # verified: the next ones come from draft()
             seq.num_computed += a
             # Token j came from row j: its logprob (and the top ones asked for) of that row's raw logits.
-            logp = torch.log_softmax(sl.logits[: len(tokens)], dim=-1)
+            logp = torch.log_softmax(raw[: len(tokens)], dim=-1)
             chosen = logp.gather(1, torch.tensor(tokens, device=logp.device).unsqueeze(1)).squeeze(1).tolist()
             n = seq.params.logprobs
             tops = top_logprobs(logp, n) if n is not None else [None] * len(tokens)
@@ -273,4 +298,33 @@ class Drafts:
             row += s.num_new
         drafts = self.executor.draft(next_ids, picks, extra, [q.block_ids for q in drafting])
         for seq, d in zip(drafting, drafts):
-            seq.drafts = d
+            seq.drafts = grammar_drafts(seq, d)  # (the blocks grown for any cut stay the request's, as ever)
+
+
+def _chosen_logits(todo: Sequence_[tuple[Sequence, torch.Tensor, list[int]]]) -> list[torch.Tensor]:
+    """The logits each request's verify rows choose from (``todo``: request, rows' raw logits [1 + j, V], its
+    j drafts): the raw ones, or, for a request with a bias or a grammar, a copy with the bias added to every
+    row and row i masked by the grammar after the first i drafts, as the sampler changes a decode row's
+    logits. Those requests' rows go as one batch (one bitmask, filled on llguidance's threads)."""
+    out = [raw for _, raw, _ in todo]
+    changed = [j for j, (seq, _, _) in enumerate(todo) if seq.grammar is not None or seq.params.logit_bias]
+    if not changed:
+        return out
+    seqs: list[Sequence] = []  # each row's request
+    starts: list[int] = []  # the first row of each request with a grammar, its grammar and drafts
+    grammars: list[Grammar] = []
+    drafts: list[list[int]] = []
+    for j in changed:
+        seq, raw, d = todo[j]
+        if seq.grammar is not None:
+            starts.append(len(seqs))
+            grammars.append(seq.grammar)
+            drafts.append(d)
+        seqs += [seq] * raw.shape[0]
+    # a copy (torch.cat), biased; then masked in place
+    stacked = apply_bias_and_penalties(torch.cat([todo[j][1] for j in changed]), seqs)
+    if grammars:
+        mask_drafted(stacked, starts, grammars, drafts)
+    for j, part in zip(changed, stacked.split([todo[j][1].shape[0] for j in changed])):
+        out[j] = part
+    return out

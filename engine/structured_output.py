@@ -3,6 +3,9 @@
 A request's ``StructuredOutputsParams`` names one constraint: a JSON schema, any JSON object, a regex,
 a choice among strings, or a Lark grammar. Each sampled row then gets a mask of the tokens its
 grammar allows next (``mask_logits``), and each token taken advances its matcher (``Grammar.advance``).
+Speculative decoding (``engine.speculative``) keeps the drafts the grammar takes (``Grammar.draftable``)
+and masks each verify row by the matcher's state after the drafts before it (``mask_drafted``: advanced
+through them and rolled back, llguidance's ``fill_next_token_bitmask_par_with_draft_tokens``).
 
 llguidance was picked over xgrammar by measurement (``benchmarks/grammar_mask.py``, V2-Lite's
 102,400-token vocabulary): every output of a medium schema parsed and validated with llguidance, while
@@ -155,6 +158,18 @@ class Grammar:
         """Whether ``token`` may come next (the matcher does not move)."""
         return bool(self.matcher.validate_tokens([token]) == 1)
 
+    def draftable(self, tokens: list[int]) -> int:
+        """How many of ``tokens``, from the first, may come next one after another, none past one that
+        ends the output (after it nothing but the end may follow); the matcher ends where it began."""
+        valid = self.matcher.validate_tokens(tokens)
+        taken = 0
+        while taken < valid and not self.matcher.is_stopped():
+            self.matcher.consume_token(tokens[taken])
+            taken += 1
+        if taken:
+            self.matcher.rollback(taken)
+        return taken
+
     def advance(self, token: int) -> bool:
         """Take ``token``; False when the grammar does not allow it."""
         return bool(self.matcher.consume_token(token))
@@ -207,5 +222,25 @@ def mask_rows(logits: torch.Tensor, rows: list[int], grammars: list[Grammar]) ->
         lt.fill_next_token_bitmask(grammars[0].matcher, bitmask, rows[0])
     else:  # rows in parallel on llguidance's threads (16 rows of a medium schema: 0.50 -> 0.36 ms on 2 cores)
         lt.fill_next_token_bitmask_par(_executor(), [(g.matcher, row) for row, g in zip(rows, grammars)], bitmask)
+    lt.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True))
+    return logits
+
+
+def mask_drafted(logits: torch.Tensor, starts: list[int], grammars: list[Grammar],
+                 drafts: list[list[int]]) -> torch.Tensor:
+    """Speculative decoding's verify rows (``engine.speculative``): ``logits`` [N, V] with, for each request j,
+    its rows ``starts[j]`` to ``starts[j] + len(drafts[j])`` masked in place, row i by ``grammars[j]`` after
+    ``drafts[j][:i]``: what single-token decoding would mask there had it taken those drafts. The drafts
+    must be ones the grammar takes (``Grammar.draftable``); each matcher is advanced through them on
+    llguidance's threads and rolled back, so it ends where it began."""
+    import llguidance.torch as lt
+
+    bitmask = lt.allocate_token_bitmask(logits.shape[0], logits.shape[-1])  # all allowed; pinned with CUDA
+    drafted = [(g.matcher, row, list(d)) for row, g, d in zip(starts, grammars, drafts) if d]
+    if drafted:
+        lt.fill_next_token_bitmask_par_with_draft_tokens(_executor(), drafted, bitmask)
+    plain = [(g.matcher, row) for row, g, d in zip(starts, grammars, drafts) if not d]  # (llguidance wants drafts)
+    if plain:
+        lt.fill_next_token_bitmask_par(_executor(), plain, bitmask)
     lt.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True))
     return logits
