@@ -4,6 +4,8 @@ current path (gather every row's latents into a dense [B, T, L+R] copy, then fp3
 
   python benchmarks/mla_decode.py                              # B in {1, 8, 64, 256} x context {512, 4096, 32768}
   python benchmarks/mla_decode.py --batches 64 --contexts 4096 --heads 128
+  python benchmarks/mla_decode.py --batches 64 256 --contexts 8192 --kv-cache-dtype auto fp8 fp8_ds_mla \
+      --fp8-dots dequant fp16                              # the FP8 caches against bf16, same latents
 
 Every row has the full context. Times are CUDA-event medians of single calls, with L2 flushed before
 each call (a model's layers each read their own cache, so the cache never sits in L2): "eager" launches
@@ -28,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import engine.mla_decode as mla_decode_mod  # noqa: E402
 from engine.forward_batch import gather_latents  # noqa: E402
+from engine.kv_format import KV_CACHE_DTYPES, KVFormat  # noqa: E402
 from engine.mla_decode import choose_num_splits, mla_decode, mla_decode_reference, workspace_for  # noqa: E402
 
 HBM_BYTES_PER_S = 4.8e12  # H200
@@ -60,12 +63,17 @@ def baseline(q_lat, q_pe, flat_cache, tables, lens, max_len: int, page: int, lat
     return torch.einsum("bht,btl->bhl", scores.softmax(dim=-1), kv[..., :lat].float())
 
 
-def measure(b: int, ctx: int, h: int, page: int, repeats: int, with_baseline: bool, flush: torch.Tensor) -> dict:
+def measure(b: int, ctx: int, h: int, page: int, repeats: int, with_baseline: bool, flush: torch.Tensor,
+            kv_cache_dtype: str = "auto") -> dict:
     dev, dt, lat, rope, scale = flush.device, torch.bfloat16, 512, 64, 192**-0.5
     g = torch.Generator(device=dev).manual_seed(b * 100003 + ctx)
     blocks_per_row = -(-ctx // page)
     nblocks = b * blocks_per_row
+    fmt = KVFormat(kv_cache_dtype, lat, rope, dt)
     cache = torch.randn(nblocks, page, lat + rope, device=dev, generator=g, dtype=dt)
+    if fmt.quantized:  # the same latents in the stored format (a block at a time: the fp32 copy stays small)
+        cache = torch.cat([fmt.encode(c.view(-1, lat + rope)).view(-1, page, fmt.row_width) for c in cache.split(4096)])
+    kv_format = fmt if fmt.quantized else None
     tables = torch.randperm(nblocks, device=dev, generator=g).view(b, blocks_per_row)  # shuffled blocks
     lens = torch.full((b,), ctx, dtype=torch.long, device=dev)
     q_lat = torch.randn(b, h, lat, device=dev, generator=g, dtype=dt)
@@ -75,21 +83,23 @@ def measure(b: int, ctx: int, h: int, page: int, repeats: int, with_baseline: bo
     out = torch.empty(b, h, lat, dtype=dt, device=dev)
 
     def kernel() -> None:
-        mla_decode(q_lat, q_pe, cache, tables, lens, scale, out=out, workspace=ws, num_splits=splits)
+        mla_decode(q_lat, q_pe, cache, tables, lens, scale, out=out, workspace=ws, num_splits=splits,
+                   kv_format=kv_format)
 
     kernel()  # compiles
     graph = torch.cuda.CUDAGraph()  # the same call captured: no host launch cost, as the engine will run it
     with torch.cuda.graph(graph):
         kernel()
-    ref, _ = mla_decode_reference(q_lat[:2], q_pe[:2], cache, tables[:2], lens[:2], scale)
-    err = float((out[:2].float() - ref).abs().max()) / float(cache[..., :lat].abs().max())
+    ref, _ = mla_decode_reference(q_lat[:2], q_pe[:2], cache, tables[:2], lens[:2], scale, kv_format=kv_format)
+    rows = cache[:64] if kv_format is None else fmt.decode(cache[:64])
+    err = float((out[:2].float() - ref).abs().max()) / float(rows[..., :lat].float().abs().max())
     ms = time_ms(kernel, flush, repeats)
     graph_ms = time_ms(graph.replay, flush, repeats)
-    nbytes = b * ctx * (lat + rope) * 2 + b * h * (lat + rope) * 2
+    nbytes = b * ctx * fmt.row_bytes + b * h * (lat + rope) * 2
     roof_ms = nbytes / HBM_BYTES_PER_S * 1e3
     flops = 2 * b * h * ctx * (lat + rope + lat)  # scores and output: compute-bound at H=128 (~240 flop/byte)
     base_ms = None
-    if with_baseline:
+    if with_baseline and kv_format is None:
         flat = cache.view(-1, lat + rope)
         try:
             base_ms = time_ms(lambda: baseline(q_lat, q_pe, flat, tables, lens, ctx, page, lat, scale),
@@ -112,6 +122,10 @@ def main() -> None:
     ap.add_argument("--page", type=int, default=16, help="block size")
     ap.add_argument("--repeats", type=int, default=50)
     ap.add_argument("--no-baseline", action="store_true")
+    ap.add_argument("--kv-cache-dtype", nargs="+", choices=KV_CACHE_DTYPES, default=["auto"],
+                    help="cache formats, each measured on the same latents (ratios against the first)")
+    ap.add_argument("--fp8-dots", nargs="+", choices=list(mla_decode_mod.FP8_DOTS_CODE),
+                    default=[mla_decode_mod.FP8_DOTS], help="the fp8 format's dot operands, each measured")
     for knob in ("BLOCK_H", "BLOCK_N", "NUM_WARPS", "NUM_STAGES", "MAX_SPLITS", "MIN_SPLIT_TOKENS"):
         ap.add_argument(f"--{knob.lower().replace('_', '-')}", type=int, default=getattr(mla_decode_mod, knob),
                         help="kernel tuning knob (engine/mla_decode.py)")
@@ -126,33 +140,43 @@ def main() -> None:
     flush = torch.empty(256 << 20, dtype=torch.uint8, device=dev)  # > the H200's 60 MB L2
     print(f"MLA decode on {name}: H={h}, L={lat}, R={rope}, block size {page}, bf16; roofline at "
           f"{HBM_BYTES_PER_S / 1e12:.1f} TB/s")
-    print(f"{'B':>4} {'ctx':>6} {'splits':>6} {'MB read':>9} {'roof us':>8} {'eager us':>9} {'graph us':>9} "
-          f"{'x roof':>7} {'GB/s':>7} {'TFLOP/s':>7} {'torch us':>10} {'speedup':>8} {'err':>8}")
+    print(f"{'B':>4} {'ctx':>6} {'format':>16} {'splits':>6} {'MB read':>9} {'roof us':>8} {'eager us':>9} "
+          f"{'graph us':>9} {'x roof':>7} {'GB/s':>7} {'TFLOP/s':>7} {'torch us':>10} {'speedup':>8} {'err':>8} "
+          f"{'vs first':>8}")
     knobs = {k.lower(): getattr(mla_decode_mod, k) for k in ("BLOCK_H", "BLOCK_N", "NUM_WARPS", "NUM_STAGES",
                                                               "MAX_SPLITS", "MIN_SPLIT_TOKENS")}
     knobs["block_h, warps, stages"] = mla_decode_mod._config(h)
     print("knobs:", knobs)
     res: dict = {"bench": "mla_decode", "device": name, "heads": h, "kv_lora_rank": lat, "rope": rope,
                  "block_size": page, "dtype": "bfloat16", "hbm_tb_s": HBM_BYTES_PER_S / 1e12, **knobs}
+    variants = [(f, d) for f in args.kv_cache_dtype for d in (args.fp8_dots if f == "fp8" else [None])]
     for ctx in args.contexts:
         for b in args.batches:
-            key = f"b{b}_ctx{ctx}"
-            cache_bytes = b * -(-ctx // page) * page * (lat + rope) * 2
-            # the baseline holds the dense bf16 copy, its fp32 upcast, the fp32 latents and [B, H, T] scores
-            base_bytes = b * ctx * ((lat + rope) * (2 + 4) + lat * 4 + h * 4 * 3)
-            free = torch.cuda.mem_get_info(dev)[0]
-            if cache_bytes > 0.8 * free:
-                print(f"{b:>4} {ctx:>6}  skipped: the cache ({cache_bytes / 2**30:.1f} GiB) does not fit")
-                res[key] = "skipped"
-                continue
-            with_base = not args.no_baseline and cache_bytes + base_bytes < 0.8 * free
-            r = measure(b, ctx, h, page, args.repeats, with_base, flush)
-            torch.cuda.empty_cache()
-            base = f"{r['torch_us']:>10.1f} {r['speedup']:>7.1f}x" if r["torch_us"] else f"{'skipped':>10} {'':>8}"
-            print(f"{b:>4} {ctx:>6} {r['splits']:>6} {r['bytes'] / 1e6:>9.1f} {r['roofline_us']:>8.1f} "
-                  f"{r['kernel_us']:>9.1f} {r['graph_us']:>9.1f} {r['x_roofline']:>7.2f} {r['gb_s']:>7.0f} "
-                  f"{r['tflop_s']:>7.0f} {base} {r['max_err']:>8.1e}")
-            res[key] = r
+            first = None
+            for kv_dtype, dots in variants:
+                key = f"b{b}_ctx{ctx}" + ("" if kv_dtype == "auto" else f"_{kv_dtype}") + (f"_{dots}" if dots else "")
+                label = kv_dtype + (f"/{dots}" if dots else "")
+                cache_bytes = b * -(-ctx // page) * page * (lat + rope) * 2
+                # the baseline holds the dense bf16 copy, its fp32 upcast, the fp32 latents and [B, H, T] scores
+                base_bytes = b * ctx * ((lat + rope) * (2 + 4) + lat * 4 + h * 4 * 3)
+                free = torch.cuda.mem_get_info(dev)[0]
+                if cache_bytes > 0.8 * free:
+                    print(f"{b:>4} {ctx:>6}  skipped: the cache ({cache_bytes / 2**30:.1f} GiB) does not fit")
+                    res[key] = "skipped"
+                    continue
+                if dots:
+                    mla_decode_mod.FP8_DOTS = dots
+                with_base = not args.no_baseline and cache_bytes + base_bytes < 0.8 * free
+                r = measure(b, ctx, h, page, args.repeats, with_base, flush, kv_dtype)
+                torch.cuda.empty_cache()
+                first = first or r["graph_us"]
+                r["speedup_vs_first"] = round(first / r["graph_us"], 3)
+                base = (f"{r['torch_us']:>10.1f} {r['speedup']:>7.1f}x" if r["torch_us"]
+                        else f"{'skipped':>10} {'':>8}")
+                print(f"{b:>4} {ctx:>6} {label:>16} {r['splits']:>6} {r['bytes'] / 1e6:>9.1f} {r['roofline_us']:>8.1f} "
+                      f"{r['kernel_us']:>9.1f} {r['graph_us']:>9.1f} {r['x_roofline']:>7.2f} {r['gb_s']:>7.0f} "
+                      f"{r['tflop_s']:>7.0f} {base} {r['max_err']:>8.1e} {r['speedup_vs_first']:>7.2f}x")
+                res[key] = r
     print(json.dumps(res))
 
 

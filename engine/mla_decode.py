@@ -60,6 +60,11 @@ GROUP_ROWS: int | None = None  # rows a program, a power of two (None: enough fo
 GROUP_BLOCK_N = 64  # the grouped launch's tuning: an H200 sweep, 200 rows over 2k and 8k cached tokens
 GROUP_NUM_WARPS = 8
 GROUP_NUM_STAGES = 2
+# The fp8 format's dots (16-bit queries): "dequant" (tiles times the scale, in q's dtype) or "fp16" (tiles
+# converted as stored, the scale applied to scores and output: 4% faster on an H200, docs/benchmarks.md);
+# benchmarks/mla_decode.py --fp8-dots compares them.
+FP8_DOTS = "fp16"
+FP8_DOTS_CODE = {"dequant": 0, "fp16": 1}
 
 
 def _config(num_heads: int) -> tuple[int, int, int]:
@@ -78,6 +83,7 @@ if HAS_TRITON:
         L: tl.constexpr, R: tl.constexpr, BL: tl.constexpr, BR: tl.constexpr, PAGE: tl.constexpr,
         BH: tl.constexpr, BN: tl.constexpr, SPLITS: tl.constexpr, WS: tl.constexpr, HAS_LSE: tl.constexpr,
         PREC: tl.constexpr, G: tl.constexpr, MODE: tl.constexpr, FMT: tl.constexpr,
+        ODT: tl.constexpr,
     ):
         # Program (head group, split, group of G rows): its G * BH queries are rows r0..r0+G-1 x BH heads.
         # MODE 0: every row (G = 1); 1: the rows GROUPED does not flag (G = 1); 2: the groups it flags,
@@ -89,16 +95,20 @@ if HAS_TRITON:
         rows = r0 + qi // BH  # [G*BH]
         heads = tl.program_id(0) * BH + qi % BH
         hmask = heads < H
-        active = r0 >= 0  # MODE 0: every program
-        if MODE == 1:
-            active = tl.load(GROUPED + r0) == 0
+        flag = 0  # MODE 0: every program
+        if MODE != 0:
+            flag = tl.load(GROUPED + r0)
+        # a per-query vector, not a scalar (Triton's interpreter refuses scalar masks in vector ones)
+        active = (tl.zeros([G * BH], tl.int32) + flag) == 0
         if MODE == 2:
-            active = tl.load(GROUPED + r0) != 0
+            active = ~active
+        if MODE == 0:
+            active = rows >= 0
         offs_l = tl.arange(0, BL)
         offs_r = tl.arange(0, BR)
         lmask = offs_l < L
         lens = tl.load(LENS + rows * s_lens).to(tl.int32)  # [G*BH]: each query's context, itself included
-        seq_len = tl.where(active, tl.max(lens, 0), 0)
+        seq_len = tl.max(tl.where(active, lens, 0), 0)
         chunk = tl.cdiv(tl.cdiv(seq_len, SPLITS), BN) * BN
         start = split * chunk
         end = tl.minimum(start + chunk, seq_len)  # empty (no iterations) for splits past the rows' end
@@ -106,11 +116,27 @@ if HAS_TRITON:
         ql_ptr = QL + rows[:, None].to(tl.int64) * s_ql_b + heads[:, None] * s_ql_h
         qp_ptr = QP + rows[:, None].to(tl.int64) * s_qp_b + heads[:, None] * s_qp_h
         # FMT (engine.kv_format): 0 rows in the compute dtype; 1 e4m3 rows times kv_scale; 2 DeepSeek's byte
-        # rows (e4m3 kv_c, a float32 scale per 128 of it, bf16 k_pe). Tiles are dequantised to q's dtype.
+        # rows (e4m3 kv_c, a float32 scale per 128 of it, bf16 k_pe). Tiles are dequantised to q's dtype,
+        # except FMT 1 with ODT set (16-bit queries): its tiles are converted as stored to fp16 (one
+        # conversion an element, no multiply), q is brought to fp16 (scaled per query row, ``qs``, only
+        # past fp16's range), and kv_scale is applied to the scores and the output instead.
         dt = KV.dtype.element_ty if FMT == 0 else QL.dtype.element_ty
+        if ODT != 0:
+            dt = tl.float16
         qmask = hmask & active  # a skipped program reads nothing
-        q_lat = tl.load(ql_ptr + offs_l[None, :], mask=qmask[:, None] & lmask[None, :], other=0.0).to(dt)  # [GBH, BL]
-        q_pe = tl.load(qp_ptr + offs_r[None, :], mask=qmask[:, None] & (offs_r < R)[None, :], other=0.0).to(dt)
+        q_lat = tl.load(ql_ptr + offs_l[None, :], mask=qmask[:, None] & lmask[None, :], other=0.0)  # [GBH, BL]
+        q_pe = tl.load(qp_ptr + offs_r[None, :], mask=qmask[:, None] & (offs_r < R)[None, :], other=0.0)
+        s_row = tl.full([G * BH], 1.0, tl.float32) * scale_log2  # each query's score factor
+        o_scale = 1.0
+        if ODT != 0:
+            amax = tl.maximum(tl.max(tl.abs(q_lat.to(tl.float32)), 1), tl.max(tl.abs(q_pe.to(tl.float32)), 1))
+            qs = tl.maximum(amax / 16384.0, 1.0)  # a row beyond fp16's range is scaled to 2^14
+            q_lat = q_lat.to(tl.float32) / qs[:, None]
+            q_pe = q_pe.to(tl.float32) / qs[:, None]
+            s_row = s_row * qs * kv_scale
+            o_scale = kv_scale
+        q_lat = q_lat.to(dt)
+        q_pe = q_pe.to(dt)
 
         m_i = tl.full([G * BH], float("-inf"), tl.float32)  # running max, log2 units
         l_i = tl.zeros([G * BH], tl.float32)  # running sum of exp2(s - m_i)
@@ -131,6 +157,9 @@ if HAS_TRITON:
                 kv_c = tl.reshape(grouped * sc[:, :, None], (BN, BL)).to(dt)
                 k_pe = tl.load((toks + L + 4 * (L // 128)).to(tl.pointer_type(tl.bfloat16))[:, None]
                                + offs_r[None, :], mask=rmask, other=0.0).to(dt)
+            elif FMT == 1 and ODT != 0:
+                kv_c = tl.load(toks[:, None] + offs_l[None, :], mask=cmask, other=0.0).to(dt)
+                k_pe = tl.load(toks[:, None] + L + offs_r[None, :], mask=rmask, other=0.0).to(dt)
             elif FMT == 1:
                 kv_c = (tl.load(toks[:, None] + offs_l[None, :], mask=cmask, other=0.0).to(tl.float32)
                         * kv_scale).to(dt)
@@ -141,7 +170,7 @@ if HAS_TRITON:
                 k_pe = tl.load(toks[:, None] + L + offs_r[None, :], mask=rmask, other=0.0)
             s = tl.dot(q_lat, tl.trans(kv_c), input_precision=PREC)  # [GBH, BN] fp32
             s = tl.dot(q_pe, tl.trans(k_pe), acc=s, input_precision=PREC)
-            s = tl.where(offs_n[None, :] < lens[:, None], s * scale_log2, float("-inf"))  # causal per row
+            s = tl.where(offs_n[None, :] < lens[:, None], s * s_row[:, None], float("-inf"))  # causal per row
             m_new = tl.maximum(m_i, tl.max(s, 1))  # -inf only for a query none of whose keys came yet
             m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
             alpha = tl.exp2(m_i - m_ref)
@@ -151,7 +180,7 @@ if HAS_TRITON:
             m_i = m_new
 
         has = l_i > 0.0  # false for an empty split (or a seq_len-0 row)
-        o = acc / tl.where(has, l_i, 1.0)[:, None]
+        o = acc * (o_scale / tl.where(has, l_i, 1.0))[:, None]
         lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
         smask = hmask & active
         if SPLITS == 1:
@@ -183,7 +212,7 @@ if HAS_TRITON:
             nsplit = tl.where(tl.load(GROUPED + b) != 0, GSPLITS, SPLITS)
         # nsplit 1: that launch wrote the row's output itself; nothing to merge
         rows = (b * H + h).to(tl.int64) * WS + tl.arange(0, BS)  # [BS]
-        smask = (tl.arange(0, BS) < nsplit) & (nsplit > 1)
+        smask = tl.arange(0, BS) < tl.where(nsplit > 1, nsplit, 0)  # vector masks: see the split kernel
         offs_l = c * LC + tl.arange(0, LC)
         lmask = offs_l < L
         lses = tl.load(PLSE + rows, mask=smask, other=float("-inf"))  # [BS]
@@ -195,7 +224,8 @@ if HAS_TRITON:
         part = tl.load(POUT + rows[:, None] * L + offs_l[None, :], mask=live[:, None] & lmask[None, :], other=0.0)
         has = total > 0.0
         o = tl.sum(w[:, None] * part, 0) / tl.where(has, total, 1.0)  # [LC]
-        tl.store(OUT + b * s_o_b + h * s_o_h + offs_l, o.to(OUT.dtype.element_ty), mask=lmask & (nsplit > 1))
+        merged = offs_l < tl.where(nsplit > 1, L, 0)  # lmask, where this row has splits to merge
+        tl.store(OUT + b * s_o_b + h * s_o_h + offs_l, o.to(OUT.dtype.element_ty), mask=merged)
         if HAS_LSE:
             if c == 0:
                 lse = tl.where(has, m + tl.log(tl.where(has, total, 1.0)), float("-inf"))
@@ -332,8 +362,9 @@ def mla_decode(
             scale * math.log2(math.e), kv_format.scale if kv_format is not None else 1.0, h,
             q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1), kv_cache.stride(0), kv_cache.stride(1),
             block_tables.stride(0), seq_lens.stride(0), out.stride(0), out.stride(1), *lse_strides)
+    odt = FP8_DOTS_CODE[FP8_DOTS] if fmt == 1 and q_lat.element_size() == 2 else 0
     common = dict(L=lat, R=rope, BL=bl, BR=br, PAGE=page, BH=bh, WS=ws, HAS_LSE=lse is not None, PREC=prec,
-                  FMT=fmt)
+                  FMT=fmt, ODT=odt)
     _mla_decode_split[(triton.cdiv(h, bh), num_splits, b)](
         *args, **common, BN=BLOCK_N, SPLITS=num_splits, G=1, MODE=0 if grouped is None else 1,
         num_warps=warps, num_stages=stages)

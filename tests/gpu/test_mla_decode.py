@@ -269,6 +269,7 @@ if __name__ == "__main__":  # TRITON_INTERPRET=1: the same checks on CPU, small 
         check_grouped("cpu", dt, lat=64, rope=16, segments=((30, 13), (0, 9)), decode=3, pad=2)
         check_grouped("cpu", dt, lat=64, rope=16, segments=((40, 11),), decode=0, pad=0, num_splits=2)
     print("grouped ok")
-    for line in run_quantized("cpu", torch.float32, [(16, 16, 3, 70, None), (16, 16, 2, 90, 2)]):
-        print(line)
+    for dt in (torch.float32, torch.float16):  # fp16 queries: the fp8 format's fp16 dots (mla_decode.FP8_DOTS)
+        for line in run_quantized("cpu", dt, [(16, 16, 3, 70, None), (16, 16, 2, 90, 2)]):
+            print(line)
     print("ok")
