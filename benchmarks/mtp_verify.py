@@ -40,7 +40,7 @@ DEEPSEEK_ACCEPTANCE = 0.85  # DeepSeek-V3's report: 85-90% of second tokens acce
 
 
 def step_time(model: Path, device: str, batch: int, prompt_len: int, steps: int, k: int, eager: bool,
-              dummy: bool) -> float:
+              dummy: bool, profile: bool = False) -> float:
     """Seconds per engine step with ``batch`` requests decoding (k drafts each when k > 0)."""
     kw: dict = dict(dtype="bfloat16" if device != "cpu" else "float32", device=device,
                     max_model_len=prompt_len + steps * (k + 1) + 64, max_num_seqs=max(batch, 1),
@@ -67,6 +67,18 @@ def step_time(model: Path, device: str, batch: int, prompt_len: int, steps: int,
             eng.step()
         sync()
         dt = (time.perf_counter() - t0) / steps
+        if profile:  # where a step's time goes: host-side record_function spans and the GPU's kernels
+            from torch.profiler import ProfilerActivity
+            from torch.profiler import profile as torch_profile
+
+            acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device != "cpu" else [])
+            with torch_profile(activities=acts) as prof:
+                for _ in range(5):
+                    eng.step()
+                sync()
+            for key in ("cpu_time_total", "cuda_time_total") if device != "cpu" else ("cpu_time_total",):
+                print(f"profile of 5 steps, batch {batch}, k={k}, by {key}:")
+                print(prof.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=70))
         for s in seqs:
             eng.abort(s.request_id)
         return dt
@@ -89,6 +101,7 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--eager", action="store_true", help="also both steps without CUDA graphs")
+    ap.add_argument("--profile", action="store_true", help="print torch.profiler tables of speculative steps")
     ap.add_argument("--acceptance", type=float, default=0.972,
                     help="another acceptance rate to project at (default: the trained tiny model's at k=1)")
     a = ap.parse_args()
@@ -107,7 +120,8 @@ def main() -> None:
         base = step_time(model, a.device, batch, a.prompt_len, a.steps, 0, eager=False, dummy=dummy)
         eager = step_time(model, a.device, batch, a.prompt_len, a.steps, 0, eager=True, dummy=dummy) if a.eager else 0.0
         for k in a.k:
-            spec = step_time(model, a.device, batch, a.prompt_len, a.steps, k, eager=False, dummy=dummy)
+            spec = step_time(model, a.device, batch, a.prompt_len, a.steps, k, eager=False, dummy=dummy,
+                             profile=a.profile)
             spec_eager = (step_time(model, a.device, batch, a.prompt_len, a.steps, k, eager=True, dummy=dummy)
                           if a.eager else 0.0)
             row = {"batch": batch, "k": k, "decode_step_ms": round(base * 1e3, 3),

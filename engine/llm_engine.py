@@ -513,12 +513,14 @@ class LLMEngine:
     def _verify(self, scheduled: list[Scheduled], logits: list[StepLogits | None]) -> list[Sequence]:
         """Speculative decoding: the step's drafts verified and the tokens appended; the requests that finished."""
         assert self.drafts is not None
-        return self.drafts.verify(scheduled, logits, self.generator, self._append)
+        with torch.profiler.record_function("spec.verify"):  # named in profiles (benchmarks/mtp_verify.py)
+            return self.drafts.verify(scheduled, logits, self.generator, self._append)
 
     def _draft(self, step: _Launched) -> None:
         """Speculative decoding: the MTP layer over the step's rows, and the next drafts."""
         assert self.drafts is not None
-        self.drafts.draft(step.scheduled, step.starts)
+        with torch.profiler.record_function("spec.draft"):
+            self.drafts.draft(step.scheduled, step.starts)
 
     def _record_prompt_logits(self, s: Scheduled, sl: StepLogits | None) -> None:
         """Record prompt logits/logprobs of this step's rows, skipping rows recorded before (a
