@@ -12,8 +12,8 @@ keep in step by waves (vLLM's DP engines do the same):
   duplicate ``Wake`` is ignored.
 - In a wave, every iteration of every replica's engine loop first agrees whether any replica has
   work (``ExpertGroup.busy``, one all-reduce), then runs one step (a replica without rows takes part in
-  the MoE layers' collectives only). The iteration at which no replica has work ends the wave on every
-  replica at once: they all saw the same answer.
+  the MoE layers' collectives only, or with CUDA graphs replays the group's graph with padding rows). The
+  iteration at which no replica has work ends the wave on every replica at once: they all saw the same answer.
 
 A replica that dies or hangs leaves the others blocked in a collective until the group's timeout
 (``EngineConfig.rank_timeout_s``): the step raises, the replica process ends, and the node fails.

@@ -23,6 +23,14 @@ the graph; sampling runs after it, on the host's schedule.
 
 A model that cannot be captured (the per-expert MoE loop, which reads expert counts on the host,
 runs off Hopper or in fp32) is reported once and runs eagerly.
+
+Under expert parallelism (a decode node's DP replicas as one EP group, ``ExpertGroup``) every MoE layer's
+dispatch and combine are collectives over the group, captured in the graphs: every member captures the
+same ladder in the same order, in lockstep, the graph of ``size`` rows with each member's rows fixed at
+``size`` (``ep_counts`` = [size] * EP), and keeps its graphs only if every member captured each size. A step
+then replays one size on every member: the smallest captured size that holds the group's largest step
+(``engine.model_runner`` agrees on it with the step's row counts), a member without rows replaying it with
+padding rows only (``pad``). Padding rows route like any row, but attend nothing and are dropped.
 """
 
 from __future__ import annotations
@@ -38,6 +46,7 @@ from engine.kv_cache import KVCache
 from engine.mla_decode import group_rows
 from engine.model import DeepseekForCausalLM
 from engine.overlap import Feed
+from engine.parallel.expert_parallel import ExpertGroup
 
 log = logging.getLogger(__name__)
 
@@ -69,8 +78,10 @@ class DecodeGraphs:
     counts, over static input buffers."""
 
     def __init__(self, model: DeepseekForCausalLM, cache: KVCache, scratch_block: int, max_model_len: int,
-                 max_batch: int, max_rows: int | None = None) -> None:
+                 max_batch: int, max_rows: int | None = None, ep: ExpertGroup | None = None) -> None:
+        """``ep``: the model is one member of an EP group of in-process engines (module docstring)."""
         self.model = model
+        self.ep = ep
         self.cache = cache
         self.block_size = cache.block_size
         self.width = -(-max_model_len // self.block_size)  # block-table entries per row
@@ -89,6 +100,7 @@ class DecodeGraphs:
         self.grouped = torch.zeros(n, dtype=torch.int32, device=device)  # rows served in groups
         self._grouped_hw = 0  # every row of ``grouped`` from here on is 0
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._pool: torch.cuda._POOL_HANDLE | None = None  # the graphs' memory pool, once the first is captured
         # The replays' outputs: one buffer each that every size's graph writes its rows of (a graph's own
         # outputs would stay allocated per size: ~0.9 GB of logits over a 256-row ladder of V2-Lite's).
         assert model.lm_head is not None  # graphs are captured for a whole model (one process, one device)
@@ -98,6 +110,7 @@ class DecodeGraphs:
         self._max_rows = n
         self.replays = 0  # steps served by a graph (tests check graphs were really used)
         self.prefill_replays = 0  # of which steps with prefill rows
+        self.pad_replays = 0  # of which, under EP, steps without rows of this member's (``pad``)
 
     # -- start-up --------------------------------------------------------------------------------
     def _batch(self, size: int) -> ForwardBatch:
@@ -107,6 +120,7 @@ class DecodeGraphs:
             decode_max_len=self.width * self.block_size, prefills=[],
             logits_rows=torch.arange(size, device=self.input_ids.device),
             decode_grouped=self.grouped[:size] if self.group > 1 and size >= GROUPED_MIN_ROWS else None,
+            ep_counts=[size] * self.ep.shard.size if self.ep is not None else None, static=True,
         )
 
     def _forward(self, size: int) -> None:
@@ -118,42 +132,60 @@ class DecodeGraphs:
     @torch.inference_mode()
     def capture(self) -> None:
         """Capture every size of the ladder (largest first, so smaller ones reuse its memory pool).
-        On failure the graphs are dropped and the engine runs eagerly; the reason is logged."""
+        On failure the graphs are dropped and the engine runs eagerly; the reason is logged. Under EP every
+        member of the group calls this at once (collective)."""
         with torch.cuda.device(self.device):
-            self._capture()
+            t0 = time.perf_counter()
+            free0 = torch.cuda.mem_get_info()[0]
+            captured = self.capture_ladder()
+            torch.cuda.synchronize()
+            if captured:
+                used = (free0 - torch.cuda.mem_get_info()[0]) / 2**20
+                log.info("captured CUDA graphs of token rows for %d sizes (1..%d rows) in %.1fs, %.0f MiB",
+                         len(self.sizes), self.sizes[-1], time.perf_counter() - t0, used)
 
-    def _capture(self) -> None:
-        t0 = time.perf_counter()
-        free0 = torch.cuda.mem_get_info()[0]
+    def capture_ladder(self) -> bool:
+        """Capture each size of the ladder, largest first (``_capture``); under EP, in lockstep with the other
+        members, each size kept only if every member captured it (else none keeps any). Returns whether the
+        graphs were captured (``sizes``)."""
         self.lens.zero_()
         self.grouped.zero_()
         self._grouped_hw = 0
         self.slots.fill_(self.scratch_slot)
-        pool = None
-        try:
-            for size in reversed(graph_sizes(self._max_rows, self._max_batch)):
-                # Warm-up at this size on a side stream: Triton compiles its kernels for the size's
-                # launch parameters outside the capture (loading a module is not allowed inside one).
-                stream = torch.cuda.Stream()
-                stream.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(stream):
-                    self._forward(size)
-                torch.cuda.current_stream().wait_stream(stream)
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g, pool=pool):
-                    self._forward(size)
-                pool = g.pool()
-                self._graphs[size] = g
-        except Exception as e:  # a kernel that syncs with the host, or no room: run eagerly
-            log.warning("CUDA graphs disabled (%s: %s); every step runs eagerly", type(e).__name__, e)
-            self._graphs.clear()
-            torch.cuda.synchronize()
-            return
-        torch.cuda.synchronize()
-        self.sizes = sorted(self._graphs)
-        used = (free0 - torch.cuda.mem_get_info()[0]) / 2**20
-        log.info("captured CUDA graphs of token rows for %d sizes (1..%d rows) in %.1fs, %.0f MiB",
-                 len(self.sizes), self.sizes[-1], time.perf_counter() - t0, used)
+        done: list[int] = []
+        for size in reversed(graph_sizes(self._max_rows, self._max_batch)):
+            why = ""
+            try:
+                self._capture(size)
+            except Exception as e:  # a kernel that syncs with the host, or no room: run eagerly
+                why = f"{type(e).__name__}: {e}"
+            ok = not why
+            if self.ep is not None:  # the group replays only sizes every member has (the MoE's collectives)
+                ok = self.ep.every(ok)
+                why = why or "another member of the expert-parallel group could not capture them"
+            if not ok:
+                log.warning("CUDA graphs disabled (%s); every step runs eagerly", why)
+                self._graphs.clear()
+                self._pool = None
+                return False
+            done.append(size)
+        self.sizes = sorted(done)
+        return True
+
+    def _capture(self, size: int) -> None:
+        """Capture the graph of ``size`` rows (after a warm-up at that size on a side stream: Triton compiles
+        its kernels for the size's launch parameters outside the capture, where loading a module is not
+        allowed; and, under EP, the group's communicator is set up before the first capture)."""
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            self._forward(size)
+        torch.cuda.current_stream().wait_stream(stream)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, pool=self._pool):
+            self._forward(size)
+        self._pool = g.pool()  # the largest graph's memory, reused by the smaller ones
+        self._graphs[size] = g
 
     # -- each step -------------------------------------------------------------------------------
     @property
@@ -164,22 +196,27 @@ class DecodeGraphs:
     def fits(self, rows: int, block_tables: list[list[int]]) -> bool:
         return 0 < rows <= self.max_rows and all(len(t) <= self.width for t in block_tables)
 
+    def size_for(self, rows: int) -> int:
+        """The graph a step of ``rows`` rows replays: the smallest captured size that holds them."""
+        return next(s for s in self.sizes if s >= rows)
+
     def run(self, token_ids: list[int], positions: list[int], block_tables: list[list[int]],
-            feed: Feed | None = None) -> torch.Tensor:
+            feed: Feed | None = None, size: int | None = None) -> torch.Tensor:
         """One decode step of ``len(token_ids)`` rows (row i: its new token at ``positions[i]``, its
         blocks ``block_tables[i]``; ``feed``: tokens still on the device, written over ``token_ids``'
-        placeholders) -> logits [B, V] fp32 (a copy: the next replay overwrites the graph's)."""
+        placeholders) -> logits [B, V] fp32 (a copy: the next replay overwrites the graph's). ``size``: the
+        graph to replay (under EP the group's; default ``size_for`` the rows)."""
         b = len(token_ids)
-        size = self._replay(token_ids, positions, block_tables, [1] * b, feed)
+        size = self._replay(token_ids, positions, block_tables, [1] * b, feed, size)
         if size > self._max_batch:  # not while the scheduler caps a step's requests at max_batch
             return self.model.compute_logits(self._hidden[:b])
         return self._logits[:b].clone()
 
     def run_rows(self, token_ids: list[int], positions: list[int], block_tables: list[list[int]],
-                 repeats: list[int], logit_rows: list[int]) -> torch.Tensor:
+                 repeats: list[int], logit_rows: list[int], size: int | None = None) -> torch.Tensor:
         """One step of token rows, request r's ``repeats[r]`` consecutive rows sharing its block table
-        ``block_tables[r]`` -> logits [len(logit_rows), V] fp32 of the rows listed."""
-        size = self._replay(token_ids, positions, block_tables, repeats)
+        ``block_tables[r]`` -> logits [len(logit_rows), V] fp32 of the rows listed (``size`` as for ``run``)."""
+        size = self._replay(token_ids, positions, block_tables, repeats, size=size)
         self.prefill_replays += 1
         rows = torch.tensor(logit_rows, dtype=torch.long).to(self.device, non_blocking=True)
         if size <= self._max_batch:
@@ -196,10 +233,23 @@ class DecodeGraphs:
             logits_rows=torch.arange(rows, device=self.input_ids.device))
         return batch, self._hidden[:rows]
 
+    def pad(self, size: int) -> None:
+        """Under EP, a step without rows of this member's: replay the graph of ``size`` rows (the group's) with
+        padding rows only, for the MoE layers' collectives (their outputs are dropped)."""
+        if self.group > 1:
+            self._grouped_hw = update_group_flags(self.grouped, np.zeros(0, dtype=np.int64), self._grouped_hw)
+        self.lens[:size].zero_()
+        self.slots[:size].fill_(self.scratch_slot)
+        self._launch(size)
+        self.replays += 1
+        self.pad_replays += 1
+
     def _replay(self, token_ids: list[int], positions: list[int], block_tables: list[list[int]],
-                repeats: list[int], feed: Feed | None = None) -> int:
+                repeats: list[int], feed: Feed | None = None, size: int | None = None) -> int:
         b = len(token_ids)
-        size = next(s for s in self.sizes if s >= b)
+        size = self.size_for(b) if size is None else size
+        if not b <= size <= self.max_rows:
+            raise ValueError(f"a step of {b} rows cannot replay the graph of {size}")
         group = self.group if size >= GROUPED_MIN_ROWS else 1
         host, table = row_inputs(token_ids, positions, block_tables, repeats, self.block_size, group)
         host_t = torch.from_numpy(host)

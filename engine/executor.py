@@ -118,26 +118,25 @@ class LocalExecutor:
         n = kv_blocks_for_memory(config, mc, max_model_len, self.device, cache_layers)
         check_kv_capacity(n, config.block_size, max_model_len)
         plan_prompt_attention(config, mc, max_model_len, self.dtype, self.device)
-        # Under EP a captured step would need every member replaying one padded size: not built, so eager.
-        graphs = self.device.type == "cuda" and not config.enforce_eager and HAS_TRITON and ep is None
-        if ep is not None and self.device.type == "cuda" and not config.enforce_eager:
-            log.warning("expert parallelism: decode steps run eagerly (no CUDA graphs across an EP group yet)")
+        # Under EP every member captures the same graphs in lockstep (collective: engine.cuda_graphs), and
+        # replays one size per step with the others.
+        graphs = self.device.type == "cuda" and not config.enforce_eager and HAS_TRITON
         self.cache = KVCache(config.kv_format(mc), range(cache_layers), n, config.block_size, self.device,
                              spare_blocks=1 if graphs else 0)
         self.graphs: DecodeGraphs | None = None
         if graphs:
             self.graphs = DecodeGraphs(self.model, self.cache, n, max_model_len, config.max_num_seqs,
-                                       config.max_cudagraph_capture_size)
+                                       config.max_cudagraph_capture_size, ep)
             self.graphs.capture()
-        self.runner = ModelRunner(self.model, self.cache, self.device, self.graphs)
+        self.runner = ModelRunner(self.model, self.cache, self.device, self.graphs, ep)
         self.allocator: BlockSpace = self.cache.allocator
         self.block_size = config.block_size
         self._pending: list[StepLogits | None] | None = None
 
     def launch(self, scheduled: list[Scheduled], feed: Feed | None = None) -> None:
-        # In process the step runs now, while the requests' block tables are as scheduled.
-        counts = self.ep.counts(sum(s.num_new for s in scheduled)) if self.ep is not None else None
-        self._pending = self.runner.run(scheduled, feed, counts)
+        # In process the step runs now, while the requests' block tables are as scheduled (under EP every member
+        # of the group launches every step, rows or none: ModelRunner.run).
+        self._pending = self.runner.run(scheduled, feed)
 
     def collect(self) -> list[StepLogits | None]:
         assert self._pending is not None, "collect() without launch()"

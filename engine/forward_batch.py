@@ -43,6 +43,9 @@ class ForwardBatch:
     # Expert parallelism: every EP rank's rows this step, in group order (the MoE layers' dispatch sizes),
     # found once per step (engine.parallel.expert_parallel); None without EP.
     ep_counts: list[int] | None = None
+    # A CUDA graph's step (engine.cuda_graphs): shapes fixed by its size, nothing read back to the host (under
+    # expert parallelism the MoE layers then pass every gathered choice through, not only this rank's).
+    static: bool = False
 
     @property
     def num_tokens(self) -> int:

@@ -132,12 +132,13 @@ class MoE(nn.Module):
                                           requires_grad=False)
         self.w2_scale_inv = nn.Parameter(torch.empty(e, gd, gi, dtype=torch.float32, device=dev), requires_grad=False)
 
-    def forward(self, x: torch.Tensor, ep_counts: list[int] | None = None) -> torch.Tensor:
-        """x: [T, D] -> [T, D]. ``ep_counts``: every EP rank's rows this step (expert parallelism)."""
+    def forward(self, x: torch.Tensor, ep_counts: list[int] | None = None, static: bool = False) -> torch.Tensor:
+        """x: [T, D] -> [T, D]. ``ep_counts``: every EP rank's rows this step (expert parallelism); ``static``: a
+        CUDA graph's step (``ForwardBatch.static``: fixed shapes, nothing read back to the host)."""
         if self.ep is not None and self.ep.comm is not None:
             if ep_counts is None:
                 raise RuntimeError("an expert-parallel MoE layer needs the EP group's row counts")
-            return self._forward_ep(x, ep_counts)
+            return self._forward_ep(x, ep_counts, static)
         if x.shape[0] == 0:  # a PCP rank with no rows this step
             return x.clone()
         weights, ids = self.gate(x)  # [T, K]
@@ -165,7 +166,7 @@ class MoE(nn.Module):
         routed = torch.bmm(weights.unsqueeze(1).to(out.dtype), per_choice).squeeze(1)
         return routed + shared if shared is not None else routed
 
-    def _forward_ep(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    def _forward_ep(self, x: torch.Tensor, counts: list[int], static: bool = False) -> torch.Tensor:
         """Dispatch every rank's routed rows, run this rank's experts on the choices that picked them, and
         combine the weighted sums back to their rows' owners (``engine.parallel.expert_parallel``). Every
         rank of the group calls this in every MoE layer of a step, rows or none."""
@@ -177,6 +178,9 @@ class MoE(nn.Module):
         weights, ids = self.gate(x)  # [T, K]
         shared = self.shared_experts(x) if self.shared_experts is not None and x.shape[0] else None
         xs_all, ids_all, w_all = ep.comm.dispatch(x, ids, weights, counts)  # padded rows choose nothing real
+        if static:
+            routed = ep.comm.combine(self._local_sums(xs_all, ids_all, w_all), counts)
+            return routed + shared if shared is not None else routed
         k = ids_all.shape[1]
         pos, local = ep.expert_rows(ids_all)
         order = torch.argsort(local, stable=True)
@@ -195,6 +199,35 @@ class MoE(nn.Module):
         partial = xs_all.new_zeros(xs_all.shape).index_add_(0, rows, contrib)
         routed = ep.comm.combine(partial, counts)
         return routed + shared if shared is not None else routed
+
+    def _local_sums(self, xs: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Gathered rows xs [N, D] with their top-k ``ids`` and ``weights`` [N, K] -> each row's weighted sum over
+        its choices of this rank's experts [N, D], in shapes fixed by N (a CUDA graph's step): every choice
+        goes in, those of other ranks' experts skipped (``moe_kernels``: an id past the local experts), where
+        the eager path first picks out this rank's choices (their number is read on the host)."""
+        assert self.ep is not None
+        local, mine = self.ep.local_choices(ids)  # [N, K]
+        if moe_kernels.usable(xs):
+            per_choice = moe_kernels.fused_experts(xs, local, self.w13, self.w2, self.w13_scale_inv,
+                                                   self.w2_scale_inv)  # [N, K, D]
+        else:  # (CPU: graph steps run eagerly in tests)
+            per_choice = self._experts_by_choice(xs, local).view(*local.shape, -1)
+        per_choice.masked_fill_(~mine.unsqueeze(-1), 0)  # the skipped choices' slots were never written
+        if moe_kernels.usable(per_choice):
+            return moe_kernels.combine(per_choice, weights)
+        return torch.bmm(weights.unsqueeze(1).to(per_choice.dtype), per_choice).squeeze(1)
+
+    def _experts_by_choice(self, xs: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+        """The torch form of ``_local_sums``' experts: rows xs [N, D], local expert ids [N, K] (``E``: skipped)
+        -> [N * K, D] in (row, choice) order, skipped slots unwritten."""
+        e, k = self.w13.shape[0], local.shape[1]
+        flat = local.flatten()
+        order = torch.argsort(flat, stable=True)  # by expert, the skipped last
+        per_expert = flat.new_zeros(e + 1).index_add_(0, flat, torch.ones_like(flat))[:e]
+        grouped = xs[order // k]
+        out = self._experts_grouped(grouped, per_expert) if _use_grouped_mm(grouped) else \
+            self._experts_loop(grouped, per_expert)
+        return torch.empty_like(out).index_copy_(0, order, out)
 
     def _experts_loop(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         out = torch.empty_like(xs)

@@ -50,7 +50,7 @@ class DecoderLayer(nn.Module):
     ) -> torch.Tensor:
         h, x = self.post_attention_layernorm.add_forward(self.self_attn(self.input_layernorm(x), batch, cache, rope), x)
         if isinstance(self.mlp, MoE):
-            return x + self.mlp(h, batch.ep_counts)
+            return x + self.mlp(h, batch.ep_counts, batch.static)
         return x + self.mlp(h)
 
 
@@ -155,8 +155,9 @@ class DeepseekForCausalLM(nn.Module):
         return sum(p.numel() for n, p in self.named_parameters() if n.endswith((".mlp.w13", ".mlp.w2")))
 
     def expert_collectives(self, ep_counts: list[int]) -> None:
-        """A step without rows on one member of an EP group (``engine.parallel.expert_parallel.ExpertGroup``):
-        every MoE layer's dispatch and combine, for the other members' rows; nothing else runs."""
+        """An eager step without rows on one member of an EP group (``engine.parallel.expert_parallel.ExpertGroup``):
+        every MoE layer's dispatch and combine, for the other members' rows; nothing else runs. (A step the
+        group replays as a CUDA graph such a member replays with padding rows: ``DecodeGraphs.pad``.)"""
         for layer in self.model.layers.values():
             assert isinstance(layer, DecoderLayer)
             if isinstance(layer.mlp, MoE):

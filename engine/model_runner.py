@@ -11,6 +11,7 @@ from engine.forward_batch import ForwardBatch, PrefillSegment, slots_for
 from engine.kv_cache import KVCache
 from engine.model import DeepseekForCausalLM, MTPLayer
 from engine.overlap import Feed
+from engine.parallel.expert_parallel import ExpertGroup
 from engine.scheduler import Scheduled
 
 # A step with prefill rows replays a graph when its rows fit the largest captured size and its
@@ -88,33 +89,76 @@ def build_batch(scheduled: list[Scheduled], block_size: int, device: torch.devic
     )
 
 
+@dataclass
+class GraphRows:
+    """A step as the rows of a graph replay, on the host (``ModelRunner._graph_rows``), before it replays."""
+
+    ids: list[int]  # each row's token (0: still on the device, for the feed to write)
+    positions: list[int]
+    tables: list[list[int]]  # per request
+    repeats: list[int] | None  # per request, its rows; None: a decode step (one row each: ``DecodeGraphs.run``)
+    spans: list[tuple[int, int] | None]  # per request, ``logits_span``
+    logit_rows: list[int]  # the rows whose logits the step needs
+
+    @property
+    def rows(self) -> int:
+        return len(self.ids)
+
+
 class ModelRunner:
     def __init__(self, model: DeepseekForCausalLM, cache: KVCache, device: torch.device,
-                 graphs: DecodeGraphs | None = None) -> None:
+                 graphs: DecodeGraphs | None = None, ep: ExpertGroup | None = None) -> None:
+        """``ep``: the model is one member of an EP group of in-process engines, which step together (``run``)."""
         self.model = model
         self.cache = cache
         self.device = device
         self.graphs = graphs  # decode-only steps replay these when they fit
+        self.ep = ep
         # Speculative decoding: the last step's batch and the target's hidden states [T, D], which the
         # multi-token prediction layer drafts from (``draft``).
         self._last: tuple[ForwardBatch, torch.Tensor] | None = None
 
     @torch.inference_mode()
-    def run(self, scheduled: list[Scheduled], feed: Feed | None = None,
-            ep_counts: list[int] | None = None) -> list[StepLogits | None]:
+    def run(self, scheduled: list[Scheduled], feed: Feed | None = None) -> list[StepLogits | None]:
         """One forward step -> per scheduled request its logits (None if it needs none this step).
-        ``feed``: input tokens of decode rows still on the device (engine.overlap). ``ep_counts``: under
-        expert parallelism, every EP member's rows this step; a member without rows still runs the MoE
-        layers' collectives, unless no member has rows."""
+        ``feed``: input tokens of decode rows still on the device (engine.overlap). Under expert parallelism
+        every member of the group calls this in every step, rows or none (``_run_ep``)."""
         self._last = None
-        if ep_counts is not None and not scheduled:
-            if any(ep_counts):
-                self.model.expert_collectives(ep_counts)
+        graphs = self.graphs if self.graphs is not None and self.model.decode_form == "absorbed" else None
+        rows = self._graph_rows(scheduled, graphs, feed) if graphs is not None and scheduled else None
+        if self.ep is not None:
+            return self._run_ep(scheduled, feed, graphs, rows)
+        if rows is not None:
+            assert graphs is not None
+            return self._replay(rows, graphs, feed)
+        return self._eager(scheduled, feed)
+
+    def _run_ep(self, scheduled: list[Scheduled], feed: Feed | None, graphs: DecodeGraphs | None,
+                rows: GraphRows | None) -> list[StepLogits | None]:
+        """One step of an EP group's member. The members exchange their rows and whether each can replay its
+        step (one all-gather: ``ExpertGroup.counts``); a member without rows can (padding rows only). If every
+        one can, each replays the same graph, the smallest that holds the group's largest step, since the
+        MoE layers' collectives in it are sized by it (``engine.cuda_graphs``); else each runs eagerly, and a
+        member without rows runs only the MoE layers' collectives. Nothing runs where no member has rows."""
+        assert self.ep is not None
+        counts, replay = self.ep.counts(sum(s.num_new for s in scheduled),
+                                        graphs is not None and (rows is not None or not scheduled))
+        if not any(counts):
             return []
-        if self.graphs is not None and self.model.decode_form == "absorbed" and scheduled:
-            replayed = self._replay(scheduled, self.graphs, feed)
-            if replayed is not None:
-                return replayed
+        if replay:
+            assert graphs is not None
+            size = graphs.size_for(max(counts))
+            if rows is None:
+                graphs.pad(size)
+                return []
+            return self._replay(rows, graphs, feed, size)
+        if not scheduled:
+            self.model.expert_collectives(counts)
+            return []
+        return self._eager(scheduled, feed, counts)
+
+    def _eager(self, scheduled: list[Scheduled], feed: Feed | None,
+               ep_counts: list[int] | None = None) -> list[StepLogits | None]:
         batch = build_batch(scheduled, self.cache.block_size, self.device)
         batch.ep_counts = ep_counts
         if feed is not None:
@@ -136,19 +180,18 @@ class ModelRunner:
             pos += k
         return out
 
-    def _replay(self, scheduled: list[Scheduled], graphs: DecodeGraphs,
-                feed: Feed | None = None) -> list[StepLogits | None] | None:
-        """The step as one graph replay (decode rows, and prefill rows when they are cheap that way),
-        or None to run it eagerly."""
+    def _graph_rows(self, scheduled: list[Scheduled], graphs: DecodeGraphs,
+                    feed: Feed | None = None) -> GraphRows | None:
+        """The step as the rows of one graph replay (decode rows, and prefill rows when they are cheap that
+        way), or None to run it eagerly."""
         if all(s.num_new == 1 and logits_span(s) == (0, 1) for s in scheduled):  # decode only: the hot path
             seqs = [s.seq for s in scheduled]
             tables = [q.block_ids for q in seqs]
             if not graphs.fits(len(seqs), tables):
                 return None
             known = [q.token_at(q.num_computed) if q.num_computed < q.num_tokens - q.pending else 0 for q in seqs]
-            logits = graphs.run(known, [q.num_computed for q in seqs], tables, feed)
-            self._keep_replayed(graphs, len(seqs))
-            return [StepLogits(0, logits[i : i + 1]) for i in range(len(scheduled))]
+            return GraphRows(known, [q.num_computed for q in seqs], tables, None, [(0, 1)] * len(seqs),
+                             list(range(len(seqs))))
         if feed is not None:
             return None  # fed rows replay only as a decode step
         rows = sum(s.num_new for s in scheduled)
@@ -177,11 +220,20 @@ class ModelRunner:
             if sp is not None:
                 logit_rows.extend(range(row + sp[0], row + sp[0] + sp[1]))
             row += s.num_new
-        logits = graphs.run_rows(ids, positions, tables, [s.num_new for s in scheduled], logit_rows)
-        self._keep_replayed(graphs, rows)
+        return GraphRows(ids, positions, tables, [s.num_new for s in scheduled], spans, logit_rows)
+
+    def _replay(self, step: GraphRows, graphs: DecodeGraphs, feed: Feed | None = None,
+                size: int | None = None) -> list[StepLogits | None]:
+        """Replay the graph of ``size`` rows (default: the smallest that holds the step) over ``step``'s rows."""
+        if step.repeats is None:
+            logits = graphs.run(step.ids, step.positions, step.tables, feed, size)
+            self._keep_replayed(graphs, step.rows)
+            return [StepLogits(0, logits[i : i + 1]) for i in range(step.rows)]
+        logits = graphs.run_rows(step.ids, step.positions, step.tables, step.repeats, step.logit_rows, size)
+        self._keep_replayed(graphs, step.rows)
         out: list[StepLogits | None] = []
         k = 0
-        for sp in spans:
+        for sp in step.spans:
             if sp is None:
                 out.append(None)
             else:

@@ -23,6 +23,10 @@ For ``T`` tokens choosing ``K`` experts each (``N = T*K`` rows):
    one pass (torch needs a permutation copy, a batched [1, K] x [K, D] product and an add; at prefill
    sizes those took a tenth of the step, docs/benchmarks.md).
 
+A choice of an id past the experts (``>= E``) is skipped: no row computes it and its output slot is left
+unwritten (under expert parallelism a CUDA graph's MoE passes every gathered choice, those of other ranks'
+experts as ``E``: ``engine.layers.MoE``).
+
 Everything is shaped by ``E``, the weight shapes and ``N`` only (never by device values), so the
 kernels are capturable in a CUDA graph. Triton is optional: without it ``HAS_TRITON`` is False.
 """
@@ -96,6 +100,7 @@ if HAS_TRITON:
             hot = (e[:, None] == experts[None, :]).to(tl.int32)  # [CHUNK, EP]
             before = tl.cumsum(hot, 0) - hot + seen[None, :]  # earlier rows of the same expert
             row = tl.sum(hot * (starts[None, :] + before), 1)
+            m = m & (e < EP)  # an id past the one-hot's columns (a skipped choice) has no row
             tl.store(SRC + row, i // K, mask=m)
             tl.store(ORDER + row, i, mask=m)
             seen += tl.sum(hot, 0)
@@ -138,6 +143,7 @@ if HAS_TRITON:
         hot = (e[:, None] == experts[None, :]).to(tl.int32)  # [CHUNK, EP]
         base = tl.load(BASE + p * EP + experts)
         row = tl.sum(hot * (base[None, :] + tl.cumsum(hot, 0) - hot), 1)
+        m = m & (e < EP)  # a skipped choice (id past the columns) has no row
         tl.store(SRC + row, i // K, mask=m)
         tl.store(ORDER + row, i, mask=m)
 
@@ -272,7 +278,8 @@ def supported(x: torch.Tensor, num_rows: int) -> bool:
 def fused_experts(x: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                   w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, D], expert ids [T, K], w13 [E, 2I, D] (gate rows, then up rows), w2 [E, D, I]
-    -> each (token, choice)'s expert output [T, K, D] in x's dtype (unweighted).
+    -> each (token, choice)'s expert output [T, K, D] in x's dtype (unweighted); a choice of id ``>= E`` is
+    skipped, its slot left unwritten.
 
     Block-FP8 experts (W8A8): w13 and w2 in e4m3 with their ``weight_scale_inv`` stacks, ``w13_scale``
     [E, 2 * cdiv(I, 128), cdiv(D, 128)] (gate_proj's blocks, then up_proj's) and ``w2_scale``
@@ -342,7 +349,8 @@ def fp8_tiles(n: int, e: int) -> tuple[int, int, int, int, int]:
 
 def route(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Expert ids [T, K] -> (offs [E+1], src [T*K], order [T*K]) int32: expert e's rows are
-    ``offs[e]:offs[e+1]``, in (token, choice) order; row r is token ``src[r]``'s choice ``order[r] % K``."""
+    ``offs[e]:offs[e+1]``, in (token, choice) order; row r is token ``src[r]``'s choice ``order[r] % K``. Choices
+    of ids ``>= E`` get no row of ``[0, offs[E])``."""
     t, k = ids.shape
     n = t * k
     dev = ids.device
@@ -409,13 +417,15 @@ def silu_mul(h: torch.Tensor) -> torch.Tensor:
 
 
 def fused_experts_reference(x: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
-    """The same result by a loop over (token, choice) in fp32 (for tests)."""
+    """The same result by a loop over (token, choice) in fp32 (for tests); a skipped choice's slot is 0."""
     t, k = ids.shape
     i = w13.shape[1] // 2
-    out = torch.empty(t, k, x.shape[1], dtype=torch.float32, device=x.device)
+    out = torch.zeros(t, k, x.shape[1], dtype=torch.float32, device=x.device)
     xf = x.float()
     for r in range(t):
         for c in range(k):
+            if int(ids[r, c]) >= w13.shape[0]:
+                continue
             w = w13[int(ids[r, c])].float()
             gate, up = w[:i] @ xf[r], w[i:] @ xf[r]
             h = (torch.nn.functional.silu(gate) * up).to(x.dtype).float()

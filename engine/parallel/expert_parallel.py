@@ -18,8 +18,9 @@ rows (the collectives only; ``LLMEngine.lockstep``), and each step's rows per EP
 
 On a decode node the EP group is its DP replicas, each a whole engine in a process of its own
 (``ExpertGroup``): nobody drives them, so each step they agree whether any has work (``ExpertGroup.busy``)
-and exchange their rows (``ExpertGroup.counts``), as vLLM's DP engines all-reduce their unfinished flags and
-token counts each step; the waves that ``busy`` ends are started and joined in ``decode_node.replica``.
+and exchange their rows (``ExpertGroup.counts``, with whether each can replay the step as a CUDA graph:
+``engine.cuda_graphs``), as vLLM's DP engines all-reduce their unfinished flags and token counts each step;
+the waves that ``busy`` ends are started and joined in ``decode_node.replica``.
 """
 
 from __future__ import annotations
@@ -104,7 +105,7 @@ class ExpertGroup:
     world (a decode node's DP replicas): its experts, the group whose collectives move the MoE layers'
     tensors (``group``: NCCL on GPUs, gloo on CPU; None is the world), and a gloo group for the host's
     per-step agreement (``host``; None is the world). Every member calls ``busy`` and, when it says so,
-    ``counts`` in every step, in the same order."""
+    ``counts`` in every step, in the same order (and ``every`` once per CUDA graph size at start-up)."""
 
     shard: ExpertShard
     group: dist.ProcessGroup | None = None
@@ -123,11 +124,23 @@ class ExpertGroup:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.host)
         return bool(flag.item())
 
-    def counts(self, rows: int) -> list[int]:
-        """Every member's rows this step, in group order: the MoE layers' dispatch sizes (one all-gather)."""
-        counts = exchange_counts(rows, self.host, torch.device("cpu"))
+    def every(self, mine: bool) -> bool:
+        """Whether every member says so (one all-reduce)."""
+        flag = torch.tensor([int(mine)])
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.host)
+        return bool(flag.item())
+
+    def counts(self, rows: int, replayable: bool = False) -> tuple[list[int], bool]:
+        """Every member's rows this step, in group order (the MoE layers' dispatch sizes), and whether every
+        member can run the step as a CUDA graph's replay (``replayable`` here; ``engine.model_runner``): one
+        all-gather."""
+        n = dist.get_world_size(self.host)
+        mine = torch.tensor([rows, int(replayable)], dtype=torch.int64)
+        out = torch.empty(2 * n, dtype=torch.int64)
+        dist.all_gather(list(out.chunk(n)), mine, group=self.host)
+        counts, replay = out.view(n, 2).t().tolist()
         self.rows = sum(counts)
-        return counts
+        return counts, all(replay)
 
 
 class ExpertComm(Protocol):
@@ -184,3 +197,9 @@ class ExpertParallel:
         flat = ids.flatten()
         pos = ((flat >= self.shard.start) & (flat < self.shard.stop)).nonzero().squeeze(1)
         return pos, flat[pos] - self.shard.start
+
+    def local_choices(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Of gathered top-k ``ids`` [N, K], in their shape (a CUDA graph's): each choice's local expert id,
+        ``per_rank`` (past the local ones) where another rank holds it, and which choices are local [N, K]."""
+        mine = (ids >= self.shard.start) & (ids < self.shard.stop)
+        return torch.where(mine, ids - self.shard.start, self.shard.per_rank), mine

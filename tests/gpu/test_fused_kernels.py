@@ -166,6 +166,35 @@ def check_experts_graph(device: str = "cuda") -> None:
         assert rel_err(out, moe_kernels.fused_experts_reference(x, ids, w13, w2)) <= 2.0**-6, f"replay {seed}"
 
 
+def check_experts_skipped(device: str, dtype: torch.dtype, t: int = 33, k: int = 6, d: int = 256,
+                          inter: int = 128) -> None:
+    """Choices of ids past the experts (``>= E``; expert parallelism's graphs pass other ranks' choices so) are
+    skipped: every other slot equals the reference and the routing counts only them, with E a power of two
+    (the id has no column) and not, through one routing program and through chunks."""
+    g = torch.Generator().manual_seed(8)
+    saved = moe_kernels.ROUTE_SPLIT_ROWS
+    try:
+        for e in (8, 6):
+            x = torch.randn(t, d, generator=g).to(device=device, dtype=dtype)
+            ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
+            skip = torch.rand(t, k, generator=g) < 0.5
+            skip[0] = True  # a token with no choice of its own
+            ids = torch.where(skip, e, ids).to(device)
+            w13 = (torch.randn(e, 2 * inter, d, generator=g) / d**0.5).to(device=device, dtype=dtype)
+            w2 = (torch.randn(e, d, inter, generator=g) / inter**0.5).to(device=device, dtype=dtype)
+            ref = moe_kernels.fused_experts_reference(x, ids, w13, w2)
+            kept = ~skip.to(device)
+            for split in (0, 1):
+                moe_kernels.ROUTE_SPLIT_ROWS = split
+                offs = moe_kernels.route(ids, e)[0]
+                assert int(offs[-1]) == int(kept.sum()), f"E={e}: {int(offs[-1])} rows routed"
+                out = moe_kernels.fused_experts(x, ids, w13, w2)
+                err = rel_err(out[kept], ref[kept])
+                assert err <= (2.0**-6 if dtype != torch.float32 else 1e-5), f"E={e} split={split}: {err:.3g}"
+    finally:
+        moe_kernels.ROUTE_SPLIT_ROWS = saved
+
+
 def check_route_split(device: str, cases: tuple[tuple[int, int, int], ...] = ((1, 6, 64), (300, 6, 64), (700, 8, 256),
                                                                            (37, 2, 8))) -> None:
     """Routing over chunks of rows (three kernels) places every row where the one-program routing does."""
@@ -262,6 +291,64 @@ def test_fused_experts_in_cuda_graph() -> None:
     check_experts_graph()
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fused_experts_skip_ids_past_the_experts(dtype: torch.dtype) -> None:
+    check_experts_skipped("cuda", dtype)
+
+
+def test_moe_graph_path_under_ep_is_capturable_and_equals_eager() -> None:
+    """An EP member's MoE in a graph's step (``static``: every gathered choice through the fused kernels, other
+    ranks' skipped) equals its eager path (its own choices picked out on the host) and captures in a CUDA graph,
+    whose replays on new inputs give the eager results; bf16 and block FP8 experts (the comm is the identity:
+    this member's rows are the whole group's here, and the partial sums are its experts' alone)."""
+    from engine.config import ModelConfig
+    from engine.layers import MoE
+    from engine.parallel.expert_parallel import ExpertParallel, ExpertShard
+
+    class Alone:  # an EP group's comm as seen from one member with every row
+        def dispatch(self, x, ids, weights, counts):  # noqa: ANN001, ANN202
+            return x, ids, weights
+
+        def combine(self, out, counts):  # noqa: ANN001, ANN202
+            return out
+
+    cfg = ModelConfig.from_dict({
+        "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "vocab_size": 1000,
+        "hidden_size": 512, "intermediate_size": 1024, "moe_intermediate_size": 256, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "kv_lora_rank": 128, "q_lora_rank": None, "qk_nope_head_dim": 64,
+        "qk_rope_head_dim": 32, "v_head_dim": 64, "n_routed_experts": 16, "num_experts_per_tok": 4,
+        "n_shared_experts": 1, "first_k_dense_replace": 1, "topk_method": "greedy", "n_group": 1,
+        "topk_group": 1, "norm_topk_prob": True, "routed_scaling_factor": 1.0, "scoring_func": "softmax"})
+    torch.manual_seed(0)
+    for fp8 in (False, True):
+        for rank in (0, 1):
+            moe = MoE(cfg, ExpertParallel(ExpertShard(rank, 2, 16), Alone()))
+            for p in moe.parameters():
+                p.data.normal_(0, 0.05)
+            moe = moe.to(device="cuda", dtype=torch.bfloat16)
+            moe.gate.float()
+            if fp8:  # e4m3 experts, their block scales 1 (the weights are small)
+                w13, w2 = moe.w13.data, moe.w2.data
+                moe.hold_fp8()
+                moe.w13.data.copy_(w13.to(moe.w13.dtype))
+                moe.w2.data.copy_(w2.to(moe.w2.dtype))
+                moe.w13_scale_inv.data.fill_(1.0)
+                moe.w2_scale_inv.data.fill_(1.0)
+            x = torch.randn(24, cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
+            counts = [24, 24]
+            with torch.inference_mode():
+                assert rel_err(moe(x, counts, static=True), moe(x, counts)) <= 2.0**-5, (fp8, rank)
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    out = moe(x, counts, static=True)
+                for _ in range(2):
+                    x.copy_(torch.randn_like(x))
+                    graph.replay()
+                    torch.cuda.synchronize()
+                    assert rel_err(out, moe(x, counts)) <= 2.0**-5, (fp8, rank)
+
+
 def test_moe_module_fused_equals_grouped(monkeypatch: pytest.MonkeyPatch) -> None:
     """The MoE module through the fused kernels vs its grouped-GEMM / loop path, V2-Lite's expert shape."""
     from engine.config import ModelConfig
@@ -298,6 +385,7 @@ if __name__ == "__main__":  # TRITON_INTERPRET=1: the same checks on CPU, small 
             print(dt, c, check_experts("cpu", dt, *c))
         check_combine("cpu", dt, t=5, k=3, d=40)
         check_route_split("cpu", ((1, 6, 64), (50, 6, 64), (40, 2, 8)))
+        check_experts_skipped("cpu", dt, t=9, k=3, d=64, inter=40)
         check_silu_mul("cpu", dt, n=7, inter=50)
         check_experts("cpu", dt, 40, 3, 8, 64, 32, crowd=True)
     print("ok")
