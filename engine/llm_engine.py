@@ -32,7 +32,7 @@ from engine.sampler import PendingSamples, launch_sample, top_logprobs
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduled, Scheduler
 from engine.sequence import SeqStatus, Sequence
-from engine.speculative import Drafts, SpecCounts, can_draft, draft_budget, grammar_drafts, may_draft
+from engine.speculative import Drafts, SpecCounts, draft_budget, grammar_drafts
 from engine.structured_output import Grammar, GuidanceTokenizers
 from engine.tokenizer import Tokenizer
 
@@ -272,15 +272,15 @@ class LLMEngine:
         if self._append(seq, first_token, first_logprob, top):  # max_tokens=1, or a stop token
             self._requests.pop(seq.request_id, None)
             return True
-        if self.drafts is not None and self.drafts.decoding and drafts and can_draft(seq):
+        if self.drafts is not None and self.drafts.decoding and drafts:
             seq.drafts = grammar_drafts(seq, list(drafts[: draft_budget(seq, self.drafts.k, self.max_model_len)]))
         return False
 
     def recomputes_mtp_kv(self, seq: Sequence) -> bool:
         """Whether ``seq``, admitted without the MTP layer's KV of its prompt (``admit_prefilled`` without
         drafts), computes its prompt again here to draft: speculative decoding in process with
-        ``mtp_recompute``, and a request that may draft (not one with penalties)."""
-        return self.speculative is not None and self._local and self.config.mtp_recompute and may_draft(seq)
+        ``mtp_recompute`` (every request drafts, penalised ones and those with a ``min_tokens`` too)."""
+        return self.speculative is not None and self._local and self.config.mtp_recompute
 
     def _tokenize(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):

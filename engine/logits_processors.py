@@ -9,6 +9,9 @@ it (``SamplingParams.changes_logits``) has, in vLLM's order:
 3. ``frequency_penalty`` f: minus f times the token's count in the output;
 4. ``presence_penalty`` p: minus p for each token present in the output.
 
+Speculative decoding's verify rows (``engine.speculative``) are several rows of one request: each counts the
+drafts before it as output too (``ahead``), as decoding them one at a time would.
+
 All rows at once on the logits' device (the counts are one scatter-add over the rows' token ids), so
 the greedy argmax, the random draw and the logprobs of the chosen token see the same logits. Rows
 without any of these are left untouched (and no copy is made when no row asks).
@@ -21,7 +24,11 @@ import torch
 from engine.sequence import Sequence
 
 
-def apply_bias_and_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+def apply_bias_and_penalties(logits: torch.Tensor, seqs: list[Sequence],
+                             ahead: list[list[int]] | None = None) -> torch.Tensor:
+    """``ahead``: per row, tokens taken after its request's output before that row, counted as output tokens
+    (a verify row's drafts before it: ``engine.speculative``). Several rows may be one request's: its output
+    is counted once and each row adds its own ``ahead``."""
     rows = [i for i, s in enumerate(seqs) if s.params.changes_logits]
     if not rows:
         return logits
@@ -36,14 +43,24 @@ def apply_bias_and_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torc
     if not pen:
         return out
     idx = torch.tensor(pen, device=dev)
-    counts = _counts([seqs[i].output_token_ids for i in pen], v, dev, out.dtype)  # [P, V]
+    owners = list({id(seqs[i]): seqs[i] for i in pen}.values())  # the distinct requests, in order
+    place = {id(s): u for u, s in enumerate(owners)}
+    counts = _counts([s.output_token_ids for s in owners], v, dev, out.dtype)  # [U, V]
+    which = None  # each row's request, where some rows share one
+    if len(owners) < len(pen):
+        which = torch.tensor([place[id(seqs[i])] for i in pen], device=dev)
+        counts = counts[which]  # [P, V]
+    if ahead is not None:
+        _add_counts(counts, [ahead[i] for i in pen])
     sub = out[idx]
     params = [seqs[i].params for i in pen]
     rep = torch.tensor([p.repetition_penalty for p in params], device=dev, dtype=out.dtype)[:, None]
     if any(p.repetition_penalty != 1 for p in params):
-        seen = counts > 0
-        for r, i in enumerate(pen):
-            seen[r, _prompt_set(seqs[i], v, dev)] = True
+        sets = [_prompt_set(s, v, dev) for s in owners]
+        lengths = torch.tensor([len(s) for s in sets], device=dev)
+        prompt = torch.zeros(len(owners), v, device=dev, dtype=torch.bool)  # [U, V]: in the request's prompt
+        prompt[torch.arange(len(owners), device=dev).repeat_interleave(lengths), torch.cat(sets)] = True
+        seen = (counts > 0) | (prompt if which is None else prompt[which])
         sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
     freq = torch.tensor([p.frequency_penalty for p in params], device=dev, dtype=out.dtype)[:, None]
     pres = torch.tensor([p.presence_penalty for p in params], device=dev, dtype=out.dtype)[:, None]
@@ -68,9 +85,15 @@ def _prompt_set(seq: Sequence, vocab: int, dev: torch.device) -> torch.Tensor:
 
 def _counts(ids: list[list[int]], vocab: int, dev: torch.device, dtype: torch.dtype) -> torch.Tensor:
     """[len(ids), vocab]: how often each token occurs in each row's ids (ids outside the vocabulary skipped)."""
-    counts = torch.zeros(len(ids), vocab, device=dev, dtype=dtype)
+    return _add_counts(torch.zeros(len(ids), vocab, device=dev, dtype=dtype), ids)
+
+
+def _add_counts(counts: torch.Tensor, ids: list[list[int]]) -> torch.Tensor:
+    """``counts`` [len(ids), V] plus each row's ids' occurrences, in place (one scatter-add)."""
+    vocab, dev = counts.shape[-1], counts.device
     flat = [(r, t) for r, row in enumerate(ids) for t in row if 0 <= t < vocab]
     if flat:
         where = torch.tensor(flat, device=dev)
-        counts.index_put_((where[:, 0], where[:, 1]), torch.ones(len(flat), device=dev, dtype=dtype), accumulate=True)
+        counts.index_put_((where[:, 0], where[:, 1]), torch.ones(len(flat), device=dev, dtype=counts.dtype),
+                          accumulate=True)
     return counts

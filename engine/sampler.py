@@ -82,7 +82,9 @@ def _sample_random(logits: torch.Tensor, seqs: list[Sequence], rows: list[int],
     return (probs / noise).argmax(dim=-1)
 
 
-def _stop_ids(seq: Sequence) -> list[int]:
+def stop_ids(seq: Sequence) -> list[int]:
+    """The tokens banned while ``min_tokens`` is not reached: ``stop_token_ids`` and the eos ones (unless
+    ``ignore_eos``)."""
     p = seq.params
     return list(p.stop_token_ids or []) + ([] if p.ignore_eos else list(seq.eos_token_ids))
 
@@ -137,7 +139,7 @@ def launch_sample(logits: torch.Tensor, seqs: list[Sequence], default_generator:
     chosen_logits = apply_bias_and_penalties(logits, seqs)
     # min_tokens bans the stop tokens, unless the request's grammar could end here (it decides then)
     banned = [(i, t) for i, seq in enumerate(seqs) if len(seq.output_token_ids) + seq.pending < seq.params.min_tokens
-              and (seq.grammar is None or not seq.grammar.accepting) for t in _stop_ids(seq)]
+              and (seq.grammar is None or not seq.grammar.accepting) for t in stop_ids(seq)]
     if banned:
         chosen_logits = chosen_logits.clone() if chosen_logits is logits else chosen_logits
         where = torch.tensor(banned, device=dev)

@@ -6,14 +6,16 @@ one MTP layer is run k times for k > 1). A request's step, in order:
 1. **Verify.** A decoding request with drafts ``d1..dj`` (j <= k) is scheduled ``1 + j`` rows: its last
    token and the drafts, at the positions they would take. The target computes all rows' logits in one
    step, each row a decode row attending the cache up to its own position.
-2. **Accept.** Row i's logits are first changed as the sampler changes a decode row's: a request's
-   ``logit_bias`` added, and its grammar's mask after its tokens so far and ``d1..di`` applied (below).
+2. **Accept.** Row i's logits are first changed as the sampler changes a decode row's after the output so
+   far and ``d1..di``: a request's ``logit_bias`` added, its penalties applied with ``d1..di`` counted as
+   output, its stop tokens banned while ``len(output) + i < min_tokens``, and its grammar's mask after its
+   tokens so far and ``d1..di`` applied (below).
    Greedy: the target's token at row i is ``t_i``; the drafts are accepted while
    ``d_{i+1} == t_i``, then the target's own token follows (the bonus): the tokens are ``d1..da, t_a``,
    exactly what decoding them one step at a time would give. Sampled (temperature > 0): rejection
    sampling with the draft as a point mass, so the tokens follow the target's distribution exactly:
-   ``d_{i+1}`` is accepted with probability ``p_i(d_{i+1})`` (``p_i``: row i's distribution after
-   temperature, min-p, top-k, top-p); at the first rejection a token is drawn from ``p_i`` without
+   ``d_{i+1}`` is accepted with probability ``p_i(d_{i+1})`` (``p_i``: row i's distribution after those
+   changes, temperature, min-p, top-k, top-p); at the first rejection a token is drawn from ``p_i`` without
    ``d_{i+1}`` (the residual ``max(p_i - q, 0)``, renormalised), and when all are accepted the bonus is
    drawn from the last row's ``p``; the uniforms and draws come from the request's generator when it is
    seeded. ``num_computed`` advances by ``1 + a``: the KV of the rejected rows stays in slots past it,
@@ -29,16 +31,22 @@ the matcher is advanced through the drafts to fill each row's mask and rolled ba
 grammar requests' rows in one bitmask on llguidance's threads); the accepted tokens then advance it one by
 one as single-token decoding's do (``LLMEngine._append``). So greedy outputs equal decoding without drafts,
 and sampled ones follow the target's masked distribution. A ``logit_bias`` does not depend on the tokens
-before a row: it is added to every row. Requests asking for penalties (a row's logits depend on the counts
-of the tokens before it) or with a ``min_tokens`` still to reach (the stop tokens banned until then) do not
-draft: they decode one token per step beside the others, unchanged. Logprobs (and the top ones asked for) of
-every token come from its row's raw logits, as without drafts.
+before a row: it is added to every row.
+
+Penalties and ``min_tokens`` depend on the tokens before a row, and every row knows them: the output so far and
+the drafts before it. ``_chosen_logits`` counts the request's output once and adds each row's drafts before
+it (``apply_bias_and_penalties``' ``ahead``: one scatter-add for all rows), the prompt's tokens for
+``repetition_penalty`` as the sampler takes them; row i bans the stop tokens (``stop_token_ids`` and eos)
+while ``len(output) + i < min_tokens``, unless the grammar accepts the output after ``d1..di``
+(``Grammar.accepting_after``), the sampler's exception. A stop token drafted where it is banned is never
+accepted (greedy: the target cannot choose it; sampled: its probability is 0). Logprobs (and the top ones
+asked for) of every token come from its row's raw logits, as the sampler's do without drafts.
 
 A prefill node with ``speculative_config`` runs the MTP layer over the prompt and hands its (grammar-checked)
 draft and the layer's KV to the decode side (``LLMEngine.admit_prefilled``), which verifies it at its first
 step. A decode side with it fed by one without it (no MTP layer KV came) computes the prompt and the first token
-again itself, as a preempted request is (``mtp_recompute``, on by default; ``may_draft`` requests only), and
-drafts from the step after; with ``mtp_recompute`` off the request decodes without drafts.
+again itself, as a preempted request is (``mtp_recompute``, on by default), and drafts from the step after;
+with ``mtp_recompute`` off the request decodes without drafts.
 
 On rank processes (DP > 1, PCP, PP: ``engine.parallel``) the last PP stage holds the MTP layer and its cache
 layer; after each step that stage's PCP ranks run it over their own rows of the step (``RunDraft``), its
@@ -52,10 +60,11 @@ which the block's hash does not cover, so a prompt that hits the cache recompute
 it matched (``Scheduler.spare_blocks``); a request admitted without the layer's KV shares none of its blocks.
 
 Not yet: overlapped steps, verify steps on rank processes (above), expert parallelism (the MTP layer's MoE
-would dispatch over the EP group in a pass of its own, the DP replicas in lockstep), penalties with drafts
-(each row's counts would take the drafts before it), and the grammar's mask on the MTP layer's own choice
-(the layer picks its argmax over the whole vocabulary, so with a grammar the drafts of a model that has not
-learned the format are mostly cut: a masked choice would need the matcher in ``ModelRunner.draft``'s loop).
+would dispatch over the EP group in a pass of its own, the DP replicas in lockstep), and the grammar's mask
+on the MTP layer's own choice (the layer picks its argmax over the whole vocabulary, so with a grammar the
+drafts of a model that has not learned the format are mostly cut: a masked choice would need the matcher in
+``ModelRunner.draft``'s loop; likewise the layer drafts without penalties, so a penalised request's drafts
+hold less often).
 """
 
 from __future__ import annotations
@@ -69,7 +78,7 @@ from typing import Any, Protocol
 import torch
 
 from engine.logits_processors import apply_bias_and_penalties
-from engine.sampler import processed_probs, top_logprobs
+from engine.sampler import processed_probs, stop_ids, top_logprobs
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
 from engine.structured_output import Grammar, mask_drafted
@@ -102,20 +111,6 @@ class SpeculativeConfig:
         if not isinstance(k, int) or isinstance(k, bool):
             raise ValueError(f"num_speculative_tokens must be an integer, got {k!r}")
         return SpeculativeConfig(str(raw.get("method", "")), k)
-
-
-def can_draft(seq: Sequence) -> bool:
-    """Whether the request's token at a row is chosen from that row's logits, its bias and its grammar's mask
-    after the tokens before it, by greedy or by temperature, min-p, top-k and top-p (module docstring): then
-    any row can verify a draft."""
-    return may_draft(seq) and len(seq.output_token_ids) >= seq.params.min_tokens
-
-
-def may_draft(seq: Sequence) -> bool:
-    """Whether the request drafts at some step: ``can_draft`` once its ``min_tokens`` are reached (until then
-    the stop tokens are banned by a count that drafts would move)."""
-    p = seq.params
-    return p.presence_penalty == 0 and p.frequency_penalty == 0 and p.repetition_penalty == 1
 
 
 def grammar_drafts(seq: Sequence, drafts: list[int]) -> list[int]:
@@ -284,10 +279,10 @@ class Drafts:
             ahead = seq.tokens(first + 1, min(first + 1 + s.num_new, known))  # the token after each row ...
             next_ids += ahead + [0] * (s.num_new - len(ahead))  # ... unknown past the last: unused
             if seq.is_finished:  # a prefill node's held request: one draft, for the decode side (no blocks more)
-                budget = int(seq.hold_kv and bool(seq.block_ids) and seq.finish_reason == "length" and can_draft(seq))
+                budget = int(seq.hold_kv and bool(seq.block_ids) and seq.finish_reason == "length")
             else:
                 budget = draft_budget(seq, self.k, self.max_model_len) \
-                    if self.decoding and seq.num_remaining == 1 and seq.mtp_kv and can_draft(seq) else 0
+                    if self.decoding and seq.num_remaining == 1 and seq.mtp_kv else 0
             # Further drafts write the MTP layer's KV one position on each: their blocks first.
             while budget > 1 and not self.scheduler.grow(seq, budget - 1):
                 budget -= 1
@@ -303,28 +298,48 @@ class Drafts:
 
 def _chosen_logits(todo: Sequence_[tuple[Sequence, torch.Tensor, list[int]]]) -> list[torch.Tensor]:
     """The logits each request's verify rows choose from (``todo``: request, rows' raw logits [1 + j, V], its
-    j drafts): the raw ones, or, for a request with a bias or a grammar, a copy with the bias added to every
-    row and row i masked by the grammar after the first i drafts, as the sampler changes a decode row's
-    logits. Those requests' rows go as one batch (one bitmask, filled on llguidance's threads)."""
+    j drafts): the raw ones, or, for a request with a bias, penalties, a ``min_tokens`` still to reach or a
+    grammar, a copy with row i changed as the sampler would change a decode row's after ``d1..di``: the bias
+    added, the penalties counting ``d1..di`` as output, the stop tokens banned while ``len(output) + i`` is
+    short of ``min_tokens`` (unless the grammar accepts the output there) and the grammar's mask after
+    ``d1..di`` applied. Those requests' rows go as one batch (one scatter-add of the counts, one bitmask
+    filled on llguidance's threads)."""
     out = [raw for _, raw, _ in todo]
-    changed = [j for j, (seq, _, _) in enumerate(todo) if seq.grammar is not None or seq.params.logit_bias]
+    changed = [j for j, (seq, _, _) in enumerate(todo)
+               if seq.grammar is not None or seq.params.changes_logits or _stops_banned(seq)]
     if not changed:
         return out
-    seqs: list[Sequence] = []  # each row's request
+    seqs: list[Sequence] = []  # each row's request ...
+    ahead: list[list[int]] = []  # ... and the drafts before the row
+    banned: list[tuple[int, int]] = []  # (row, stop token) while min_tokens is not reached
     starts: list[int] = []  # the first row of each request with a grammar, its grammar and drafts
     grammars: list[Grammar] = []
     drafts: list[list[int]] = []
     for j in changed:
         seq, raw, d = todo[j]
+        first = len(seqs)
         if seq.grammar is not None:
-            starts.append(len(seqs))
+            starts.append(first)
             grammars.append(seq.grammar)
             drafts.append(d)
+        if _stops_banned(seq):  # rows i with len(output) + i < min_tokens
+            n = min(raw.shape[0], seq.params.min_tokens - len(seq.output_token_ids) - seq.pending)
+            free = seq.grammar.accepting_after(d[: n - 1]) if seq.grammar is not None else [False] * n
+            banned += [(first + i, t) for i in range(n) if not free[i] for t in stop_ids(seq)]
         seqs += [seq] * raw.shape[0]
-    # a copy (torch.cat), biased; then masked in place
-    stacked = apply_bias_and_penalties(torch.cat([todo[j][1] for j in changed]), seqs)
+        ahead += [d[:i] for i in range(raw.shape[0])]
+    # a copy (torch.cat), biased and penalised; then banned and masked in place
+    stacked = apply_bias_and_penalties(torch.cat([todo[j][1] for j in changed]), seqs, ahead)
+    if banned:
+        where = torch.tensor(banned, device=stacked.device)
+        stacked[where[:, 0], where[:, 1]] = float("-inf")
     if grammars:
         mask_drafted(stacked, starts, grammars, drafts)
     for j, part in zip(changed, stacked.split([todo[j][1].shape[0] for j in changed])):
         out[j] = part
     return out
+
+
+def _stops_banned(seq: Sequence) -> bool:
+    """Whether the request's ``min_tokens`` bans its stop tokens at its next token (the sampler's rule)."""
+    return len(seq.output_token_ids) + seq.pending < seq.params.min_tokens

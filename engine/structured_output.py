@@ -170,6 +170,17 @@ class Grammar:
             self.matcher.rollback(taken)
         return taken
 
+    def accepting_after(self, tokens: list[int]) -> list[bool]:
+        """``accepting`` after each of ``tokens[:0]`` .. ``tokens[:n]`` taken, for tokens it takes
+        (``draftable``); the matcher ends where it began."""
+        states = [self.accepting]
+        for t in tokens:
+            self.matcher.consume_token(t)
+            states.append(self.accepting)
+        if tokens:
+            self.matcher.rollback(len(tokens))
+        return states
+
     def advance(self, token: int) -> bool:
         """Take ``token``; False when the grammar does not allow it."""
         return bool(self.matcher.consume_token(token))

@@ -72,7 +72,7 @@ def test_steps_as_graph_rows_equal_eager_steps(mtp_model: Path, reference: list,
 
 def test_right_drafts_verified_as_graph_rows_are_all_accepted(mtp_model: Path, reference: list) -> None:
     """Drafts from the known continuation (k = 3), verified as graph rows: all accepted, the same tokens."""
-    from engine.speculative import can_draft, draft_budget
+    from engine.speculative import draft_budget
 
     k = 3
     future = {tuple(p): r.token_ids for p, r in zip(prompts(), reference)}
@@ -84,7 +84,7 @@ def test_right_drafts_verified_as_graph_rows_are_all_accepted(mtp_model: Path, r
 
         def oracle(step: object) -> None:
             for seq in engine.scheduler.running:
-                if seq.num_remaining == 1 and can_draft(seq):
+                if seq.num_remaining == 1:
                     done = len(seq.output_token_ids)
                     n = draft_budget(seq, k, engine.max_model_len)
                     seq.drafts = future[tuple(seq.prompt_token_ids)][done : done + n]

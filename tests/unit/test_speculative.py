@@ -13,7 +13,7 @@ import torch
 from engine import LLM, SamplingParams
 from engine.llm_engine import LLMEngine
 from engine.sequence import Sequence
-from engine.speculative import SpecCounts, SpeculativeConfig, accepted, can_draft, draft_budget
+from engine.speculative import SpecCounts, SpeculativeConfig, accepted, draft_budget
 from pdctl.tiny_model import make_tiny_model
 
 KW = dict(dtype="float32", device="cpu", max_model_len=512)
@@ -105,7 +105,7 @@ class Oracle:
 
     def __call__(self, step: object) -> None:
         for seq in self.engine.scheduler.running:
-            if seq.num_remaining != 1 or not can_draft(seq):
+            if seq.num_remaining != 1:
                 continue
             n = draft_budget(seq, self.k, self.engine.max_model_len)
             done = len(seq.output_token_ids)
@@ -135,7 +135,7 @@ def test_right_drafts_are_all_accepted_and_wrong_ones_all_rejected(
 def test_logprobs_with_drafts_and_penalised_requests_beside_them_equal_decoding_without(
         mtp_model: Path, reference: list[list[int]]) -> None:
     """A request asking for logprobs drafts, its tokens' logprobs and top logprobs from their rows as without
-    drafts; a penalised one (its row's logits depend on the tokens before it) decodes a token a step beside."""
+    drafts; a penalised one beside it drafts too (tests/unit/test_speculative_penalties.py)."""
     with_lp = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=2)
     penalised = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, presence_penalty=0.5)
     params = [GREEDY, with_lp, GREEDY, penalised]
@@ -391,12 +391,15 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return model
 
 
-def test_rejection_sampling_keeps_the_targets_distribution(trained: Path) -> None:
+@pytest.mark.parametrize("penalties", [{}, dict(presence_penalty=1.5, frequency_penalty=0.5, repetition_penalty=1.5)],
+                         ids=["plain", "penalised"])
+def test_rejection_sampling_keeps_the_targets_distribution(trained: Path, penalties: dict[str, float]) -> None:
     """Sampled at temperature 1.3 (top-p 0.95), 600 seeded requests with MTP drafts (k = 2) and 600 without, from a
     prompt the model did not train on: the
     first three tokens' distributions are one distribution by Pearson's chi-square test of homogeneity
     (scipy's chi2_contingency; categories with fewer than 10 samples in all pooled; p > 0.001 at each
-    position and for the first two tokens jointly), while drafts were both accepted and rejected."""
+    position and for the first two tokens jointly), while drafts were both accepted and rejected. Penalised
+    requests too (each verify row's distribution penalised with the drafts before it)."""
     from collections import Counter
 
     from scipy.stats import chi2_contingency
@@ -407,8 +410,8 @@ def test_rejection_sampling_keeps_the_targets_distribution(trained: Path) -> Non
     n = 600
 
     def samples(seed0: int, **kw: object) -> list[list[int]]:
-        params = [SamplingParams(max_tokens=4, temperature=1.3, top_p=0.95, seed=seed0 + i, ignore_eos=True)
-                  for i in range(n)]
+        params = [SamplingParams(max_tokens=4, temperature=1.3, top_p=0.95, seed=seed0 + i, ignore_eos=True,
+                                 **penalties) for i in range(n)]  # type: ignore[arg-type]
         with LLM(str(trained), max_num_seqs=128, **kw, **KW) as llm:
             outs = [o.token_ids for o in llm.generate([prompt] * n, params)]
             if kw:
