@@ -172,9 +172,8 @@ class EngineConfig:
         self.speculative  # noqa: B018 (parses: a bad form raises)
         if self.async_scheduling:
             raise ValueError("speculative_config does not run with async_scheduling yet (engine/speculative.py)")
-        if self.enable_expert_parallel:
-            raise ValueError("speculative_config does not run with expert parallelism yet: the MTP layer's MoE "
-                             "would dispatch over the EP group in a pass of its own (engine/speculative.py)")
+        # Expert parallelism over rank processes (a prefill node's) is refused where they start
+        # (engine.parallel.replica.ParallelNode); a decode node's DP replicas run it (engine.speculative).
 
     def torch_device(self) -> torch.device:
         if self.gpus is not None:

@@ -128,7 +128,9 @@ class LocalExecutor:
             self.graphs = DecodeGraphs(self.model, self.cache, n, max_model_len, config.max_num_seqs,
                                        config.max_cudagraph_capture_size, ep)
             self.graphs.capture()
-        self.runner = ModelRunner(self.model, self.cache, self.device, self.graphs, ep)
+        spec = config.speculative
+        self.runner = ModelRunner(self.model, self.cache, self.device, self.graphs, ep,
+                                  spec.num_speculative_tokens if spec is not None else 1)
         self.allocator: BlockSpace = self.cache.allocator
         self.block_size = config.block_size
         self._pending: list[StepLogits | None] | None = None
@@ -145,7 +147,8 @@ class LocalExecutor:
 
     def draft(self, next_ids: list[int], picks: list[int], extra: list[int],
               tables: list[list[int]]) -> list[list[int]]:
-        """Speculative decoding's drafts after the last step (``ModelRunner.draft``)."""
+        """Speculative decoding's drafts after the last step (``ModelRunner.draft``; under EP every member calls
+        it after every step, rows or none)."""
         return self.runner.draft(next_ids, picks, extra, tables)
 
     def ownership(self, block_ids: list[int]) -> list[RankBlocks]:

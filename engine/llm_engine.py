@@ -517,10 +517,14 @@ class LLMEngine:
             return self.drafts.verify(scheduled, logits, self.generator, self._append)
 
     def _draft(self, step: _Launched) -> None:
-        """Speculative decoding: the MTP layer over the step's rows, and the next drafts."""
+        """Speculative decoding: the MTP layer over the step's rows, and the next drafts. In lockstep (EP) a
+        step without rows here still runs the layer's MoE collectives for the other members' rows."""
         assert self.drafts is not None
         with torch.profiler.record_function("spec.draft"):
-            self.drafts.draft(step.scheduled, step.starts)
+            if step.scheduled or not self.lockstep:
+                self.drafts.draft(step.scheduled, step.starts)
+            else:
+                self.executor.draft([], [], [], [])
 
     def _record_prompt_logits(self, s: Scheduled, sl: StepLogits | None) -> None:
         """Record prompt logits/logprobs of this step's rows, skipping rows recorded before (a

@@ -54,6 +54,13 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(h)
 
 
+def _moe_collectives(layer: DecoderLayer, ep_counts: list[int]) -> None:
+    """The layer's MoE run without rows (its EP dispatch and combine only); nothing for a dense layer."""
+    if isinstance(layer.mlp, MoE):
+        norm = layer.post_attention_layernorm.weight  # the MoE's input: [T, D] in the model's dtype
+        layer.mlp(norm.new_empty((0, norm.shape[0])), ep_counts)
+
+
 class SharedHead(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -81,6 +88,11 @@ class MTPLayer(DecoderLayer):
         positions and where this layer's KV goes in ``cache``, as for every layer."""
         x = self.eh_proj(torch.cat([self.enorm(self.embed_tokens(next_ids)), self.hnorm(hidden)], dim=-1))
         return self(x, batch, cache, rope)
+
+    def expert_collectives(self, ep_counts: list[int]) -> None:
+        """A pass of this layer without rows on one member of an EP group: its MoE's dispatch and combine, for
+        the other members' rows (``ModelRunner.draft``)."""
+        _moe_collectives(self, ep_counts)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, D] (this layer's) -> logits [N, V] in fp32."""
@@ -145,8 +157,10 @@ class DeepseekForCausalLM(nn.Module):
         return hidden
 
     def attach_expert_comm(self, comm: ExpertComm) -> None:
-        """Give every expert-parallel MoE layer its group's dispatch and combine (once the group exists)."""
-        for layer in self.model.layers.values():
+        """Give every expert-parallel MoE layer (the MTP layer's too) its group's dispatch and combine (once the
+        group exists)."""
+        mtp = list(self.mtp.values()) if self.mtp is not None else []
+        for layer in [*self.model.layers.values(), *mtp]:
             if isinstance(layer.mlp, MoE) and layer.mlp.ep is not None:
                 layer.mlp.ep.comm = comm
 
@@ -160,9 +174,7 @@ class DeepseekForCausalLM(nn.Module):
         group replays as a CUDA graph such a member replays with padding rows: ``DecodeGraphs.pad``.)"""
         for layer in self.model.layers.values():
             assert isinstance(layer, DecoderLayer)
-            if isinstance(layer.mlp, MoE):
-                norm = layer.post_attention_layernorm.weight  # the MoE's input: [T, D] in the model's dtype
-                layer.mlp(norm.new_empty((0, self.cfg.hidden_size)), ep_counts)
+            _moe_collectives(layer, ep_counts)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, D] -> logits [N, V] in fp32."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -107,13 +108,15 @@ class GraphRows:
 
 class ModelRunner:
     def __init__(self, model: DeepseekForCausalLM, cache: KVCache, device: torch.device,
-                 graphs: DecodeGraphs | None = None, ep: ExpertGroup | None = None) -> None:
-        """``ep``: the model is one member of an EP group of in-process engines, which step together (``run``)."""
+                 graphs: DecodeGraphs | None = None, ep: ExpertGroup | None = None, draft_tokens: int = 1) -> None:
+        """``ep``: the model is one member of an EP group of in-process engines, which step together (``run``,
+        ``draft``); ``draft_tokens``: speculative decoding's k, the most MTP passes after a step."""
         self.model = model
         self.cache = cache
         self.device = device
         self.graphs = graphs  # decode-only steps replay these when they fit
         self.ep = ep
+        self.draft_tokens = draft_tokens
         # Speculative decoding: the last step's batch and the target's hidden states [T, D], which the
         # multi-token prediction layer drafts from (``draft``).
         self._last: tuple[ForwardBatch, torch.Tensor] | None = None
@@ -254,13 +257,24 @@ class ModelRunner:
         every row of that step, row r with the target's hidden state there and ``next_ids[r]`` (the token
         after it), writing its own KV; at flat row ``picks[i]`` it predicts request i's first draft, then it
         runs ``extra[i]`` more times one row further each (request i's block table ``tables[i]`` covers
-        those positions), each time on its own hidden state and the draft it made. Returns the drafts."""
-        assert self.model.mtp is not None and self.model.rope is not None and self._last is not None
+        those positions), each time on its own hidden state and the draft it made. Returns the drafts.
+
+        Under expert parallelism every member calls this after every step (rows or none): the layer's MoE
+        dispatches over the group in each pass that any member runs (``_pass_counts``), a member without rows
+        in a pass running only its collectives. These passes run eagerly, also after a replayed step."""
+        assert self.model.mtp is not None and self.model.rope is not None
         index, layer = next(iter(self.model.mtp.items()))  # DeepSeek's one layer drafts every token
         assert isinstance(layer, MTPLayer)
         cache, rope = self.cache.layers[int(index)], self.model.rope
-        batch, hidden = self._last
-        self._last = None
+        last, self._last = self._last, None
+        passes = self._pass_counts(last, extra)
+        if last is None:  # under EP, a member without rows this step
+            for counts in passes or []:
+                layer.expert_collectives(counts)
+            return []
+        batch, hidden = last
+        if passes is not None:  # the rows as they ran (a replay's batch is padded to the group's size: not here)
+            batch = dataclasses.replace(batch, ep_counts=passes[0], static=False)
         h = layer.predict(torch.tensor(next_ids, device=self.device), hidden, batch, cache, rope)
         rows = torch.tensor(picks, dtype=torch.long, device=self.device)
         h = h[rows]
@@ -268,19 +282,37 @@ class ModelRunner:
         drafts = [[t] for t in token.tolist()]
         live = list(range(len(picks)))  # the requests still drafting, by index
         pos = batch.positions[rows]
-        for j in range(1, max(extra, default=0) + 1):
+        for j in range(1, len(passes) if passes is not None else max(extra, default=0) + 1):
             keep = [n for n, i in enumerate(live) if extra[i] >= j]
             if not keep:
-                break
+                if passes is None:
+                    break
+                layer.expert_collectives(passes[j])  # other members' requests still draft
+                continue
             sel = torch.tensor(keep, dtype=torch.long, device=self.device)
             live = [live[n] for n in keep]
             token, h, pos = token[sel], h[sel], pos[sel] + 1
             step = _decode_rows(token, pos, [tables[i] for i in live], self.cache.block_size, self.device)
+            step.ep_counts = passes[j] if passes is not None else None
             h = layer.predict(token, h, step, cache, rope)
             token = layer.compute_logits(h).argmax(-1)
             for i, t in zip(live, token.tolist()):
                 drafts[i].append(t)
         return drafts
+
+    def _pass_counts(self, last: tuple[ForwardBatch, torch.Tensor] | None, extra: list[int]) -> list[list[int]] | None:
+        """Under EP, the MTP passes the group runs after this step and every member's rows in each (None without
+        EP): the first over every row of the step, pass j over the requests drafting more than j tokens. Every
+        member's rows per pass, up to ``draft_tokens``, go in one exchange (``ExpertGroup.pass_counts``), and
+        the group runs the passes in which any member has rows (a member's rows only shrink pass to pass)."""
+        if self.ep is None:
+            return None
+        if not self.ep.rows:  # the step ran nowhere (every member knows): no pass, no exchange
+            return []
+        assert all(e < self.draft_tokens for e in extra)
+        mine = [last[1].shape[0] if last is not None else 0]
+        mine += [sum(e >= j for e in extra) for j in range(1, self.draft_tokens)]
+        return [counts for counts in self.ep.pass_counts(mine) if any(counts)]
 
 
 def _decode_rows(tokens: torch.Tensor, positions: torch.Tensor, tables: list[list[int]], block_size: int,

@@ -55,12 +55,24 @@ rank that computed a prompt's last row has the draft. There only the prefill han
 ``decoding`` off): a held request's one draft goes to the decode side with the layer's KV, and requests that
 go on decoding on the ranks decode one token a step (verify steps run in process only).
 
+Under expert parallelism a decode node's DP replicas (an engine each, one EP group stepping in lockstep:
+``engine.parallel.expert_parallel.ExpertGroup``) draft as any engine does: the MTP layer's routed experts are
+sharded as every layer's, and its MoE dispatches over the group in each of the layer's passes. After every step
+with rows on any replica every replica runs the passes (``ModelRunner.draft``; one without rows calls it with
+none): their rows per pass exchanged once (``ExpertGroup.pass_counts``), the first pass over the step's rows,
+each further one over the requests drafting that far, and a replica without rows in a pass runs only its MoE's
+collectives. The passes run eagerly, also after a step replayed as a CUDA graph (their sizes change every
+step). On rank processes the last stage's MTP layer dispatches over the stage's EP group with the step's
+counts (its rows are the step's): with EP over PCP ranks (dp = 1) its ranks run ``RunDraft`` together anyway;
+across DP replicas (dp > 1) it is refused (``ParallelNode``): every replica's ranks would have to run
+``RunDraft`` together, where the driver finishes its replicas' steps, and asks for their drafts, one by one.
+
 Prefix caching: the MTP layer's KV at a block's last position depends on the first token of the next block,
 which the block's hash does not cover, so a prompt that hits the cache recomputes (or pulls) the last block
 it matched (``Scheduler.spare_blocks``); a request admitted without the layer's KV shares none of its blocks.
 
-Not yet: overlapped steps, verify steps on rank processes (above), expert parallelism (the MTP layer's MoE
-would dispatch over the EP group in a pass of its own, the DP replicas in lockstep), and the grammar's mask
+Not yet: overlapped steps, verify steps on rank processes (above), expert parallelism across
+DP replicas on rank processes (above), and the grammar's mask
 on the MTP layer's own choice (the layer picks its argmax over the whole vocabulary, so with a grammar the
 drafts of a model that has not learned the format are mostly cut: a masked choice would need the matcher in
 ``ModelRunner.draft``'s loop; likewise the layer drafts without penalties, so a penalised request's drafts

@@ -14,13 +14,17 @@ On a prefill node an EP group is every DP × PCP rank of one PP stage (``ep_rank
 ``grid.ParallelConfig``). Within a replica the PCP ranks step together anyway; across DP replicas
 (``spans_dp``) the replicas step in lockstep: while any has work, every one runs a step, an idle one with no
 rows (the collectives only; ``LLMEngine.lockstep``), and each step's rows per EP rank are all-gathered once
-(``exchange_counts``) for every MoE layer of that step.
+(``exchange_counts``) for every MoE layer of that step. The last stage's MTP layer (speculative decoding) runs
+over the step's rows with the step's counts; ``ParallelNode`` refuses it across DP replicas.
 
 On a decode node the EP group is its DP replicas, each a whole engine in a process of its own
 (``ExpertGroup``): nobody drives them, so each step they agree whether any has work (``ExpertGroup.busy``)
 and exchange their rows (``ExpertGroup.counts``, with whether each can replay the step as a CUDA graph:
 ``engine.cuda_graphs``), as vLLM's DP engines all-reduce their unfinished flags and token counts each step;
-the waves that ``busy`` ends are started and joined in ``decode_node.replica``.
+the waves that ``busy`` ends are started and joined in ``decode_node.replica``. With speculative decoding the
+MTP layer's MoE dispatches over the same group: after each step with rows anywhere every member runs the
+layer's passes (``ModelRunner.draft``), their rows exchanged once (``ExpertGroup.pass_counts``), a member
+without rows in a pass running its MoE's collectives only.
 """
 
 from __future__ import annotations
@@ -105,7 +109,8 @@ class ExpertGroup:
     world (a decode node's DP replicas): its experts, the group whose collectives move the MoE layers'
     tensors (``group``: NCCL on GPUs, gloo on CPU; None is the world), and a gloo group for the host's
     per-step agreement (``host``; None is the world). Every member calls ``busy`` and, when it says so,
-    ``counts`` in every step, in the same order (and ``every`` once per CUDA graph size at start-up)."""
+    ``counts`` in every step, in the same order (and ``every`` once per CUDA graph size at start-up); with
+    speculative decoding, ``pass_counts`` after every step in which any member had rows."""
 
     shard: ExpertShard
     group: dist.ProcessGroup | None = None
@@ -141,6 +146,15 @@ class ExpertGroup:
         counts, replay = out.view(n, 2).t().tolist()
         self.rows = sum(counts)
         return counts, all(replay)
+
+    def pass_counts(self, rows: list[int]) -> list[list[int]]:
+        """Every member's rows in each of a step's MTP passes (speculative decoding: ``ModelRunner.draft``),
+        from this member's ``rows`` per pass (the same number of passes on every member): per pass, the
+        counts in group order (one all-gather)."""
+        n, p = dist.get_world_size(self.host), len(rows)
+        out = torch.empty(n * p, dtype=torch.int64)
+        dist.all_gather(list(out.chunk(n)), torch.tensor(rows, dtype=torch.int64), group=self.host)
+        return out.view(n, p).t().tolist()
 
 
 class ExpertComm(Protocol):

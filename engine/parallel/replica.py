@@ -24,6 +24,7 @@ from engine.engine_config import EngineConfig
 from engine.executor import check_kv_capacity
 from engine.kv_cache import BlockAllocator, BlockSpace
 from engine.model_runner import StepLogits, logits_span
+from engine.parallel.expert_parallel import spans_dp
 from engine.parallel.grid import ParallelConfig
 from engine.parallel.kv_layout import RankBlocks, ShardedBlockAllocator, kv_ownership, max_blocks_per_rank
 from engine.parallel.rank_group import RankFailure, RankGroup
@@ -55,6 +56,13 @@ class ParallelNode:
         self.num_layers = ModelConfig.from_pretrained(config.model).num_hidden_layers
         # Speculative decoding: the MTP layer's cache layer, on the last stage after its own.
         self.mtp_layers = 1 if config.speculative is not None else 0
+        if self.mtp_layers and spans_dp(config):
+            raise ValueError("speculative_config does not run with expert parallelism across DP replicas on rank "
+                             "processes yet (dp > 1 with enable_expert_parallel): the MTP layer's MoE dispatches "
+                             "over every DP x PCP rank of the last stage, so every replica's ranks would run "
+                             "RunDraft together, where the driver finishes its replicas' steps (and asks for "
+                             "their drafts) one after another; expert parallelism over PCP ranks (dp = 1) runs it, "
+                             "and so do a decode node's DP replicas (engine/speculative.py)")
         if self.par.pp > self.num_layers:
             raise ValueError(f"pp={self.par.pp} exceeds the model's {self.num_layers} layers")
         ws = self.par.world_size

@@ -19,11 +19,14 @@ from engine.cuda_graphs import DecodeGraphs
 from engine.engine_config import EngineConfig
 from engine.executor import LocalExecutor
 from engine.kv_cache import KVCache
+from engine.layers import MoE
 from engine.llm_engine import LLMEngine, resolve_max_model_len
 from engine.parallel.expert_parallel import ExpertGroup
 from engine.parallel.rank_group import RankContext
 from engine.parallel.rank_messages import Stop
 from engine.sampling_params import SamplingParams
+from engine.sequence import Sequence
+from engine.speculative import SpecCounts
 
 
 class EagerLadder(DecodeGraphs):
@@ -86,6 +89,7 @@ class Script:
     engine: dict[str, object]
     arrivals: list[Arrival]
     fail_at: dict[int, int] = field(default_factory=dict)  # member -> size
+    graphs: bool = True  # False: the plain executor (on CPU every step eager)
 
 
 @dataclass(frozen=True)
@@ -102,6 +106,16 @@ class Ran:
     prefill_replays: int
     overlapped_steps: int
     used_blocks: int
+    spec: SpecCounts  # speculative decoding's drafts (zeros without it)
+    drafts: dict[str, list[tuple[int, list[int]]]]  # per request, after each step: (its tokens so far, its drafts)
+    mtp_experts: int  # the routed experts of the MTP layer this member holds (0: none)
+
+
+def record_drafts(seqs: dict[str, Sequence], drafts: dict[str, list[tuple[int, list[int]]]]) -> None:
+    """After a step, each request's drafts for the next (speculative decoding), with its output's length."""
+    for rid, seq in seqs.items():
+        if seq.drafts:
+            drafts.setdefault(rid, []).append((len(seq.output_token_ids), list(seq.drafts)))
 
 
 def ep_graph_replica(ctx: RankContext) -> None:
@@ -111,11 +125,14 @@ def ep_graph_replica(ctx: RankContext) -> None:
     mc = ModelConfig.from_pretrained(config.model)
     assert mc.n_routed_experts
     ep = ExpertGroup.join(mc.n_routed_experts)
-    ex = LadderExecutor(config, mc, resolve_max_model_len(config, mc), ep, script.fail_at.get(ctx.rank))
+    max_len = resolve_max_model_len(config, mc)
+    ex = (LadderExecutor(config, mc, max_len, ep, script.fail_at.get(ctx.rank)) if script.graphs
+          else LocalExecutor(config, mc, max_len, ep))
     engine = LLMEngine(config, executor=ex, ep=ep)
     waves = Waves(ep, lambda wave: None)
     last = max(a.at for a in script.arrivals)
-    seqs = {}
+    seqs: dict[str, Sequence] = {}
+    drafts: dict[str, list[tuple[int, list[int]]]] = {}
     steps = 0
     it = 0
     while True:
@@ -129,13 +146,18 @@ def ep_graph_replica(ctx: RankContext) -> None:
             engine.launch_step()
             engine.finish_step()
             steps += 1
+            record_drafts(seqs, drafts)
         elif it > last:
             break
         it += 1
     g = ex.graphs
-    assert isinstance(g, EagerLadder)
+    assert isinstance(g, EagerLadder) == script.graphs
+    ladder: tuple[list[int], list[int], int, int, int] = (
+        (g.launched, g.sizes, g.replays, g.pad_replays, g.prefill_replays) if isinstance(g, EagerLadder)
+        else ([], [], 0, 0, 0))
+    mtp = [m.mlp for m in ex.model.mtp.values()] if ex.model.mtp is not None else []
     ctx.conn.send(Ran({rid: (list(s.output_token_ids), list(s.logprobs)) for rid, s in seqs.items()}, steps,
-                      g.launched, g.sizes, g.replays, g.pad_replays, g.prefill_replays, engine.overlapped_steps,
-                      engine.num_used_blocks))
+                      *ladder, engine.overlapped_steps, engine.num_used_blocks, engine.spec_counts, drafts,
+                      sum(int(m.w13.shape[0]) for m in mtp if isinstance(m, MoE))))
     while not isinstance(ctx.conn.recv(), Stop):
         pass

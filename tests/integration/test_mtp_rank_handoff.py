@@ -1,6 +1,7 @@
 """Speculative decoding's hand-off from a prefill engine on rank processes (``engine.speculative``: PCP2 with
-sharded KV, PP2 x PCP2): the last stage holds the MTP layer, and each of its PCP ranks runs it over its own
-rows of every step.
+sharded KV, PP2 x PCP2, PCP2 with expert parallelism): the last stage holds the MTP layer, and each of its PCP
+ranks runs it over its own rows of every step (under EP its MoE dispatching over the PCP ranks, each holding
+half the layer's routed experts).
 
 Prompts are prefilled in 32-token chunks (one chunk; a last chunk of one row, which PCP runs as a decode row
 on every rank; several) with their KV held, as a prefill node does. Their first token and the MTP layer's
@@ -23,6 +24,7 @@ from engine_helpers import read_kv
 
 from engine import LLM, SamplingParams
 from engine.llm_engine import LLMEngine
+from engine.weights import build_empty_model
 from kv_transfer.handoff import KVReceiver
 from kv_transfer.layout import CacheLayout, RequestKV
 from kv_transfer.transport import register_cache
@@ -125,13 +127,17 @@ def _decode(mtp_model: Path, k: int, prefill: LLMEngine, sources: dict[int, Cach
             transport.close()
 
 
-@pytest.mark.parametrize("topology", [dict(pcp=2), dict(pcp=2, pp=2)], ids=["pcp2", "pp2-pcp2"])
+@pytest.mark.parametrize("topology", [dict(pcp=2), dict(pcp=2, pp=2), dict(pcp=2, enable_expert_parallel=True)],
+                         ids=["pcp2", "pp2-pcp2", "pcp2-ep2"])
 def test_a_prefill_on_rank_processes_hands_off_the_mtp_layers_draft_and_kv(
         mtp_model: Path, reference: list[list[int]], pcp1: list[Prefilled], topology: dict[str, int]) -> None:
     with LLM(str(mtp_model), speculative_config=spec(2), cache_exporter=MooncakeExporter(),
              max_num_batched_tokens=CHUNK, kv_layout="sharded", **topology, **KW) as prefill:
         pe = prefill.engine
         n = pe.model_config.num_hidden_layers
+        if topology.get("enable_expert_parallel"):  # each PCP rank holds half the routed experts, the MTP layer's too
+            whole = build_empty_model(pe.model_config, torch.float32, torch.device("cpu"), mtp=True)
+            assert prefill.node is not None and prefill.node.expert_params == [whole.routed_expert_params() // 2] * 2
         held = _prefill(pe)
         for i, (mine, ref) in enumerate(zip(held, pcp1)):
             assert mine.first == ref.first
