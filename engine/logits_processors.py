@@ -13,8 +13,9 @@ Speculative decoding's verify rows (``engine.speculative``) are several rows of 
 drafts before it as output too (``ahead``), as decoding them one at a time would.
 
 All rows at once on the logits' device (the counts are one scatter-add over the rows' token ids), so
-the greedy argmax, the random draw and the logprobs of the chosen token see the same logits. Rows
-without any of these are left untouched (and no copy is made when no row asks).
+the greedy argmax and the random draw see the same logits; logprobs are of the raw logits (vLLM's
+default, ``engine.sampler``). Rows without any of these are left untouched (and no copy is made when no
+row asks).
 """
 
 from __future__ import annotations
