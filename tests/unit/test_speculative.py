@@ -110,7 +110,11 @@ class Oracle:
             n = draft_budget(seq, self.k, self.engine.max_model_len)
             done = len(seq.output_token_ids)
             future = self.reference[tuple(seq.prompt_token_ids)][done : done + n]
-            seq.drafts = [(t + 1) % 1000 if self.wrong else t for t in future]
+            seq.drafts = self.wrong_drafts(seq, done, future) if self.wrong else future
+
+    def wrong_drafts(self, seq: Sequence, done: int, future: list[int]) -> list[int]:
+        """Drafts each unlike the continuation's token at its place."""
+        return [(t + 1) % 1000 for t in future]
 
 
 @pytest.mark.parametrize("wrong", [False, True], ids=["all-right", "all-wrong"])

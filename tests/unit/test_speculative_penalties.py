@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_speculative import Oracle as SpecOracle
 
 from engine import LLM, SamplingParams
 from engine.config import ModelConfig
@@ -19,7 +20,7 @@ from engine.llm import RequestOutput
 from engine.llm_engine import LLMEngine
 from engine.logits_processors import apply_bias_and_penalties
 from engine.sequence import Sequence
-from engine.speculative import _chosen_logits, draft_budget
+from engine.speculative import _chosen_logits
 from engine.structured_output import Grammar, GuidanceTokenizers, StructuredOutputsParams
 from engine.tokenizer import Tokenizer
 from pdctl.tiny_model import make_tiny_model
@@ -116,25 +117,14 @@ def test_greedy_penalised_and_min_tokens_requests_draft_and_equal_decoding_witho
     same(outs, reference)
 
 
-class Oracle:
+class Oracle(SpecOracle):
     """Drafts from the known continuation: right ones, or wrong ones (a token the request's min_tokens bans at
     its row while it does, else the next id)."""
 
-    def __init__(self, engine: LLMEngine, future: dict[tuple[int, ...], list[int]], k: int, wrong: bool) -> None:
-        self.engine, self.future, self.k, self.wrong = engine, future, k, wrong
-
-    def __call__(self, step: object) -> None:
-        for seq in self.engine.scheduler.running:
-            if seq.num_remaining != 1:
-                continue
-            n = draft_budget(seq, self.k, self.engine.max_model_len)
-            done = len(seq.output_token_ids)
-            future = self.future[tuple(seq.prompt_token_ids)][done : done + n]
-            if self.wrong:
-                stops = seq.params.stop_token_ids or []
-                future = [stops[0] if stops and done + i < seq.params.min_tokens and stops[0] != t
-                          else (t + 1) % 1000 for i, t in enumerate(future)]
-            seq.drafts = future
+    def wrong_drafts(self, seq: Sequence, done: int, future: list[int]) -> list[int]:
+        stops = seq.params.stop_token_ids or []
+        return [stops[0] if stops and done + i < seq.params.min_tokens and stops[0] != t else (t + 1) % 1000
+                for i, t in enumerate(future)]
 
 
 @pytest.mark.parametrize("wrong", [False, True], ids=["all-right", "all-wrong"])
