@@ -48,7 +48,10 @@ def proxy_url(mla_model: Path, tmp_path_factory: pytest.TempPathFactory,
                     prefill=(PrefillSpec(max_num_batched_tokens=256, tp=2, **NODE, **PREFILL_KV),
                              PrefillSpec(engine="native", pcp=2, kv_layout="sharded", **NODE, **PREFILL_KV)),
                     decode=(DecodeSpec(**NODE, **DECODE_KV),),
-                    proxy=ProxySpec(port=0),
+                    # A decode wait past the proxy's 60 s token limit happened once on CI's 2 cores (2026-12-05:
+                    # "decode timed out: no token for 60s" in the prefix-caching test; the same commit's code
+                    # passed the run before): these tests are about tokens, so the proxy waits longer here.
+                    proxy=ProxySpec(port=0, token_timeout_s=180.0),
                     # Six engine processes on CI's 2 cores have stalled a vLLM node's heartbeat for ~30 s
                     # (redis "Timeout reading from socket"), and the proxy then routed to nobody.
                     registry=RegistrySpec(cluster="vllmtest", ttl_s=60.0))
