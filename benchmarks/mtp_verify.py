@@ -6,9 +6,11 @@ config plus ``num_nextn_predict_layers`` 1), or ``--model DIR``. For each batch 
 
 - without speculative decoding, as users run it (CUDA graphs on a GPU);
 - with ``num_speculative_tokens`` k = 1..3, also with graphs: each step verifies every request's k drafts
-  (k + 1 rows, replayed from the graph of that many rows) and runs the MTP layer over them (eagerly) and
-  once more per further draft. Dummy weights accept almost nothing, which does not change a step's cost
-  (its rows are the same): the step time is what is measured. ``--eager`` adds both without graphs.
+  (k + 1 rows, replayed from the graph of that many rows) and runs the MTP layer over them and once more per
+  further draft (replayed from the MTP passes' graphs, ``engine.mtp_graphs``; ``--eager-passes`` adds the same
+  step with those passes run eagerly, the engine before them). Dummy weights accept almost nothing, which
+  does not change a step's cost (its rows are the same): the step time is what is measured. ``--eager`` adds
+  both without graphs.
 
 Projected tokens/s ratio at an acceptance rate a (drafts accepted independently, each with probability a):
 a step gives ``(1 - a^(k+1)) / (1 - a)`` tokens, so ratio = that x decode step time / speculative step time.
@@ -40,8 +42,9 @@ DEEPSEEK_ACCEPTANCE = 0.85  # DeepSeek-V3's report: 85-90% of second tokens acce
 
 
 def step_time(model: Path, device: str, batch: int, prompt_len: int, steps: int, k: int, eager: bool,
-              dummy: bool, profile: bool = False) -> float:
-    """Seconds per engine step with ``batch`` requests decoding (k drafts each when k > 0)."""
+              dummy: bool, profile: bool = False, pass_graphs: bool = True) -> float:
+    """Seconds per engine step with ``batch`` requests decoding (k drafts each when k > 0; ``pass_graphs`` off:
+    the MTP passes run eagerly after a replayed step)."""
     kw: dict = dict(dtype="bfloat16" if device != "cpu" else "float32", device=device,
                     max_model_len=prompt_len + steps * (k + 1) + 64, max_num_seqs=max(batch, 1),
                     max_num_batched_tokens=max(2048, prompt_len), enforce_eager=eager)
@@ -51,6 +54,11 @@ def step_time(model: Path, device: str, batch: int, prompt_len: int, steps: int,
         kw["speculative_config"] = json.dumps({"method": "mtp", "num_speculative_tokens": k})
     with LLM(str(model), **kw) as llm:
         eng = llm.engine
+        runner = eng.executor.runner
+        if k and not eager:
+            assert runner.mtp_graphs is not None or device == "cpu", "the MTP passes were not captured"
+            if not pass_graphs:
+                runner.mtp_graphs = None
         g = torch.Generator().manual_seed(1)
         seqs = [eng.add_request(torch.randint(10, 1000, (prompt_len,), generator=g).tolist(),
                                 SamplingParams(max_tokens=steps * (k + 1) + 16, temperature=0.0, ignore_eos=True))
@@ -101,6 +109,8 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--eager", action="store_true", help="also both steps without CUDA graphs")
+    ap.add_argument("--eager-passes", action="store_true",
+                    help="also the speculative step with graphs but its MTP passes run eagerly")
     ap.add_argument("--profile", action="store_true", help="print torch.profiler tables of speculative steps")
     ap.add_argument("--acceptance", type=float, default=0.972,
                     help="another acceptance rate to project at (default: the trained tiny model's at k=1)")
@@ -122,17 +132,20 @@ def main() -> None:
         for k in a.k:
             spec = step_time(model, a.device, batch, a.prompt_len, a.steps, k, eager=False, dummy=dummy,
                              profile=a.profile)
+            passes = (step_time(model, a.device, batch, a.prompt_len, a.steps, k, eager=False, dummy=dummy,
+                                pass_graphs=False) if a.eager_passes else 0.0)
             spec_eager = (step_time(model, a.device, batch, a.prompt_len, a.steps, k, eager=True, dummy=dummy)
                           if a.eager else 0.0)
             row = {"batch": batch, "k": k, "decode_step_ms": round(base * 1e3, 3),
                    "eager_decode_step_ms": round(eager * 1e3, 3) or None, "spec_step_ms": round(spec * 1e3, 3),
                    "eager_spec_step_ms": round(spec_eager * 1e3, 3) or None,
+                   "spec_step_eager_passes_ms": round(passes * 1e3, 3) or None,
                    "spec_over_decode": round(spec / base, 3),
                    "projected_speedup_at_85pct": round(tokens_per_step(DEEPSEEK_ACCEPTANCE, k) * base / spec, 2),
                    f"projected_speedup_at_{a.acceptance:g}": round(tokens_per_step(a.acceptance, k) * base / spec, 2)}
             rows.append(row)
             print(f"batch {batch:3} k={k}: spec step {spec * 1e3:.2f} ms vs decode {base * 1e3:.2f} ms "
-                  f"(eager {eager * 1e3:.2f} / {spec_eager * 1e3:.2f}); "
+                  f"(eager passes {passes * 1e3:.2f}; eager {eager * 1e3:.2f} / {spec_eager * 1e3:.2f}); "
                   f"projected {row['projected_speedup_at_85pct']:.2f}x at 85% "
                   f"acceptance (a projection)")
     print(json.dumps({"benchmark": "mtp_verify", "model": a.preset or str(model), "device": a.device,

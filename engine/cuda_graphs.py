@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -104,16 +105,18 @@ class DecodeGraphs:
         # The replays' outputs: one buffer each that every size's graph writes its rows of (a graph's own
         # outputs would stay allocated per size: ~0.9 GB of logits over a 256-row ladder of V2-Lite's).
         assert model.lm_head is not None  # graphs are captured for a whole model (one process, one device)
-        self._hidden = torch.empty(n, model.cfg.hidden_size, dtype=model.lm_head.weight.dtype, device=device)
+        self.hidden = torch.empty(n, model.cfg.hidden_size, dtype=model.lm_head.weight.dtype, device=device)
         self._logits = torch.empty(max_batch, model.cfg.vocab_size, dtype=torch.float32, device=device)
-        self._max_batch = max_batch
+        self.max_batch = max_batch  # the largest size whose graph computes logits
         self._max_rows = n
+        self.last_size = 0  # the size the last step replayed
         self.replays = 0  # steps served by a graph (tests check graphs were really used)
         self.prefill_replays = 0  # of which steps with prefill rows
         self.pad_replays = 0  # of which, under EP, steps without rows of this member's (``pad``)
 
     # -- start-up --------------------------------------------------------------------------------
-    def _batch(self, size: int) -> ForwardBatch:
+    def step_batch(self, size: int) -> ForwardBatch:
+        """The static buffers' first ``size`` rows as a step's batch (what a graph of ``size`` rows runs)."""
         return ForwardBatch(
             input_ids=self.input_ids[:size], positions=self.positions[:size], slot_mapping=self.slots[:size],
             num_decode=size, decode_block_tables=self.tables[:size], decode_seq_lens=self.lens[:size],
@@ -124,9 +127,9 @@ class DecodeGraphs:
         )
 
     def _forward(self, size: int) -> None:
-        hidden = self.model(self._batch(size), self.cache.layers)
-        self._hidden[:size].copy_(hidden)
-        if size <= self._max_batch:
+        hidden = self.model(self.step_batch(size), self.cache.layers)
+        self.hidden[:size].copy_(hidden)
+        if size <= self.max_batch:
             self._logits[:size].copy_(self.model.lm_head(hidden))  # type: ignore[misc]  # [size, V] fp32
 
     @torch.inference_mode()
@@ -148,12 +151,9 @@ class DecodeGraphs:
         """Capture each size of the ladder, largest first (``_capture``); under EP, in lockstep with the other
         members, each size kept only if every member captured it (else none keeps any). Returns whether the
         graphs were captured (``sizes``)."""
-        self.lens.zero_()
-        self.grouped.zero_()
-        self._grouped_hw = 0
-        self.slots.fill_(self.scratch_slot)
+        self.clear_rows()
         done: list[int] = []
-        for size in reversed(graph_sizes(self._max_rows, self._max_batch)):
+        for size in reversed(graph_sizes(self._max_rows, self.max_batch)):
             why = ""
             try:
                 self._capture(size)
@@ -172,20 +172,32 @@ class DecodeGraphs:
         self.sizes = sorted(done)
         return True
 
+    def clear_rows(self) -> None:
+        """Every row of the static buffers a padding row (no context, its latents into the spare block)."""
+        self.lens.zero_()
+        self.grouped.zero_()
+        self._grouped_hw = 0
+        self.slots.fill_(self.scratch_slot)
+
     def _capture(self, size: int) -> None:
-        """Capture the graph of ``size`` rows (after a warm-up at that size on a side stream: Triton compiles
-        its kernels for the size's launch parameters outside the capture, where loading a module is not
-        allowed; and, under EP, the group's communicator is set up before the first capture)."""
+        self._graphs[size] = self.capture_graph(lambda: self._forward(size))
+
+    def capture_graph(self, work: Callable[[], None]) -> torch.cuda.CUDAGraph:
+        """Capture ``work`` as a graph in these graphs' memory pool (after a warm-up on a side stream: Triton
+        compiles its kernels for the launch parameters outside the capture, where loading a module is not
+        allowed; and, under EP, the group's communicator is set up before the first capture). The pool is the
+        first (largest) graph's, reused by later ones: their work must leave its results in static buffers,
+        and never two of them run at once."""
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            self._forward(size)
+            work()
         torch.cuda.current_stream().wait_stream(stream)
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g, pool=self._pool):
-            self._forward(size)
-        self._pool = g.pool()  # the largest graph's memory, reused by the smaller ones
-        self._graphs[size] = g
+            work()
+        self._pool = g.pool()
+        return g
 
     # -- each step -------------------------------------------------------------------------------
     @property
@@ -208,8 +220,8 @@ class DecodeGraphs:
         graph to replay (under EP the group's; default ``size_for`` the rows)."""
         b = len(token_ids)
         size = self._replay(token_ids, positions, block_tables, [1] * b, feed, size)
-        if size > self._max_batch:  # not while the scheduler caps a step's requests at max_batch
-            return self.model.compute_logits(self._hidden[:b])
+        if size > self.max_batch:  # not while the scheduler caps a step's requests at max_batch
+            return self.model.compute_logits(self.hidden[:b])
         return self._logits[:b].clone()
 
     def run_rows(self, token_ids: list[int], positions: list[int], block_tables: list[list[int]],
@@ -219,9 +231,9 @@ class DecodeGraphs:
         size = self._replay(token_ids, positions, block_tables, repeats, size=size)
         self.prefill_replays += 1
         rows = torch.tensor(logit_rows, dtype=torch.long).to(self.device, non_blocking=True)
-        if size <= self._max_batch:
+        if size <= self.max_batch:
             return self._logits[rows]
-        return self.model.compute_logits(self._hidden[rows])
+        return self.model.compute_logits(self.hidden[rows])
 
     def last_step(self, rows: int) -> tuple[ForwardBatch, torch.Tensor]:
         """The last replay's first ``rows`` rows as decode rows and their final hidden states [rows, D]:
@@ -231,7 +243,7 @@ class DecodeGraphs:
             num_decode=rows, decode_block_tables=self.tables[:rows], decode_seq_lens=self.lens[:rows],
             decode_max_len=self.width * self.block_size, prefills=[],
             logits_rows=torch.arange(rows, device=self.input_ids.device))
-        return batch, self._hidden[:rows]
+        return batch, self.hidden[:rows]
 
     def pad(self, size: int) -> None:
         """Under EP, a step without rows of this member's: replay the graph of ``size`` rows (the group's) with
@@ -267,6 +279,7 @@ class DecodeGraphs:
             self.slots[b:size].fill_(self.scratch_slot)
         self._launch(size)
         self.replays += 1
+        self.last_size = size
         return size
 
     def _launch(self, size: int) -> None:

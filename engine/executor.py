@@ -131,6 +131,8 @@ class LocalExecutor:
         spec = config.speculative
         self.runner = ModelRunner(self.model, self.cache, self.device, self.graphs, ep,
                                   spec.num_speculative_tokens if spec is not None else 1)
+        if graphs and spec is not None:
+            self.runner.attach_mtp_graphs()
         self.allocator: BlockSpace = self.cache.allocator
         self.block_size = config.block_size
         self._pending: list[StepLogits | None] | None = None

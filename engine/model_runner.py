@@ -11,6 +11,7 @@ from engine.cuda_graphs import DecodeGraphs
 from engine.forward_batch import ForwardBatch, PrefillSegment, slots_for
 from engine.kv_cache import KVCache
 from engine.model import DeepseekForCausalLM, MTPLayer
+from engine.mtp_graphs import MTPGraphs
 from engine.overlap import Feed
 from engine.parallel.expert_parallel import ExpertGroup
 from engine.scheduler import Scheduled
@@ -118,8 +119,23 @@ class ModelRunner:
         self.ep = ep
         self.draft_tokens = draft_tokens
         # Speculative decoding: the last step's batch and the target's hidden states [T, D], which the
-        # multi-token prediction layer drafts from (``draft``).
+        # multi-token prediction layer drafts from (``draft``), and the size of the graph it replayed (0: eager).
         self._last: tuple[ForwardBatch, torch.Tensor] | None = None
+        self._replayed = 0
+        # The MTP layer's passes as graphs after a replayed step (``attach_mtp_graphs``; not under EP).
+        self.mtp_graphs: MTPGraphs | None = None
+
+    def attach_mtp_graphs(self) -> None:
+        """Capture the MTP layer's passes as CUDA graphs over the step graphs' buffers (``engine.mtp_graphs``),
+        where the model drafts, its steps replay graphs, and no expert-parallel group sizes its passes."""
+        if self.model.mtp is None or self.graphs is None or not self.graphs.sizes or self.ep is not None:
+            return
+        assert self.model.rope is not None
+        index, layer = next(iter(self.model.mtp.items()))
+        assert isinstance(layer, MTPLayer)
+        mtp = MTPGraphs(self.graphs, layer, self.cache.layers[int(index)], self.model.rope, self.draft_tokens)
+        if mtp.capture():
+            self.mtp_graphs = mtp
 
     @torch.inference_mode()
     def run(self, scheduled: list[Scheduled], feed: Feed | None = None) -> list[StepLogits | None]:
@@ -127,6 +143,7 @@ class ModelRunner:
         ``feed``: input tokens of decode rows still on the device (engine.overlap). Under expert parallelism
         every member of the group calls this in every step, rows or none (``_run_ep``)."""
         self._last = None
+        self._replayed = 0
         graphs = self.graphs if self.graphs is not None and self.model.decode_form == "absorbed" else None
         rows = self._graph_rows(scheduled, graphs, feed) if graphs is not None and scheduled else None
         if self.ep is not None:
@@ -249,6 +266,7 @@ class ModelRunner:
         which runs before the next replay overwrites them."""
         if self.model.mtp is not None:
             self._last = graphs.last_step(rows)
+            self._replayed = graphs.last_size
 
     @torch.inference_mode()
     def draft(self, next_ids: list[int], picks: list[int], extra: list[int],
@@ -261,12 +279,16 @@ class ModelRunner:
 
         Under expert parallelism every member calls this after every step (rows or none): the layer's MoE
         dispatches over the group in each pass that any member runs (``_pass_counts``), a member without rows
-        in a pass running only its collectives. These passes run eagerly, also after a replayed step."""
+        in a pass running only its collectives. These passes run eagerly, also after a replayed step; without EP
+        they replay as graphs after a replayed step (``engine.mtp_graphs``)."""
         assert self.model.mtp is not None and self.model.rope is not None
         index, layer = next(iter(self.model.mtp.items()))  # DeepSeek's one layer drafts every token
         assert isinstance(layer, MTPLayer)
         cache, rope = self.cache.layers[int(index)], self.model.rope
         last, self._last = self._last, None
+        mtp = self.mtp_graphs
+        if mtp is not None and last is not None and mtp.fits(self._replayed, len(picks)):
+            return mtp.run(self._replayed, next_ids, picks, extra, tables)
         passes = self._pass_counts(last, extra)
         if last is None:  # under EP, a member without rows this step
             for counts in passes or []:

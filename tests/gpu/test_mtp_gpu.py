@@ -1,6 +1,6 @@
 """Speculative decoding with the MTP layer on a GPU, CUDA graphs on: a step's verify rows replay from the graphs
-of token rows (each a decode row attending up to its own position) and the MTP pass drafts from the replay's
-hidden states.
+of token rows (each a decode row attending up to its own position) and the MTP passes, replayed from graphs of
+their own (``engine.mtp_graphs``), draft from the replay's hidden states.
 
 bf16 rounds a step of 2 or 3 rows per request differently from a step of one, so outputs are compared as
 tests/gpu/test_cuda_graphs.py compares replays: with the fp32 CPU engine without drafts, over each
@@ -81,6 +81,8 @@ def test_drafting_with_graphs_follows_the_fp32_reference_as_far_as_eager_decodin
         counts = llm.engine.spec_counts
         assert counts.steps > 0 and counts.draft_tokens > 0
         assert graphs.prefill_replays > 0  # verify steps were replays (rows of one request from a graph)
+        mtp = llm.engine.executor.runner.mtp_graphs
+        assert mtp is not None and mtp.replays > 0  # and the MTP passes after them replays of their own graphs
         assert llm.engine.num_used_blocks == 0
     _compare(runs, got)
 

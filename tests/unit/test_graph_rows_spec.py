@@ -15,6 +15,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.cuda_graphs import DecodeGraphs
+from engine.mtp_graphs import MTPGraphs
 from pdctl.tiny_model import make_tiny_model
 
 KW = dict(dtype="float32", device="cpu", max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64)
@@ -22,16 +23,46 @@ GREEDY = SamplingParams(max_tokens=20, temperature=0.0, logprobs=1, ignore_eos=T
 
 
 class EagerRows(DecodeGraphs):
-    """Every row count "captured" (so no step pads: the CPU cache has no spare block for padding rows), each
-    replay the step's forward run eagerly over the buffers the replay filled."""
+    """Every row count "captured" (so no step pads), each replay the step's forward run eagerly over the buffers
+    the replay filled. The cache gains the spare block a GPU executor's has (where padding rows and the MTP
+    passes' rows done drafting write)."""
 
     def __init__(self, llm: LLM, max_rows: int) -> None:
         ex = llm.engine.executor
-        super().__init__(ex.model, ex.cache, 0, KW["max_model_len"], KW["max_num_seqs"], max_rows)
+        spare = ex.cache.num_blocks
+        for i, t in ex.cache.layers.items():
+            ex.cache.layers[i] = torch.cat([t, t.new_zeros(1, *t.shape[1:])])
+        super().__init__(ex.model, ex.cache, spare, KW["max_model_len"], KW["max_num_seqs"], max_rows)
         self.sizes = list(range(1, max_rows + 1))
 
     def _launch(self, size: int) -> None:
         self._forward(size)
+
+
+class EagerMTP(MTPGraphs):
+    """The MTP passes' graphs "captured" for every size, each replay their work run eagerly."""
+
+    def __init__(self, llm: LLM, rows: EagerRows) -> None:
+        ex = llm.engine.executor
+        layer = next(iter(ex.model.mtp.values()))
+        super().__init__(rows, layer, ex.cache.layers[ex.num_layers], ex.model.rope, ex.runner.draft_tokens)
+        self.first_sizes = rows.sizes
+        self.draft_sizes = [s for s in rows.sizes if s <= rows.max_batch]
+
+    def _launch_first(self, size: int) -> None:
+        self._first_pass(size)
+
+    def _launch_drafts(self, size: int) -> None:
+        self._draft_passes(size)
+
+
+def graph_path(llm: LLM, mtp: bool) -> tuple[EagerRows, EagerMTP | None]:
+    """The engine's steps as graph rows, and with ``mtp`` its MTP passes as the passes' graphs."""
+    runner = llm.engine.executor.runner
+    rows = EagerRows(llm, max_rows=64)
+    runner.graphs = rows
+    runner.mtp_graphs = EagerMTP(llm, rows) if mtp else None
+    return rows, runner.mtp_graphs
 
 
 @pytest.fixture(scope="module")
@@ -53,11 +84,19 @@ def reference(mtp_model: Path) -> list:
 @pytest.mark.parametrize("k", [0, 1, 3])
 def test_steps_as_graph_rows_equal_eager_steps(mtp_model: Path, reference: list, k: int) -> None:
     """Greedy tokens and logprobs through the graph rows (k = 0: plain decoding; k > 0: MTP drafts verified
-    as graph rows, the MTP pass on the replay's hidden states) equal the eager engine's without drafts."""
+    as graph rows, the MTP passes as their graphs' work on the replay's buffers) equal the eager engine's
+    without drafts."""
     spec = {"speculative_config": json.dumps({"method": "mtp", "num_speculative_tokens": k})} if k else {}
     with LLM(str(mtp_model), **KW, **spec) as llm:
-        rows = EagerRows(llm, max_rows=64)
-        llm.engine.executor.runner.graphs = rows
+        rows, mtp = graph_path(llm, mtp=k > 0)
+        made = llm.engine.executor.draft
+        calls = []  # the steps that drafted
+
+        def count(*args: list, made: object = made) -> list[list[int]]:
+            calls.append(bool(args[1]))
+            return made(*args)  # type: ignore[operator]
+
+        llm.engine.executor.draft = count  # type: ignore[method-assign]
         outs = llm.generate(prompts(), GREEDY)
         assert [o.token_ids for o in outs] == [r.token_ids for r in reference]
         for o, r in zip(outs, reference):
@@ -67,7 +106,37 @@ def test_steps_as_graph_rows_equal_eager_steps(mtp_model: Path, reference: list,
             c = llm.engine.spec_counts
             assert c.steps > 0 and c.draft_tokens > 0
             assert rows.prefill_replays > rows.replays // 2  # the verify steps too, not run eagerly
+            assert mtp is not None and mtp.replays == sum(calls) > 10  # every step's passes by their graphs
         assert llm.engine.num_used_blocks == 0
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_graph_passes_draft_what_eager_passes_draft(mtp_model: Path, k: int) -> None:
+    """After every step the MTP passes' graphs (their work on the replay's buffers) draft exactly the tokens the
+    eager passes draft after the same replayed step: the two engines' drafts, request by request and step by
+    step, are equal (so are their acceptance counts), with requests of different budgets (k = 3: some draft
+    fewer tokens near max_tokens, and their rows run on in the later passes, writing to the spare block)."""
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (20, 7, 12, 5)]
+    seen: list[list[list[list[int]]]] = []
+    for mtp in (False, True):
+        with LLM(str(mtp_model), speculative_config=json.dumps({"method": "mtp", "num_speculative_tokens": k}),
+                 **KW) as llm:
+            engine = llm.engine
+            _, graphs = graph_path(llm, mtp)
+            drafts: list[list[list[int]]] = []
+            made = engine.executor.draft
+
+            def record(*args: list, made: object = made, drafts: list = drafts) -> list[list[int]]:
+                out = made(*args)  # type: ignore[operator]
+                drafts.append(out)
+                return out
+
+            engine.executor.draft = record  # type: ignore[method-assign]
+            llm.generate(prompts(), params)
+            assert (graphs is not None and graphs.replays > 0) == mtp
+            assert engine.num_used_blocks == 0
+            seen.append(drafts)
+    assert seen[0] == seen[1] and sum(len(d) for step in seen[0] for d in step) > 20
 
 
 def test_right_drafts_verified_as_graph_rows_are_all_accepted(mtp_model: Path, reference: list) -> None:
