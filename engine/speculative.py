@@ -256,17 +256,24 @@ class Drafts:
                 drafts = grammar_drafts(s.seq, s.drafts)
                 todo.append((s.seq, sl.logits[: 1 + len(drafts)], drafts))
         finished = []
-        for (seq, raw, drafts), rows in zip(todo, _chosen_logits(todo)):
-            a, tokens = verify(rows, drafts, seq.params, seq.generator or generator)
+        chosen = _chosen_logits(todo)
+        greedy = _greedy_verdicts(todo, chosen)
+        for (seq, raw, drafts), rows, verdict in zip(todo, chosen, greedy):
+            if verdict is not None:  # the tokens and their logprobs from the batch's one copy to the host
+                a, tokens, chosen_lp = verdict
+            else:
+                a, tokens = verify(rows, drafts, seq.params, seq.generator or generator)
+                chosen_lp = None
             self.counts.add(len(drafts), a)
             seq.drafts = []  # verified: the next ones come from draft()
             seq.num_computed += a
             # Token j came from row j: its logprob (and the top ones asked for) of that row's raw logits.
-            logp = torch.log_softmax(raw[: len(tokens)], dim=-1)
-            chosen = logp.gather(1, torch.tensor(tokens, device=logp.device).unsqueeze(1)).squeeze(1).tolist()
             n = seq.params.logprobs
+            if chosen_lp is None or n is not None:
+                logp = torch.log_softmax(raw[: len(tokens)], dim=-1)
+                chosen_lp = logp.gather(1, torch.tensor(tokens, device=logp.device).unsqueeze(1)).squeeze(1).tolist()
             tops = top_logprobs(logp, n) if n is not None else [None] * len(tokens)
-            for token, lp, top in zip(tokens, chosen, tops):
+            for token, lp, top in zip(tokens, chosen_lp, tops):
                 if append(seq, token, lp, top):
                     finished.append(seq)
                     break
@@ -306,6 +313,29 @@ class Drafts:
         drafts = self.executor.draft(next_ids, picks, extra, [q.block_ids for q in drafting])
         for seq, d in zip(drafting, drafts):
             seq.drafts = grammar_drafts(seq, d)  # (the blocks grown for any cut stay the request's, as ever)
+
+
+def _greedy_verdicts(todo: Sequence_[tuple[Sequence, torch.Tensor, list[int]]],
+                     chosen: list[torch.Tensor]) -> list[tuple[int, list[int], list[float]] | None]:
+    """The greedy requests' verdicts, all in one batch (``verify``'s, per request, cost two host syncs each):
+    per request (drafts accepted, tokens, each token's logprob of its row's raw logits); None for a sampled
+    one. Greedy row j's token is the target's own (an accepted draft equals it), so one argmax over every
+    greedy row of the step and one gather of the raw logits' log-softmax there give them all."""
+    greedy = [j for j, (seq, _, _) in enumerate(todo) if seq.params.greedy]
+    out: list[tuple[int, list[int], list[float]] | None] = [None] * len(todo)
+    if not greedy:
+        return out
+    target = torch.cat([chosen[j] for j in greedy]).argmax(-1)
+    logp = torch.log_softmax(torch.cat([todo[j][1] for j in greedy]), dim=-1)
+    both = torch.stack([target.double(), logp.gather(1, target.unsqueeze(1)).squeeze(1).double()]).tolist()
+    row = 0
+    for j in greedy:
+        drafts = todo[j][2]
+        tokens = [int(t) for t in both[0][row : row + 1 + len(drafts)]]
+        a = accepted(drafts, tokens)
+        out[j] = (a, tokens[: a + 1], both[1][row : row + a + 1])
+        row += 1 + len(drafts)
+    return out
 
 
 def _chosen_logits(todo: Sequence_[tuple[Sequence, torch.Tensor, list[int]]]) -> list[torch.Tensor]:
