@@ -115,22 +115,30 @@ if HAS_TRITON:
         tl.store(COUNTS + p * EP + experts, tl.sum((e[:, None] == experts[None, :]).to(tl.int32), 0))
 
     @triton.jit
-    def _moe_offsets(COUNTS, BASE, OFFS, P, E, EP: tl.constexpr, PP: tl.constexpr, EB: tl.constexpr):
-        # one program: expert e's rows start at OFFS[e]; chunk p's rows of expert e at BASE[p, e]. Experts
-        # in blocks of EB (a [PP, EB] tile at a time), each block's offsets after the blocks before it.
-        chunks = tl.arange(0, PP)
-        cmask = (chunks < P)[:, None]
-        done = tl.sum(tl.zeros([EB], tl.int32), 0)  # rows of the experts before this block
-        for blk in tl.static_range(EP // EB):
-            experts = blk * EB + tl.arange(0, EB)
-            counts = tl.load(COUNTS + chunks[:, None] * EP + experts[None, :], mask=cmask, other=0)  # [PP, EB]
-            totals = tl.sum(counts, 0)
-            ends = done + tl.cumsum(totals, 0)
-            base = (ends - totals)[None, :] + tl.cumsum(counts, 0) - counts  # earlier chunks' rows of e first
-            tl.store(BASE + chunks[:, None] * EP + experts[None, :], base, mask=cmask)
-            tl.store(OFFS + 1 + experts, ends, mask=experts < E)
-            done += tl.sum(totals, 0)
-        tl.store(OFFS, done * 0)  # offs[0] = 0 (an int32 zero of the right type)
+    def _moe_offsets(COUNTS, BASE, OFFS, P, E, EP: tl.constexpr, CT: tl.constexpr):
+        # one program: expert e's rows start at OFFS[e]; chunk p's rows of expert e at BASE[p, e] (earlier chunks'
+        # rows of e first). Chunks in tiles of CT ([CT, EP] counts at a time), over a loop bounded at run time:
+        # the experts' totals first, then each tile's offsets after the tiles before it. (No shape in a
+        # constexpr: one compile serves every step's row count, where a size-dependent tile compiled anew, for
+        # seconds, at the first step of each new size.)
+        experts = tl.arange(0, EP)
+        tile = tl.arange(0, CT)
+        totals = tl.zeros([EP], tl.int32)
+        for c0 in range(0, P, CT):
+            chunks = c0 + tile
+            m = (chunks < P)[:, None]
+            totals += tl.sum(tl.load(COUNTS + chunks[:, None] * EP + experts[None, :], mask=m, other=0), 0)
+        ends = tl.cumsum(totals, 0)
+        tl.store(OFFS + 1 + experts, ends, mask=experts < E)
+        tl.store(OFFS + experts, ends * 0, mask=experts == 0)  # offs[0] = 0
+        running = ends - totals
+        for c0 in range(0, P, CT):
+            chunks = c0 + tile
+            m = (chunks < P)[:, None]
+            counts = tl.load(COUNTS + chunks[:, None] * EP + experts[None, :], mask=m, other=0)  # [CT, EP]
+            tl.store(BASE + chunks[:, None] * EP + experts[None, :], running[None, :] + tl.cumsum(counts, 0) - counts,
+                     mask=m)
+            running += tl.sum(counts, 0)
 
     @triton.jit
     def _moe_place(IDS, BASE, SRC, ORDER, N, K: tl.constexpr, EP: tl.constexpr, CHUNK: tl.constexpr):
@@ -365,9 +373,8 @@ def route(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tens
         counts = torch.empty(chunks, ep, dtype=torch.int32, device=dev)
         base = torch.empty(chunks, ep, dtype=torch.int32, device=dev)
         _moe_count[(chunks,)](flat, counts, n, EP=ep, CHUNK=chunk, num_warps=4)
-        pp = triton.next_power_of_2(chunks)
-        _moe_offsets[(1,)](counts, base, offs, chunks, num_experts, EP=ep, PP=pp, EB=max(1, min(ep, 4096 // pp)),
-                           num_warps=4)  # [PP, EB] tiles of at most 4,096 counts: their scans fit shared memory
+        _moe_offsets[(1,)](counts, base, offs, chunks, num_experts, EP=ep, CT=max(1, 4096 // ep),
+                           num_warps=4)  # [CT, EP] tiles of at most 4,096 counts: their scans fit shared memory
         _moe_place[(chunks,)](flat, base, src, order, n, K=k, EP=ep, CHUNK=chunk, num_warps=4)
     else:
         _moe_route[(1,)](flat, offs, src, order, n, E=num_experts, EP=ep, K=k,

@@ -196,8 +196,9 @@ def check_experts_skipped(device: str, dtype: torch.dtype, t: int = 33, k: int =
 
 
 def check_route_split(device: str, cases: tuple[tuple[int, int, int], ...] = ((1, 6, 64), (300, 6, 64), (700, 8, 256),
-                                                                           (37, 2, 8))) -> None:
-    """Routing over chunks of rows (three kernels) places every row where the one-program routing does."""
+                                                                           (37, 2, 8), (3000, 8, 256))) -> None:
+    """Routing over chunks of rows (three kernels) places every row where the one-program routing does (the
+    last case: 750 chunks, the offsets' loop over many tiles of them)."""
     g = torch.Generator().manual_seed(6)
     saved = moe_kernels.ROUTE_SPLIT_ROWS
     try:
