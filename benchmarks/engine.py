@@ -10,6 +10,7 @@ The last line of output is one JSON object with all figures.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 import tempfile
@@ -38,11 +39,15 @@ def _sync(dev: torch.device) -> None:
         torch.cuda.synchronize(dev)
 
 
+_PROMPTS = itertools.count()  # every prefill's prompt a fresh one: a repeated prompt would hit the prefix cache
+
+
 def time_prefill(eng: LLMEngine, n: int, repeats: int) -> float:
     """Median seconds of one n-token prefill step (the request is aborted after it)."""
     times = []
     for r in range(repeats + 1):
-        ids = torch.randint(10, eng.model_config.vocab_size - 10, (n,), generator=torch.Generator().manual_seed(r))
+        seed = next(_PROMPTS)
+        ids = torch.randint(10, eng.model_config.vocab_size - 10, (n,), generator=torch.Generator().manual_seed(seed))
         seq = eng.add_request(ids.tolist(), SamplingParams(max_tokens=1, temperature=0.0))
         _sync(eng.device)
         t0 = time.perf_counter()
