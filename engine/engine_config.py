@@ -170,8 +170,6 @@ class EngineConfig:
 
     def _check_speculative(self) -> None:
         self.speculative  # noqa: B018 (parses: a bad form raises)
-        if self.async_scheduling:
-            raise ValueError("speculative_config does not run with async_scheduling yet (engine/speculative.py)")
         # Expert parallelism over rank processes (a prefill node's) is refused where they start
         # (engine.parallel.replica.ParallelNode); a decode node's DP replicas run it (engine.speculative).
 

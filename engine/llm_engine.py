@@ -49,6 +49,7 @@ class _Launched:
     sampled: list[Sequence] | None = None  # the rows sampled, in order
     samples: PendingSamples | None = None  # their samples, on their way to the host
     advanced: bool = False  # its rows count as computed already: a step was launched on its samples
+    ahead: bool = False  # launched by ``finish_step`` after the step before's drafts, for the next ``launch_step``
     starts: list[int] = field(default_factory=list)  # each request's first row's position, when launched
 
 
@@ -134,6 +135,12 @@ class LLMEngine:
         # Expert parallelism across DP replicas (engine.parallel.expert_parallel): while the node steps any
         # replica it steps every one, and a step with nothing scheduled still runs, without rows.
         self.lockstep = ep is not None
+        # Speculative decoding's steps are launched ahead instead (``finish_step``): a step's next inputs are its
+        # verified tokens and new drafts, known on the host only after both, so once they are the next step is
+        # scheduled and launched, and runs while the caller takes the finished requests and delivers the step's
+        # tokens (a decode node's events). Not in lockstep (EP), where every member launches together.
+        self.spec_ahead = self._local and bool(overlap) and self.speculative is not None and not self.lockstep
+        self.ahead_steps = 0  # steps launched that way
 
     @property
     def model(self) -> DeepseekForCausalLM:
@@ -375,6 +382,9 @@ class LLMEngine:
         ``_blocks_held_elsewhere``)."""
         assert self._next is None, "launch_step() twice without finish_step()"
         prev = self._launched
+        if prev is not None and prev.ahead:  # already launched, by the last finish_step
+            prev.ahead = False
+            return len(prev.scheduled)
         if prev is not None:
             launched = self._launch_overlapped(prev)
             if launched:
@@ -471,7 +481,19 @@ class LLMEngine:
         if self._next is None and self._next_rows(step) is not None:
             return finished  # the next launch_step runs on its samples, then this finishes
         newer, self._launched, self._next = self._next, self._next, None
-        return finished + self._complete(step, newer)
+        finished += self._complete(step, newer)
+        if self.spec_ahead and self._launched is None:
+            self._launch_ahead()
+        return finished
+
+    def _launch_ahead(self) -> None:
+        """Speculative decoding: the next step scheduled and launched now, right after the last one's drafts
+        (``spec_ahead``). Requests that arrive before the caller's next ``launch_step`` join the step after."""
+        scheduled = self.scheduler.schedule()
+        if scheduled:  # nothing: the next launch_step schedules as ever (and says why none can run)
+            self._launched = self._launch(scheduled)
+            self._launched.ahead = True
+            self.ahead_steps += 1
 
     def _complete(self, step: _Launched, newer: _Launched | None) -> list[Sequence]:
         """Wait for ``step``'s samples and apply them: tokens appended, stops checked, blocks cached

@@ -71,7 +71,17 @@ Prefix caching: the MTP layer's KV at a block's last position depends on the fir
 which the block's hash does not cover, so a prompt that hits the cache recomputes (or pulls) the last block
 it matched (``Scheduler.spare_blocks``); a request admitted without the layer's KV shares none of its blocks.
 
-Not yet: overlapped steps, verify steps on rank processes (above), expert parallelism across
+CUDA graphs: the verify rows replay from the graphs of token rows (``engine.cuda_graphs``) and the MTP passes
+after such a replay from graphs of their own (``engine.mtp_graphs``; eager under EP). Greedy requests are verified
+in one batch (``_greedy_verdicts``: one argmax and one gather over all their rows, one copy to the host).
+
+Overlapped steps (``async_scheduling``, a GPU's default): a step's inputs are the last one's verified tokens and
+new drafts, known on the host only once both are, so the step cannot be launched on tokens still on the device
+(``engine.overlap``'s way). It is launched ahead instead: right after the drafts, before the caller (a decode
+node's loop) takes the finished requests and delivers the step's tokens, which then overlaps the GPU's next step
+(``LLMEngine.spec_ahead``; not in EP lockstep, where the members launch together).
+
+Not yet: verify steps on rank processes (above), expert parallelism across
 DP replicas on rank processes (above), and the grammar's mask
 on the MTP layer's own choice (the layer picks its argmax over the whole vocabulary, so with a grammar the
 drafts of a model that has not learned the format are mostly cut: a masked choice would need the matcher in

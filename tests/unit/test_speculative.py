@@ -204,17 +204,19 @@ def test_a_model_without_an_mtp_layer_or_a_topology_it_cannot_run_is_refused(tmp
 
 def _disaggregated(mtp_model: Path, prefill_spec: bool, decode_spec: bool,
                    record: list[tuple[tuple[int, ...], int, int]] | None = None, k: int = 2,
-                   recompute: bool = True) -> tuple[list[list[int]], SpecCounts]:
+                   recompute: bool = True, ahead: bool = False) -> tuple[list[list[int]], SpecCounts]:
     """Each prompt prefilled on one engine (a prefill node's way: one token, KV held) and decoded on another
     (``begin_prefilled`` / ``admit_prefilled`` with the prefill side's drafts), the KV copied between their
     caches: every layer both hold (the MTP layer's when both do), as a transfer moves it. A decode side with
     the MTP layer and ``recompute`` (``mtp_recompute``) fed by a prefill side without it pulls nothing: its
-    blocks are filled with noise, and it computes the prompts again."""
+    blocks are filled with noise, and it computes the prompts again. ``ahead``: the decode side launches each
+    step ahead, right after the drafts of the one before (``async_scheduling``, as on a GPU)."""
 
     kw = dict(speculative_config=spec(k))
     recomputes = decode_spec and not prefill_spec and recompute
     with LLM(str(mtp_model), **(kw if prefill_spec else {}), **KW) as p_llm:
-        d_llm = LLM(str(mtp_model), **(dict(kw, mtp_recompute=recompute) if decode_spec else {}), **KW)
+        d_llm = LLM(str(mtp_model), **(dict(kw, mtp_recompute=recompute) if decode_spec else {}),
+                    async_scheduling=ahead, **KW)
         p_eng, d_eng = p_llm.engine, d_llm.engine
         if record is not None:
             draft = d_eng._draft
@@ -258,16 +260,18 @@ def _disaggregated(mtp_model: Path, prefill_spec: bool, decode_spec: bool,
         while d_eng.has_unfinished():
             d_eng.step()
         outs = [s.output_token_ids for s in seqs]
-        assert p_eng.num_used_blocks == 0 and d_eng.num_used_blocks == 0
+        assert p_eng.num_used_blocks == 0 and d_eng.num_used_blocks == 0 and d_eng.scheduler.num_deferred == 0
+        assert (d_eng.ahead_steps > 10) == (ahead and decode_spec)
         counts = d_eng.spec_counts
     d_llm.shutdown()
     return outs, counts
 
 
-@pytest.mark.parametrize("prefill_spec,decode_spec", [(True, True), (False, True), (True, False)],
-                         ids=["both", "decode-only-no-recompute", "prefill-only"])
+@pytest.mark.parametrize("prefill_spec,decode_spec,ahead", [(True, True, False), (True, True, True),
+                                                            (False, True, False), (True, False, False)],
+                         ids=["both", "both-ahead", "decode-only-no-recompute", "prefill-only"])
 def test_a_transferred_request_drafts_from_its_first_step_when_both_sides_run_mtp(
-        mtp_model: Path, reference: list[list[int]], prefill_spec: bool, decode_spec: bool) -> None:
+        mtp_model: Path, reference: list[list[int]], prefill_spec: bool, decode_spec: bool, ahead: bool) -> None:
     """Both sides with the MTP layer: the prefill side's draft and the MTP layer's KV of the prompt travel,
     the decode side verifies that draft at its first step, and every later draft equals the plain MTP
     reference's (so the transferred MTP KV is right). A prefill side without it and ``mtp_recompute`` off:
@@ -276,7 +280,7 @@ def test_a_transferred_request_drafts_from_its_first_step_when_both_sides_run_mt
     from test_mtp_layer import reference_mtp_logits
 
     made: list[tuple[tuple[int, ...], int, int]] = []
-    outs, counts = _disaggregated(mtp_model, prefill_spec, decode_spec, made, recompute=False)
+    outs, counts = _disaggregated(mtp_model, prefill_spec, decode_spec, made, recompute=False, ahead=ahead)
     assert outs == reference
     if prefill_spec and decode_spec:
         assert counts.steps >= len(prompts()) * (24 // 3)  # every step of every request verified drafts
