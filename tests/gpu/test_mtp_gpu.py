@@ -83,6 +83,7 @@ def test_drafting_with_graphs_follows_the_fp32_reference_as_far_as_eager_decodin
         assert graphs.prefill_replays > 0  # verify steps were replays (rows of one request from a graph)
         mtp = llm.engine.executor.runner.mtp_graphs
         assert mtp is not None and mtp.replays > 0  # and the MTP passes after them replays of their own graphs
+        assert llm.engine.ahead_steps > 0  # async_scheduling (a GPU's default): steps launched after the drafts
         assert llm.engine.num_used_blocks == 0
     _compare(runs, got)
 
