@@ -153,6 +153,8 @@ class LLM:
                     e.launch_step()
                 for e in busy:
                     e.finish_step()
+                for e in busy:  # (EP across DP on rank processes: every replica's MTP pass asked for first)
+                    e.settle_drafts()
         except BaseException as exc:
             # Interrupted or failed between sending a step and reading its answer: the ranks' pipes
             # and collectives are out of step with the driver, so the node cannot be reused.

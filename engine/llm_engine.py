@@ -25,7 +25,7 @@ from engine.executor import Executor, LocalExecutor
 from engine.model import DeepseekForCausalLM
 from engine.model_runner import StepLogits
 from engine.overlap import Feed, NextRows, advance, grow, next_decode_rows
-from engine.parallel.expert_parallel import ExpertGroup
+from engine.parallel.expert_parallel import ExpertGroup, spans_dp
 from engine.parallel.kv_layout import RankBlocks
 from engine.prefix_cache import PrefixCache
 from engine.sampler import PendingSamples, launch_sample, top_logprobs
@@ -128,7 +128,7 @@ class LLMEngine:
         self.drafts: Drafts | None = None
         if self.speculative is not None:
             self.drafts = Drafts(self.speculative, self.scheduler, self.executor, self.max_model_len,
-                                 decoding=self._local)
+                                 decoding=self._local, deferred=not self._local and spans_dp(config))
         self.spec_counts = self.drafts.counts if self.drafts is not None else SpecCounts()
         self.overlap = self._local and overlap and self.speculative is None  # may change between steps
         self.overlapped_steps = 0  # steps launched on the previous step's samples, still on the device
@@ -381,6 +381,7 @@ class LLMEngine:
         requests it scheduled: 0 when all that is left waits for blocks held elsewhere (see
         ``_blocks_held_elsewhere``)."""
         assert self._next is None, "launch_step() twice without finish_step()"
+        self.settle_drafts()  # (a caller that did not: its ranks' answers come before the next step's)
         prev = self._launched
         if prev is not None and prev.ahead:  # already launched, by the last finish_step
             prev.ahead = False
@@ -546,7 +547,15 @@ class LLMEngine:
             if step.scheduled or not self.lockstep:
                 self.drafts.draft(step.scheduled, step.starts)
             else:
-                self.executor.draft([], [], [], [])
+                self.drafts.idle()
+
+    def settle_drafts(self) -> None:
+        """Speculative decoding on rank processes whose DP replicas step in lockstep (expert parallelism across
+        them): the drafts of the step just finished, asked for by ``finish_step`` and taken here. Their MTP pass
+        dispatches over every replica's ranks, so the caller finishes every replica's step before it settles any
+        (``LLM``, the prefill node's worker); the held requests' drafts are then set. Elsewhere a no-op."""
+        if self.drafts is not None:
+            self.drafts.settle()
 
     def _record_prompt_logits(self, s: Scheduled, sl: StepLogits | None) -> None:
         """Record prompt logits/logprobs of this step's rows, skipping rows recorded before (a

@@ -64,8 +64,9 @@ each further one over the requests drafting that far, and a replica without rows
 collectives. The passes run eagerly, also after a step replayed as a CUDA graph (their sizes change every
 step). On rank processes the last stage's MTP layer dispatches over the stage's EP group with the step's
 counts (its rows are the step's): with EP over PCP ranks (dp = 1) its ranks run ``RunDraft`` together anyway;
-across DP replicas (dp > 1) it is refused (``ParallelNode``): every replica's ranks would have to run
-``RunDraft`` together, where the driver finishes its replicas' steps, and asks for their drafts, one by one.
+across DP replicas (dp > 1, stepping in lockstep) every replica's ranks must run it together, so the drafts are
+asked for as each replica's step finishes and taken once every replica's is (``Drafts(deferred=True)``,
+``LLMEngine.settle_drafts``, which the callers that step the replicas call after finishing them all).
 
 Prefix caching: the MTP layer's KV at a block's last position depends on the first token of the next block,
 which the block's hash does not cover, so a prompt that hits the cache recomputes (or pulls) the last block
@@ -81,8 +82,7 @@ new drafts, known on the host only once both are, so the step cannot be launched
 node's loop) takes the finished requests and delivers the step's tokens, which then overlaps the GPU's next step
 (``LLMEngine.spec_ahead``; not in EP lockstep, where the members launch together).
 
-Not yet: verify steps on rank processes (above), expert parallelism across
-DP replicas on rank processes (above), and the grammar's mask
+Not yet: verify steps on rank processes (above), and the grammar's mask
 on the MTP layer's own choice (the layer picks its argmax over the whole vocabulary, so with a grammar the
 drafts of a model that has not learned the format are mostly cut: a masked choice would need the matcher in
 ``ModelRunner.draft``'s loop; likewise the layer drafts without penalties, so a penalised request's drafts
@@ -95,7 +95,7 @@ import json
 from collections.abc import Callable
 from collections.abc import Sequence as Sequence_
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import torch
 
@@ -237,6 +237,16 @@ class Drafter(Protocol):
               tables: list[list[int]]) -> list[list[int]]: ...
 
 
+class DeferredDrafter(Drafter, Protocol):
+    """An executor whose drafts can be asked for and taken in two halves (``ReplicaExecutor``: the MTP layer of DP
+    replicas stepping in lockstep on rank processes dispatches over all of them, so every replica's ranks must be
+    asked before any answer is awaited)."""
+
+    def launch_draft(self, next_ids: list[int], picks: list[int]) -> None: ...
+
+    def collect_drafts(self) -> list[list[int]]: ...
+
+
 Append = Callable[[Sequence, int, float, "dict[int, float] | None"], bool]  # the engine's: True when it finished
 
 
@@ -244,15 +254,18 @@ class Drafts:
     """One engine's speculative decoding: a step's drafts verified (``verify``), the next ones made (``draft``)."""
 
     def __init__(self, config: SpeculativeConfig, scheduler: Blocks, executor: Drafter,
-                 max_model_len: int, decoding: bool = True) -> None:
+                 max_model_len: int, decoding: bool = True, deferred: bool = False) -> None:
         """``decoding``: requests that go on decoding here draft (in-process models); off, only a prefill
-        node's held requests draft, once, for the decode side (rank processes: module docstring)."""
+        node's held requests draft, once, for the decode side (rank processes: module docstring). ``deferred``:
+        ``draft`` only asks the executor (a ``DeferredDrafter``) for the drafts, ``settle`` takes them."""
         self.k = config.num_speculative_tokens
         self.decoding = decoding
         self.scheduler = scheduler
         self.executor = executor
         self.max_model_len = max_model_len
         self.counts = SpecCounts()
+        self.deferred = deferred
+        self._asked: list[Sequence] | None = None  # deferred: the requests whose drafts are asked for
         scheduler.spare_blocks = 1  # (module docstring: prefix caching)
 
     def verify(self, scheduled: Sequence_[Rows], logits: Sequence_[RowLogits | None], generator: torch.Generator,
@@ -320,9 +333,32 @@ class Drafts:
                 extra.append(budget - 1)
                 drafting.append(seq)
             row += s.num_new
+        if self.deferred:
+            assert not any(extra)  # (rank processes draft one token, for the hand-off)
+            cast(DeferredDrafter, self.executor).launch_draft(next_ids, picks)
+            self._asked = drafting
+            return
         drafts = self.executor.draft(next_ids, picks, extra, [q.block_ids for q in drafting])
         for seq, d in zip(drafting, drafts):
             seq.drafts = grammar_drafts(seq, d)  # (the blocks grown for any cut stay the request's, as ever)
+
+    def idle(self) -> None:
+        """A step without rows in lockstep (EP across DP replicas): the MTP layer's pass runs anyway, for the
+        other replicas' rows (its MoE's collectives)."""
+        if self.deferred:
+            cast(DeferredDrafter, self.executor).launch_draft([], [])
+            self._asked = []
+        else:
+            self.executor.draft([], [], [], [])
+
+    def settle(self) -> None:
+        """Deferred: take the drafts asked for by the last ``draft`` (or ``idle``) and give them to their requests."""
+        asked, self._asked = self._asked, None
+        if asked is None:
+            return
+        drafts = cast(DeferredDrafter, self.executor).collect_drafts()
+        for seq, d in zip(asked, drafts, strict=True):
+            seq.drafts = grammar_drafts(seq, d)
 
 
 def _greedy_verdicts(todo: Sequence_[tuple[Sequence, torch.Tensor, list[int]]],

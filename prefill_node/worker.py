@@ -185,8 +185,11 @@ class PrefillWorker(EngineLoop):
         scheduled = 0
         for _, e in busy:  # replicas compute concurrently: launch all, then collect
             scheduled += e.launch_step()
-        for d, e in busy:
-            for seq in e.finish_step():
+        finished = [(d, e.finish_step()) for d, e in busy]
+        for _, e in busy:  # (EP across DP on rank processes: every replica's MTP pass asked for first, then the
+            e.settle_drafts()  # drafts the held requests hand off)
+        for d, seqs in finished:
+            for seq in seqs:
                 self._finished(d, seq)
         return scheduled
 

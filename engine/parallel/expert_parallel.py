@@ -15,7 +15,8 @@ On a prefill node an EP group is every DP × PCP rank of one PP stage (``ep_rank
 (``spans_dp``) the replicas step in lockstep: while any has work, every one runs a step, an idle one with no
 rows (the collectives only; ``LLMEngine.lockstep``), and each step's rows per EP rank are all-gathered once
 (``exchange_counts``) for every MoE layer of that step. The last stage's MTP layer (speculative decoding) runs
-over the step's rows with the step's counts; ``ParallelNode`` refuses it across DP replicas.
+over the step's rows with the step's counts; across DP replicas every replica's ranks run it after every step,
+asked for before any answer is awaited (``LLMEngine.settle_drafts``).
 
 On a decode node the EP group is its DP replicas, each a whole engine in a process of its own
 (``ExpertGroup``): nobody drives them, so each step they agree whether any has work (``ExpertGroup.busy``)

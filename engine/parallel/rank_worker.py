@@ -202,8 +202,9 @@ class RankWorker:
         and ``next_ids`` [the step's rows, flattened in plan order] at its plan row, its KV written where the
         step's went; returns the drafts at the plan rows ``picks`` (``[]`` when none), agreed over the PCP
         group: each pick from the rank that computed its row (a decode row: every rank, alike). Under expert
-        parallelism (over the PCP ranks: ``ParallelNode`` refuses it across DP replicas) the layer's MoE dispatches
-        with the step's counts (``batch.ep_counts``), its rows being the step's."""
+        parallelism the layer's MoE dispatches with the step's counts (``batch.ep_counts``), its rows being the
+        step's; across DP replicas every replica's last-stage ranks run it after every lockstep step (the driver
+        asks them all before it awaits any answer: ``ReplicaExecutor.launch_draft``)."""
         assert self.model.mtp is not None and self.model.rope is not None and self.cache is not None
         assert self._last is not None, "RunDraft without a step before it"
         batch, hidden = self._last

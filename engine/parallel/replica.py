@@ -8,7 +8,10 @@ driver launches a step on each before collecting any, so they compute concurrent
 
 With ``speculative_config`` the last stage holds the multi-token prediction layer (``rank_worker``): after
 a step's logits the executor's ``draft`` has that stage's PCP ranks run it over the step's rows, and the
-ownership query counts its cache layer on that stage, so a KV transfer moves it with the rest.
+ownership query counts its cache layer on that stage, so a KV transfer moves it with the rest. Under expert
+parallelism across DP replicas the layer's MoE dispatches over every replica's last-stage ranks, so the drafts
+are asked for in two halves (``launch_draft`` as each replica's step finishes, ``collect_drafts`` once all
+are: ``LLMEngine.settle_drafts``).
 """
 
 from __future__ import annotations
@@ -24,7 +27,6 @@ from engine.engine_config import EngineConfig
 from engine.executor import check_kv_capacity
 from engine.kv_cache import BlockAllocator, BlockSpace
 from engine.model_runner import StepLogits, logits_span
-from engine.parallel.expert_parallel import spans_dp
 from engine.parallel.grid import ParallelConfig
 from engine.parallel.kv_layout import RankBlocks, ShardedBlockAllocator, kv_ownership, max_blocks_per_rank
 from engine.parallel.rank_group import RankFailure, RankGroup
@@ -56,13 +58,6 @@ class ParallelNode:
         self.num_layers = ModelConfig.from_pretrained(config.model).num_hidden_layers
         # Speculative decoding: the MTP layer's cache layer, on the last stage after its own.
         self.mtp_layers = 1 if config.speculative is not None else 0
-        if self.mtp_layers and spans_dp(config):
-            raise ValueError("speculative_config does not run with expert parallelism across DP replicas on rank "
-                             "processes yet (dp > 1 with enable_expert_parallel): the MTP layer's MoE dispatches "
-                             "over every DP x PCP rank of the last stage, so every replica's ranks would run "
-                             "RunDraft together, where the driver finishes its replicas' steps (and asks for "
-                             "their drafts) one after another; expert parallelism over PCP ranks (dp = 1) runs it, "
-                             "and so do a decode node's DP replicas (engine/speculative.py)")
         if self.par.pp > self.num_layers:
             raise ValueError(f"pp={self.par.pp} exceeds the model's {self.num_layers} layers")
         ws = self.par.world_size
@@ -132,6 +127,7 @@ class ReplicaExecutor:
             else BlockAllocator(node.num_blocks)
         )
         self._pending: StepPlan | None = None
+        self._drafting = 0  # drafts asked for by launch_draft, not yet collected
         self.local_counts: list[int] = []  # the last step's rows per PCP rank (DP metadata)
 
     def launch(self, scheduled: list[Scheduled]) -> None:
@@ -179,15 +175,26 @@ class ReplicaExecutor:
         decoding on, which draft in process only (``engine.speculative.Drafts``), so ``tables`` goes unused."""
         if any(extra):
             raise ValueError("drafts after the first need the model in this process")
+        self.launch_draft(next_ids, picks)
+        return self.collect_drafts()
+
+    def launch_draft(self, next_ids: list[int], picks: list[int]) -> None:
+        """``draft``'s first half: the last stage's ranks asked to run the MTP layer (under EP across DP replicas
+        every replica's are asked before any answer is awaited: their MoE dispatches over all of them)."""
         msg = RunDraft(int_tensor(next_ids), list(picks))
         for r in self.last_stage:
             self.node.group.send(r, msg)
-        if not picks:
+        self._drafting = len(picks)
+
+    def collect_drafts(self) -> list[list[int]]:
+        """``draft``'s second half: the drafts asked for by ``launch_draft``."""
+        n, self._drafting = self._drafting, 0
+        if not n:
             return []
         reply = self.node.group.recv(self.reporter, self.node.config.rank_timeout_s)
-        if not isinstance(reply, Drafted) or len(reply.tokens) != len(picks) or min(reply.tokens) < 0:
+        if not isinstance(reply, Drafted) or len(reply.tokens) != n or min(reply.tokens) < 0:
             self.node.shutdown(why=f"rank {self.reporter} answered a draft with {str(reply)[:80]}")
-            raise RankFailure(f"rank {self.reporter} sent {str(reply)[:80]} instead of {len(picks)} drafts")
+            raise RankFailure(f"rank {self.reporter} sent {str(reply)[:80]} instead of {n} drafts")
         return [[t] for t in reply.tokens]
 
     def ownership(self, block_ids: list[int]) -> list[RankBlocks]:

@@ -23,7 +23,6 @@ from procs import rank_children
 
 from engine import LLM, SamplingParams
 from engine.config import ModelConfig
-from engine.engine_config import EngineConfig
 from engine.parallel.rank_group import RankGroup
 from pdctl.tiny_model import make_tiny_model
 
@@ -105,11 +104,3 @@ def test_ep_replicas_draft_with_the_mtp_layer_and_equal_decoding_without(mtp_mod
     assert experts and [r.mtp_experts for r in ran] == [experts // 2] * 2
     if graphs:  # verify rows replayed in lockstep, a replica without rows padding
         assert r0.launched == r1.launched and r0.replays > 0 and r0.pad_replays > 0 and r1.pad_replays > 0
-
-
-def test_only_expert_parallelism_across_dp_replicas_on_rank_processes_is_refused(mtp_model: Path) -> None:
-    """A decode node's config (its replicas run it) is taken; a prefill engine's DP replicas on rank processes,
-    one EP group, refuse it before their ranks start."""
-    EngineConfig(model=str(mtp_model), dp=2, enable_expert_parallel=True, speculative_config=spec(1))
-    with pytest.raises(ValueError, match="across DP replicas on rank processes"):
-        LLM(str(mtp_model), speculative_config=spec(1), dp=2, enable_expert_parallel=True, **ENGINE)

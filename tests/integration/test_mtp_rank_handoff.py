@@ -1,7 +1,8 @@
 """Speculative decoding's hand-off from a prefill engine on rank processes (``engine.speculative``: PCP2 with
-sharded KV, PP2 x PCP2, PCP2 with expert parallelism): the last stage holds the MTP layer, and each of its PCP
-ranks runs it over its own rows of every step (under EP its MoE dispatching over the PCP ranks, each holding
-half the layer's routed experts).
+sharded KV, PP2 x PCP2, PCP2 with expert parallelism, DP2 with expert parallelism across the replicas): the last
+stage holds the MTP layer, and each of its PCP ranks runs it over its own rows of every step (under EP its MoE
+dispatching over the EP group's ranks, each holding half the layer's routed experts; across DP replicas, which
+step in lockstep, every replica's ranks run it after every step, rows or none).
 
 Prompts are prefilled in 32-token chunks (one chunk; a last chunk of one row, which PCP runs as a decode row
 on every rank; several) with their KV held, as a prefill node does. Their first token and the MTP layer's
@@ -159,3 +160,38 @@ def test_a_prefill_on_rank_processes_hands_off_the_mtp_layers_draft_and_kv(
         # Requests decoding on the ranks do not draft (verify steps run in process only): outputs unchanged.
         assert [o.token_ids for o in prefill.generate(prompts(), GREEDY)] == reference
         assert pe.spec_counts.steps == 0 and pe.num_used_blocks == 0
+
+
+def test_dp_replicas_with_expert_parallelism_across_them_hand_off_the_mtp_layers_draft_and_kv(
+        mtp_model: Path, reference: list[list[int]], pcp1: list[Prefilled]) -> None:
+    """DP2 with EP across the replicas: the prompts split over the two replicas (one has more, so it steps alone
+    at times while the other's ranks run the steps' and the MTP passes' collectives without rows), stepped as a
+    prefill node steps them (every replica's step finished, then the drafts settled: asked for one replica at a
+    time and awaited at once, the MTP pass of one replica's ranks would wait for the other's). Each request's
+    first token, draft and KV (the MTP layer's included) equal the in-process prefill's; decoding on the ranks
+    (no drafts there) equals one engine's."""
+    with LLM(str(mtp_model), speculative_config=spec(2), max_num_batched_tokens=CHUNK, dp=2,
+             enable_expert_parallel=True, **KW) as prefill:
+        whole = build_empty_model(prefill.engine.model_config, torch.float32, torch.device("cpu"), mtp=True)
+        assert prefill.node is not None and prefill.node.expert_params == [whole.routed_expert_params() // 2] * 2
+        assert all(e.lockstep and e.drafts is not None and e.drafts.deferred for e in prefill.engines)
+        on = [prefill.engines[0 if i < 4 else 1] for i in range(len(prompts()))]  # replica 1: the last prompt
+        seqs = [e.add_request(p, SamplingParams(max_tokens=1, temperature=0.0), request_id=f"r{i}", hold_kv=True)
+                for i, (e, p) in enumerate(zip(on, prompts()))]
+        while busy := prefill.to_step():
+            for e in busy:
+                e.launch_step()
+            for e in busy:
+                e.finish_step()
+            for e in busy:
+                e.settle_drafts()
+        for i, (e, seq, ref) in enumerate(zip(on, seqs, pcp1)):
+            assert seq.output_token_ids == [ref.first], f"prompt {i}"
+            assert len(ref.drafts) == 1 and seq.drafts == ref.drafts, f"prompt {i}"
+            got = read_kv(e, f"r{i}")
+            assert sorted(got) == sorted(ref.kv)
+            for layer, t in ref.kv.items():
+                torch.testing.assert_close(got[layer], t, atol=1e-5, rtol=0)
+            assert e.release(f"r{i}")
+        assert all(e.num_used_blocks == 0 for e in prefill.engines)
+        assert [o.token_ids for o in prefill.generate(prompts(), GREEDY)] == reference
