@@ -484,7 +484,9 @@ class LLMEngine:
         newer, self._launched, self._next = self._next, self._next, None
         finished += self._complete(step, newer)
         if self.spec_ahead and self._launched is None:
+            self._done = finished  # (should the launch fail, the next finish_step still returns them)
             self._launch_ahead()
+            self._done = []
         return finished
 
     def _launch_ahead(self) -> None:

@@ -127,10 +127,16 @@ class ReplicaExecutor:
             else BlockAllocator(node.num_blocks)
         )
         self._pending: StepPlan | None = None
-        self._drafting = 0  # drafts asked for by launch_draft, not yet collected
+        self._drafting = 0  # drafts asked for by launch_draft, not yet collected ...
+        self._asked = False  # ... and whether the ranks were asked at all (with no picks they answer nothing)
         self.local_counts: list[int] = []  # the last step's rows per PCP rank (DP metadata)
 
+    def _check_answered(self, what: str) -> None:
+        if self._asked:  # the last stage's ranks may still be in the MTP pass, whose answer comes first
+            raise RuntimeError(f"{what} with the last step's drafts asked for and not collected")
+
     def launch(self, scheduled: list[Scheduled]) -> None:
+        self._check_answered("a step launched")
         if any(s.drafts for s in scheduled):  # (engine.speculative.Drafts does not draft for them here)
             raise ValueError("verifying drafts needs the model in this process")
         plan = StepPlan([
@@ -185,10 +191,11 @@ class ReplicaExecutor:
         for r in self.last_stage:
             self.node.group.send(r, msg)
         self._drafting = len(picks)
+        self._asked = True
 
     def collect_drafts(self) -> list[list[int]]:
         """``draft``'s second half: the drafts asked for by ``launch_draft``."""
-        n, self._drafting = self._drafting, 0
+        n, self._drafting, self._asked = self._drafting, 0, False
         if not n:
             return []
         reply = self.node.group.recv(self.reporter, self.node.config.rank_timeout_s)
@@ -203,6 +210,7 @@ class ReplicaExecutor:
     def read_blocks(self, pcp: int, pp: int, physical: list[int]) -> dict[int, torch.Tensor]:
         if self._pending is not None:
             raise RuntimeError("cannot read KV blocks while a step is running on the replica")
+        self._check_answered("KV blocks read")
         rank = self.par.rank(self.dp, pp, pcp)
         self.node.group.send(rank, ReadBlocks(physical))
         msg = self.node.group.recv(rank, self.node.config.rank_timeout_s)

@@ -27,13 +27,14 @@ class EagerRows(DecodeGraphs):
     the replay filled. The cache gains the spare block a GPU executor's has (where padding rows and the MTP
     passes' rows done drafting write)."""
 
-    def __init__(self, llm: LLM, max_rows: int) -> None:
+    def __init__(self, llm: LLM, max_rows: int, sizes: list[int] | None = None) -> None:
+        """``sizes``: the ladder "captured" (default every size, so no step pads)."""
         ex = llm.engine.executor
         spare = ex.cache.num_blocks
         for i, t in ex.cache.layers.items():
             ex.cache.layers[i] = torch.cat([t, t.new_zeros(1, *t.shape[1:])])
         super().__init__(ex.model, ex.cache, spare, KW["max_model_len"], KW["max_num_seqs"], max_rows)
-        self.sizes = list(range(1, max_rows + 1))
+        self.sizes = sizes or list(range(1, max_rows + 1))
 
     def _launch(self, size: int) -> None:
         self._forward(size)
@@ -56,10 +57,11 @@ class EagerMTP(MTPGraphs):
         self._draft_passes(size)
 
 
-def graph_path(llm: LLM, mtp: bool) -> tuple[EagerRows, EagerMTP | None]:
-    """The engine's steps as graph rows, and with ``mtp`` its MTP passes as the passes' graphs."""
+def graph_path(llm: LLM, mtp: bool, sizes: list[int] | None = None) -> tuple[EagerRows, EagerMTP | None]:
+    """The engine's steps as graph rows, and with ``mtp`` its MTP passes as the passes' graphs (``sizes``: the
+    ladder, default every size)."""
     runner = llm.engine.executor.runner
-    rows = EagerRows(llm, max_rows=64)
+    rows = EagerRows(llm, max_rows=64, sizes=sizes)
     runner.graphs = rows
     runner.mtp_graphs = EagerMTP(llm, rows) if mtp else None
     return rows, runner.mtp_graphs
@@ -110,19 +112,22 @@ def test_steps_as_graph_rows_equal_eager_steps(mtp_model: Path, reference: list,
         assert llm.engine.num_used_blocks == 0
 
 
-@pytest.mark.parametrize("k", [1, 3])
-def test_graph_passes_draft_what_eager_passes_draft(mtp_model: Path, k: int) -> None:
+@pytest.mark.parametrize("k,sizes", [(1, None), (3, None), (3, [1, 2, 4, 8, 16, 32, 64])],
+                         ids=["k1", "k3", "k3-padded"])
+def test_graph_passes_draft_what_eager_passes_draft(mtp_model: Path, k: int, sizes: list[int] | None) -> None:
     """After every step the MTP passes' graphs (their work on the replay's buffers) draft exactly the tokens the
     eager passes draft after the same replayed step: the two engines' drafts, request by request and step by
     step, are equal (so are their acceptance counts), with requests of different budgets (k = 3: some draft
-    fewer tokens near max_tokens, and their rows run on in the later passes, writing to the spare block)."""
+    fewer tokens near max_tokens, and their rows run on in the later passes, writing to the spare block). With a
+    ladder of powers of two (k3-padded) steps and drafting rows are padded to the next size: padding rows write to
+    the spare block and are dropped."""
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (20, 7, 12, 5)]
     seen: list[list[list[list[int]]]] = []
     for mtp in (False, True):
         with LLM(str(mtp_model), speculative_config=json.dumps({"method": "mtp", "num_speculative_tokens": k}),
                  **KW) as llm:
             engine = llm.engine
-            _, graphs = graph_path(llm, mtp)
+            _, graphs = graph_path(llm, mtp, sizes)
             drafts: list[list[list[int]]] = []
             made = engine.executor.draft
 
