@@ -70,7 +70,7 @@ def _stop(procs: list[subprocess.Popen]) -> None:
 def urls(mla_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]]:
     """(router URL, decode server URL)."""
     logs = tmp_path_factory.mktemp("vllm-router")
-    ports = {name: free_port() for name in ("prefill", "decode", "router")}
+    ports = {name: free_port() for name in ("prefill", "decode")}
     url = {name: f"http://127.0.0.1:{port}" for name, port in ports.items()}
     procs = [_server(mla_model, ports["prefill"], "kv_producer", logs / "prefill.log"),
              _server(mla_model, ports["decode"], "kv_consumer", logs / "decode.log")]
@@ -78,11 +78,18 @@ def urls(mla_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
         deadline = time.monotonic() + START_S
         for name, proc in zip(("prefill", "decode"), procs):
             _wait_healthy(url[name], proc, logs / f"{name}.log", deadline)
+        # The router's ports are picked only now: the servers open sockets of their own while they start, and
+        # one took a router port picked before them once ("Address already in use" on CI).
+        ports["router"] = free_port()
+        url["router"] = f"http://127.0.0.1:{ports['router']}"
+        metrics = free_port()
+        while metrics == ports["router"]:  # (nothing holds either yet: the same one can come back)
+            metrics = free_port()
         procs.append(subprocess.Popen(
             [ROUTER, "--vllm-pd-disaggregation", "--prefill", url["prefill"], "--decode", url["decode"],
              "--host", "127.0.0.1", "--port", str(ports["router"]), "--kv-connector", "nixl",
              # its metrics exporter's default port (29000) may be taken by another router on this host
-             "--prometheus-port", str(free_port())],
+             "--prometheus-port", str(metrics)],
             stdout=(logs / "router.log").open("wb"), stderr=subprocess.STDOUT, start_new_session=True))
         _wait_healthy(url["router"], procs[-1], logs / "router.log", time.monotonic() + 60)
         yield url["router"], url["decode"]
