@@ -104,3 +104,19 @@ def set_decode_form(model: torch.nn.Module, form: str) -> None:
         attn = layer.self_attn
         assert isinstance(attn, MLAttention)
         attn.decode_form = form
+
+
+def abort_in_flight_and_finish(engine: LLMEngine, seqs: list[Sequence], max_tokens: int) -> None:
+    """Abort ``seqs[0]`` while a step is in flight (overlapped, or launched ahead): its blocks stay taken (deferred)
+    until that step has run, then are free; the others run to ``max_tokens`` and every block is free at the end."""
+    free = engine.scheduler.allocator.num_free
+    held = len(seqs[0].block_ids)
+    assert engine.abort(seqs[0].request_id)
+    assert engine.scheduler.allocator.num_free == free  # the step in flight may still write them
+    assert engine.scheduler.num_deferred == held
+    engine.step()
+    assert engine.scheduler.num_deferred == 0
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.num_used_blocks == 0 and seqs[0].finish_reason == "abort"
+    assert all(len(q.output_token_ids) == max_tokens for q in seqs[1:])

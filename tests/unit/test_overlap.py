@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_helpers import add_prefilled
+from engine_helpers import abort_in_flight_and_finish, add_prefilled
 
 from engine import LLM, SamplingParams
 from engine.llm_engine import LLMEngine
@@ -70,17 +70,7 @@ def test_blocks_freed_while_a_step_is_in_flight_wait_for_it(tiny_model) -> None:
         for _ in range(6):
             eng.step()
         assert eng.overlapped_steps > 0 and eng.has_unfinished()
-        free = eng.scheduler.allocator.num_free
-        held = len(seqs[0].block_ids)
-        assert eng.abort(seqs[0].request_id)
-        assert eng.scheduler.allocator.num_free == free  # a step in flight may still write them
-        assert eng.scheduler.num_deferred == held
-        eng.step()
-        assert eng.scheduler.num_deferred == 0
-        while eng.has_unfinished():
-            eng.step()
-        assert eng.num_used_blocks == 0 and seqs[0].finish_reason == "abort"
-        assert all(len(q.output_token_ids) == 40 for q in seqs[1:])
+        abort_in_flight_and_finish(eng, seqs, 40)
 
 
 def test_requests_that_need_their_last_token_run_one_step_at_a_time(tiny_model) -> None:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from engine_helpers import abort_in_flight_and_finish
 
 from engine import LLM, SamplingParams
 from engine.llm_engine import LLMEngine
@@ -82,14 +83,4 @@ def test_an_abort_while_a_step_is_launched_ahead_keeps_its_blocks_until_it_has_r
         for _ in range(5):
             eng.step()
         assert eng.ahead_steps > 0 and eng._launched is not None and eng._launched.ahead
-        free = eng.scheduler.allocator.num_free
-        held = len(seqs[0].block_ids)
-        assert eng.abort(seqs[0].request_id)
-        assert eng.scheduler.allocator.num_free == free  # the step launched ahead may still write them
-        assert eng.scheduler.num_deferred == held
-        eng.step()
-        assert eng.scheduler.num_deferred == 0
-        while eng.has_unfinished():
-            eng.step()
-        assert eng.num_used_blocks == 0 and seqs[0].finish_reason == "abort"
-        assert all(len(q.output_token_ids) == 40 for q in seqs[1:])
+        abort_in_flight_and_finish(eng, seqs, 40)
