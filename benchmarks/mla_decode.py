@@ -6,11 +6,14 @@ current path (gather every row's latents into a dense [B, T, L+R] copy, then fp3
   python benchmarks/mla_decode.py --batches 64 --contexts 4096 --heads 128
   python benchmarks/mla_decode.py --batches 64 256 --contexts 8192 --kv-cache-dtype auto fp8 fp8_ds_mla \
       --fp8-dots dequant fp16                              # the FP8 caches against bf16, same latents
+  python benchmarks/mla_decode.py --batches 64 --contexts 8192 --kv-cache-dtype auto fp8 --no-baseline \
+      --configs "" fp8_convert=compiler block_n=64:num_warps=8  # kernel variants, each on the same caches
 
 Every row has the full context. Times are CUDA-event medians of single calls, with L2 flushed before
 each call (a model's layers each read their own cache, so the cache never sits in L2): "eager" launches
 from Python, "graph" replays the call captured in a CUDA graph (the GPU's own time: what x roof, GB/s and
-TFLOP/s use); the speedup is eager torch over the eager kernel. "bytes" is what the kernel must read:
+TFLOP/s use); the speedup is eager torch over the eager kernel; "vs first" is the first format's time over this one's,
+in the same config. "bytes" is what the kernel must read:
 every row's latents (L+R values per token) and q; the roofline is those bytes at 4.8 TB/s (H200 HBM3e).
 TFLOP/s shows when the tensor cores are the limit instead (H=128: ~240 flop per byte read). Combinations
 whose cache (or the baseline's dense copies) does not fit are skipped.
@@ -63,9 +66,10 @@ def baseline(q_lat, q_pe, flat_cache, tables, lens, max_len: int, page: int, lat
     return torch.einsum("bht,btl->bhl", scores.softmax(dim=-1), kv[..., :lat].float())
 
 
-def measure(b: int, ctx: int, h: int, page: int, repeats: int, with_baseline: bool, flush: torch.Tensor,
-            kv_cache_dtype: str = "auto") -> dict:
-    dev, dt, lat, rope, scale = flush.device, torch.bfloat16, 512, 64, 192**-0.5
+def make_case(b: int, ctx: int, h: int, page: int, dev: torch.device, kv_cache_dtype: str = "auto") -> dict:
+    """Shuffled paged cache of ``b`` rows of ``ctx`` tokens in the format, and queries (seeded by b and ctx:
+    every format holds the same latents)."""
+    dt, lat, rope = torch.bfloat16, 512, 64
     g = torch.Generator(device=dev).manual_seed(b * 100003 + ctx)
     blocks_per_row = -(-ctx // page)
     nblocks = b * blocks_per_row
@@ -73,12 +77,19 @@ def measure(b: int, ctx: int, h: int, page: int, repeats: int, with_baseline: bo
     cache = torch.randn(nblocks, page, lat + rope, device=dev, generator=g, dtype=dt)
     if fmt.quantized:  # the same latents in the stored format (a block at a time: the fp32 copy stays small)
         cache = torch.cat([fmt.encode(c.view(-1, lat + rope)).view(-1, page, fmt.row_width) for c in cache.split(4096)])
-    kv_format = fmt if fmt.quantized else None
     tables = torch.randperm(nblocks, device=dev, generator=g).view(b, blocks_per_row)  # shuffled blocks
     lens = torch.full((b,), ctx, dtype=torch.long, device=dev)
     q_lat = torch.randn(b, h, lat, device=dev, generator=g, dtype=dt)
     q_pe = torch.randn(b, h, rope, device=dev, generator=g, dtype=dt)
-    splits = choose_num_splits(b, h, blocks_per_row * page, dev)
+    return dict(fmt=fmt, cache=cache, tables=tables, lens=lens, q_lat=q_lat, q_pe=q_pe)
+
+
+def measure(case: dict, b: int, ctx: int, h: int, page: int, repeats: int, with_baseline: bool,
+            flush: torch.Tensor) -> dict:
+    dev, dt, lat, rope, scale = flush.device, torch.bfloat16, 512, 64, 192**-0.5
+    fmt, cache, tables, lens, q_lat, q_pe = (case[k] for k in ("fmt", "cache", "tables", "lens", "q_lat", "q_pe"))
+    kv_format = fmt if fmt.quantized else None
+    splits = choose_num_splits(b, h, tables.shape[1] * page, dev)
     ws = workspace_for(b, h, lat, splits, dev)
     out = torch.empty(b, h, lat, dtype=dt, device=dev)
 
@@ -114,6 +125,24 @@ def measure(b: int, ctx: int, h: int, page: int, repeats: int, with_baseline: bo
             "speedup": round(base_ms / ms, 2) if base_ms else None, "max_err": err}
 
 
+KNOBS = ("BLOCK_H", "BLOCK_N", "NUM_WARPS", "NUM_STAGES", "MAX_SPLITS", "MIN_SPLIT_TOKENS", "FP8_CONVERT")
+STR_KNOBS = {"FP8_CONVERT": list(mla_decode_mod.FP8_CONVERT_CODE)}
+
+
+def parse_config(text: str) -> dict:
+    """``block_n=64:fp8_convert=ptx`` -> {"BLOCK_N": 64, "FP8_CONVERT": "ptx"} (knobs of engine/mla_decode.py)."""
+    out = {}
+    for part in filter(None, text.split(":")):
+        name, _, value = part.partition("=")
+        if name.upper() not in KNOBS:
+            raise SystemExit(f"--configs: unknown knob {name!r} (knobs: {', '.join(k.lower() for k in KNOBS)})")
+        knob = name.upper()
+        if knob in STR_KNOBS and value not in STR_KNOBS[knob]:
+            raise SystemExit(f"--configs: {name} is one of {', '.join(STR_KNOBS[knob])}")
+        out[knob] = value if knob in STR_KNOBS else int(value)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64, 256])
@@ -126,12 +155,18 @@ def main() -> None:
                     help="cache formats, each measured on the same latents (ratios against the first)")
     ap.add_argument("--fp8-dots", nargs="+", choices=list(mla_decode_mod.FP8_DOTS_CODE),
                     default=[mla_decode_mod.FP8_DOTS], help="the fp8 format's dot operands, each measured")
-    for knob in ("BLOCK_H", "BLOCK_N", "NUM_WARPS", "NUM_STAGES", "MAX_SPLITS", "MIN_SPLIT_TOKENS"):
-        ap.add_argument(f"--{knob.lower().replace('_', '-')}", type=int, default=getattr(mla_decode_mod, knob),
+    ap.add_argument("--configs", nargs="+", default=[""], metavar="KNOB=V:KNOB=V",
+                    help="kernel variants, each measured on every case: knobs set on top of the flags' "
+                         "(e.g. block_n=64:num_warps=8); the empty default is the flags alone")
+    for knob in KNOBS:
+        ap.add_argument(f"--{knob.lower().replace('_', '-')}", type=str if knob in STR_KNOBS else int,
+                        choices=STR_KNOBS.get(knob), default=getattr(mla_decode_mod, knob),
                         help="kernel tuning knob (engine/mla_decode.py)")
     args = ap.parse_args()
-    for knob in ("BLOCK_H", "BLOCK_N", "NUM_WARPS", "NUM_STAGES", "MAX_SPLITS", "MIN_SPLIT_TOKENS"):
+    for knob in KNOBS:
         setattr(mla_decode_mod, knob, getattr(args, knob.lower()))
+    base_knobs = {k: getattr(mla_decode_mod, k) for k in KNOBS}
+    configs = [(c, parse_config(c)) for c in args.configs]
     if not torch.cuda.is_available():
         sys.exit("benchmarks/mla_decode.py needs a CUDA GPU")
     dev = torch.device("cuda")
@@ -140,11 +175,10 @@ def main() -> None:
     flush = torch.empty(256 << 20, dtype=torch.uint8, device=dev)  # > the H200's 60 MB L2
     print(f"MLA decode on {name}: H={h}, L={lat}, R={rope}, block size {page}, bf16; roofline at "
           f"{HBM_BYTES_PER_S / 1e12:.1f} TB/s")
-    print(f"{'B':>4} {'ctx':>6} {'format':>16} {'splits':>6} {'MB read':>9} {'roof us':>8} {'eager us':>9} "
-          f"{'graph us':>9} {'x roof':>7} {'GB/s':>7} {'TFLOP/s':>7} {'torch us':>10} {'speedup':>8} {'err':>8} "
-          f"{'vs first':>8}")
-    knobs = {k.lower(): getattr(mla_decode_mod, k) for k in ("BLOCK_H", "BLOCK_N", "NUM_WARPS", "NUM_STAGES",
-                                                              "MAX_SPLITS", "MIN_SPLIT_TOKENS")}
+    print(f"{'B':>4} {'ctx':>6} {'format':>16} {'config':>28} {'splits':>6} {'MB read':>8} {'roof us':>8} "
+          f"{'eager us':>9} {'graph us':>9} {'x roof':>7} {'GB/s':>6} {'TFLOP/s':>7} {'torch us':>9} {'speedup':>8} "
+          f"{'err':>8} {'vs first':>8}")
+    knobs = {k.lower(): v for k, v in base_knobs.items()}
     knobs["block_h, warps, stages"] = mla_decode_mod._config(h)
     print("knobs:", knobs)
     res: dict = {"bench": "mla_decode", "device": name, "heads": h, "kv_lora_rank": lat, "rope": rope,
@@ -152,9 +186,8 @@ def main() -> None:
     variants = [(f, d) for f in args.kv_cache_dtype for d in (args.fp8_dots if f == "fp8" else [None])]
     for ctx in args.contexts:
         for b in args.batches:
-            first = None
+            first: dict = {}  # per config: the first format's time
             for kv_dtype, dots in variants:
-                key = f"b{b}_ctx{ctx}" + ("" if kv_dtype == "auto" else f"_{kv_dtype}") + (f"_{dots}" if dots else "")
                 label = kv_dtype + (f"/{dots}" if dots else "")
                 cache_bytes = b * -(-ctx // page) * page * (lat + rope) * 2
                 # the baseline holds the dense bf16 copy, its fp32 upcast, the fp32 latents and [B, H, T] scores
@@ -162,21 +195,36 @@ def main() -> None:
                 free = torch.cuda.mem_get_info(dev)[0]
                 if cache_bytes > 0.8 * free:
                     print(f"{b:>4} {ctx:>6}  skipped: the cache ({cache_bytes / 2**30:.1f} GiB) does not fit")
-                    res[key] = "skipped"
+                    res[f"b{b}_ctx{ctx}"] = "skipped"
                     continue
                 if dots:
                     mla_decode_mod.FP8_DOTS = dots
                 with_base = not args.no_baseline and cache_bytes + base_bytes < 0.8 * free
-                r = measure(b, ctx, h, page, args.repeats, with_base, flush, kv_dtype)
+                case = make_case(b, ctx, h, page, dev, kv_dtype)
+                for text, config in configs:
+                    for knob, value in {**base_knobs, **config}.items():
+                        setattr(mla_decode_mod, knob, value)
+                    key = (f"b{b}_ctx{ctx}" + ("" if kv_dtype == "auto" else f"_{kv_dtype}")
+                           + (f"_{dots}" if dots else "") + (f"_{text}" if text else ""))
+                    try:
+                        r = measure(case, b, ctx, h, page, args.repeats, with_base, flush)
+                    except Exception as e:  # a variant past the GPU's shared memory or registers
+                        if type(e).__name__ != "OutOfResources":
+                            raise
+                        print(f"{b:>4} {ctx:>6} {label:>16} {text or '-':>28}  skipped: {str(e)[:60]}")
+                        res[key] = "out of resources"
+                        continue
+                    first.setdefault(text, r["graph_us"])
+                    r["speedup_vs_first"] = round(first[text] / r["graph_us"], 3)
+                    base = (f"{r['torch_us']:>9.1f} {r['speedup']:>7.1f}x" if r["torch_us"]
+                            else f"{'skipped':>9} {'':>8}")
+                    print(f"{b:>4} {ctx:>6} {label:>16} {text or '-':>28} {r['splits']:>6} {r['bytes'] / 1e6:>8.1f} "
+                          f"{r['roofline_us']:>8.1f} {r['kernel_us']:>9.1f} {r['graph_us']:>9.1f} "
+                          f"{r['x_roofline']:>7.2f} {r['gb_s']:>6.0f} {r['tflop_s']:>7.0f} {base} "
+                          f"{r['max_err']:>8.1e} {r['speedup_vs_first']:>7.2f}x", flush=True)
+                    res[key] = r
+                del case
                 torch.cuda.empty_cache()
-                first = first or r["graph_us"]
-                r["speedup_vs_first"] = round(first / r["graph_us"], 3)
-                base = (f"{r['torch_us']:>10.1f} {r['speedup']:>7.1f}x" if r["torch_us"]
-                        else f"{'skipped':>10} {'':>8}")
-                print(f"{b:>4} {ctx:>6} {label:>16} {r['splits']:>6} {r['bytes'] / 1e6:>9.1f} {r['roofline_us']:>8.1f} "
-                      f"{r['kernel_us']:>9.1f} {r['graph_us']:>9.1f} {r['x_roofline']:>7.2f} {r['gb_s']:>7.0f} "
-                      f"{r['tflop_s']:>7.0f} {base} {r['max_err']:>8.1e} {r['speedup_vs_first']:>7.2f}x")
-                res[key] = r
     print(json.dumps(res))
 
 

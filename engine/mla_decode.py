@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -65,6 +66,11 @@ GROUP_NUM_STAGES = 2
 # benchmarks/mla_decode.py --fp8-dots compares them.
 FP8_DOTS = "fp16"
 FP8_DOTS_CODE = {"dequant": 0, "fp16": 1}
+# How e4m3 rows become fp16 (the kernel's _e4m3_tile): "ptx" (one instruction a pair, 16-bit layout changes),
+# "bits" (the same by integer ops: what Triton's interpreter can run) or "compiler" (Triton's own conversion,
+# whose 8-bit layout changes go byte by byte); None: "ptx", "bits" when interpreted.
+FP8_CONVERT: str | None = None
+FP8_CONVERT_CODE = {"compiler": 0, "bits": 1, "ptx": 2}
 
 
 def _config(num_heads: int) -> tuple[int, int, int]:
@@ -76,6 +82,98 @@ def _config(num_heads: int) -> tuple[int, int, int]:
 if HAS_TRITON:
 
     @triton.jit
+    def _tile_blocks(BT, r0, s_bt_b, n0, end, BN: tl.constexpr, PAGE: tl.constexpr):
+        """The cache block of each of the tile's BN tokens from n0 (0 past ``end``)."""
+        offs_n = n0 + tl.arange(0, BN)
+        return tl.load(BT + r0 * s_bt_b + offs_n // PAGE, mask=offs_n < end, other=0).to(tl.int64)
+
+    @triton.jit
+    def _load_tile(KV, blk, n0, end, s_kv_blk, s_kv_tok, L: tl.constexpr, R: tl.constexpr, BL: tl.constexpr,
+                   BR: tl.constexpr, BN: tl.constexpr, PAGE: tl.constexpr, FMT: tl.constexpr, CVT: tl.constexpr):
+        """A tile's rows as stored, zeros past ``end``: (kv_c, k_pe, FMT 2's scales [BN, BL / 128] or unused).
+        e4m3 values come as bytes [BN, W] with CVT 0, else as int16 pairs of bytes [BN, W / 2] (_e4m3_tile)."""
+        offs_n = n0 + tl.arange(0, BN)
+        nmask = offs_n < end
+        toks = KV + blk * s_kv_blk + (offs_n % PAGE).to(tl.int64) * s_kv_tok  # [BN] token rows of the cache
+        if CVT == 0:
+            offs_l = tl.arange(0, BL)
+            cmask = nmask[:, None] & (offs_l < L)[None, :]
+            if FMT == 2:
+                raw_c = tl.load(toks[:, None] + offs_l[None, :], mask=cmask, other=0)  # bytes
+            else:
+                raw_c = tl.load(toks[:, None] + offs_l[None, :], mask=cmask, other=0.0)
+        else:
+            hl = tl.arange(0, BL // 2)
+            raw_c = tl.load(toks.to(tl.pointer_type(tl.int16))[:, None] + hl[None, :],
+                            mask=nmask[:, None] & (hl < L // 2)[None, :], other=0)
+        if FMT == 2:  # DeepSeek's byte rows: e4m3 kv_c, a float32 scale per 128 of it, bf16 k_pe
+            gi = tl.arange(0, BL // 128)
+            raw_sc = tl.load((toks + L).to(tl.pointer_type(tl.float32))[:, None] + gi[None, :],
+                             mask=nmask[:, None] & (gi < L // 128)[None, :], other=0.0)
+            offs_r = tl.arange(0, BR)
+            raw_pe = tl.load((toks + L + 4 * (L // 128)).to(tl.pointer_type(tl.bfloat16))[:, None]
+                             + offs_r[None, :], mask=nmask[:, None] & (offs_r < R)[None, :], other=0.0)
+        else:
+            raw_sc = tl.zeros([BN], tl.float32)  # unused
+            if CVT == 0:
+                offs_r = tl.arange(0, BR)
+                raw_pe = tl.load(toks[:, None] + L + offs_r[None, :], mask=nmask[:, None] & (offs_r < R)[None, :],
+                                 other=0.0)
+            else:
+                hr = tl.arange(0, BR // 2)
+                raw_pe = tl.load(toks.to(tl.pointer_type(tl.int16))[:, None] + L // 2 + hr[None, :],
+                                 mask=nmask[:, None] & (hr < R // 2)[None, :], other=0)
+        return raw_c, raw_pe, raw_sc
+
+    @triton.jit
+    def _e4m3_tile(raw, BN: tl.constexpr, W: tl.constexpr, CVT: tl.constexpr):
+        """e4m3 values -> fp16 [BN, W]; with CVT 1 times 2^-8 (the split kernel scales kv_scale to match).
+
+        CVT 0: bytes converted by the compiler, which moves the 8-bit values between the dots' layouts byte by
+        byte in shared memory (the slowest of the three: docs/benchmarks.md). CVT 1 and 2 take int16 pairs
+        of bytes and give fp16 first, so the layout changes move 16-bit values (ldmatrix / stmatrix) as for bf16
+        rows: CVT 2 with one ``cvt.rn.f16x2.e4m3x2`` a pair, inline PTX marked impure so that the compiler does
+        not move the conversion behind the layout changes (once a value, not once a dot); CVT 1 (Triton's
+        interpreter, which runs no PTX) by moving bits: an e4m3 byte's sign, exponent and mantissa in fp16's
+        places read as its value times 2^-8 (the biases differ by 8), subnormals included."""
+        if CVT == 0:
+            if raw.dtype == tl.uint8:
+                raw = raw.to(tl.float8e4nv, bitcast=True)
+            v = raw.to(tl.float16)
+        elif CVT == 1:
+            x = raw.to(tl.int32)  # sign-extended; only the low 16 bits of the results are kept
+            lo = ((x & 0x80) << 8) | ((x & 0x7F) << 7)
+            hi = (x & 0x8000) | ((x >> 1) & 0x3F80)
+            v = tl.reshape(tl.join(lo.to(tl.int16), hi.to(tl.int16)), (BN, W)).to(tl.float16, bitcast=True)
+        else:
+            lo, hi = tl.inline_asm_elementwise(
+                "{ .reg .b32 t; cvt.rn.f16x2.e4m3x2 t, $2; mov.b32 {$0, $1}, t; }", "=h,=h,h",
+                [raw.to(tl.int16, bitcast=True)], dtype=(tl.float16, tl.float16), is_pure=False, pack=1)
+            v = tl.reshape(tl.join(lo, hi), (BN, W))
+        return v
+
+    @triton.jit
+    def _decode_tile(raw_c, raw_pe, raw_sc, kv_scale, dt: tl.constexpr, BL: tl.constexpr, BR: tl.constexpr,
+                     BN: tl.constexpr, FMT: tl.constexpr, ODT: tl.constexpr, CVT: tl.constexpr):
+        """A stored tile as the dots' operands in ``dt`` (see the split kernel's FMT / ODT); ``kv_scale``: the
+        fp8 format's scale, already over _e4m3_tile's gain."""
+        if FMT == 0:
+            kv_c = raw_c
+            k_pe = raw_pe
+        elif FMT == 2:
+            grouped = tl.reshape(_e4m3_tile(raw_c, BN, BL, CVT).to(tl.float32), (BN, BL // 128, 128))
+            gain = 256.0 if CVT == 1 else 1.0
+            kv_c = tl.reshape(grouped * (raw_sc * gain)[:, :, None], (BN, BL)).to(dt)
+            k_pe = raw_pe.to(dt)
+        elif ODT != 0:  # as stored; the scale goes to the scores and the output
+            kv_c = _e4m3_tile(raw_c, BN, BL, CVT)
+            k_pe = _e4m3_tile(raw_pe, BN, BR, CVT)
+        else:
+            kv_c = (_e4m3_tile(raw_c, BN, BL, CVT).to(tl.float32) * kv_scale).to(dt)
+            k_pe = (_e4m3_tile(raw_pe, BN, BR, CVT).to(tl.float32) * kv_scale).to(dt)
+        return kv_c, k_pe
+
+    @triton.jit
     def _mla_decode_split(
         QL, QP, KV, BT, LENS, GROUPED, OUT, LSE, POUT, PLSE,
         scale_log2, kv_scale, H,
@@ -83,7 +181,7 @@ if HAS_TRITON:
         L: tl.constexpr, R: tl.constexpr, BL: tl.constexpr, BR: tl.constexpr, PAGE: tl.constexpr,
         BH: tl.constexpr, BN: tl.constexpr, SPLITS: tl.constexpr, WS: tl.constexpr, HAS_LSE: tl.constexpr,
         PREC: tl.constexpr, G: tl.constexpr, MODE: tl.constexpr, FMT: tl.constexpr,
-        ODT: tl.constexpr,
+        ODT: tl.constexpr, CVT: tl.constexpr,
     ):
         # Program (head group, split, group of G rows): its G * BH queries are rows r0..r0+G-1 x BH heads.
         # MODE 0: every row (G = 1); 1: the rows GROUPED does not flag (G = 1); 2: the groups it flags,
@@ -120,6 +218,9 @@ if HAS_TRITON:
         # except FMT 1 with ODT set (16-bit queries): its tiles are converted as stored to fp16 (one
         # conversion an element, no multiply), q is brought to fp16 (scaled per query row, ``qs``, only
         # past fp16's range), and kv_scale is applied to the scores and the output instead.
+        # CVT (_e4m3_tile): how e4m3 values become fp16; CVT 1's tiles hold them times 2^-8, made up here.
+        if CVT == 1:
+            kv_scale = kv_scale * 256.0
         dt = KV.dtype.element_ty if FMT == 0 else QL.dtype.element_ty
         if ODT != 0:
             dt = tl.float16
@@ -142,32 +243,10 @@ if HAS_TRITON:
         l_i = tl.zeros([G * BH], tl.float32)  # running sum of exp2(s - m_i)
         acc = tl.zeros([G * BH, BL], tl.float32)  # running sum of p * kv_c
         for n0 in range(start, end, BN):
+            blk = _tile_blocks(BT, r0, s_bt_b, n0, end, BN, PAGE)
+            raw_c, raw_pe, raw_sc = _load_tile(KV, blk, n0, end, s_kv_blk, s_kv_tok, L, R, BL, BR, BN, PAGE, FMT, CVT)
+            kv_c, k_pe = _decode_tile(raw_c, raw_pe, raw_sc, kv_scale, dt, BL, BR, BN, FMT, ODT, CVT)
             offs_n = n0 + tl.arange(0, BN)  # [BN] token positions in the rows' context
-            nmask = offs_n < end
-            blk = tl.load(BT + r0 * s_bt_b + offs_n // PAGE, mask=nmask, other=0).to(tl.int64)
-            toks = KV + blk * s_kv_blk + (offs_n % PAGE).to(tl.int64) * s_kv_tok  # [BN] token rows of the cache
-            cmask = nmask[:, None] & lmask[None, :]
-            rmask = nmask[:, None] & (offs_r < R)[None, :]
-            if FMT == 2:
-                raw = tl.load(toks[:, None] + offs_l[None, :], mask=cmask, other=0)
-                gi = tl.arange(0, BL // 128)
-                sc = tl.load((toks + L).to(tl.pointer_type(tl.float32))[:, None] + gi[None, :],
-                             mask=nmask[:, None] & (gi < L // 128)[None, :], other=0.0)  # [BN, BL / 128]
-                grouped = tl.reshape(raw.to(tl.float8e4nv, bitcast=True).to(tl.float32), (BN, BL // 128, 128))
-                kv_c = tl.reshape(grouped * sc[:, :, None], (BN, BL)).to(dt)
-                k_pe = tl.load((toks + L + 4 * (L // 128)).to(tl.pointer_type(tl.bfloat16))[:, None]
-                               + offs_r[None, :], mask=rmask, other=0.0).to(dt)
-            elif FMT == 1 and ODT != 0:
-                kv_c = tl.load(toks[:, None] + offs_l[None, :], mask=cmask, other=0.0).to(dt)
-                k_pe = tl.load(toks[:, None] + L + offs_r[None, :], mask=rmask, other=0.0).to(dt)
-            elif FMT == 1:
-                kv_c = (tl.load(toks[:, None] + offs_l[None, :], mask=cmask, other=0.0).to(tl.float32)
-                        * kv_scale).to(dt)
-                k_pe = (tl.load(toks[:, None] + L + offs_r[None, :], mask=rmask, other=0.0).to(tl.float32)
-                        * kv_scale).to(dt)
-            else:
-                kv_c = tl.load(toks[:, None] + offs_l[None, :], mask=cmask, other=0.0)
-                k_pe = tl.load(toks[:, None] + L + offs_r[None, :], mask=rmask, other=0.0)
             s = tl.dot(q_lat, tl.trans(kv_c), input_precision=PREC)  # [GBH, BN] fp32
             s = tl.dot(q_pe, tl.trans(k_pe), acc=s, input_precision=PREC)
             s = tl.where(offs_n[None, :] < lens[:, None], s * s_row[:, None], float("-inf"))  # causal per row
@@ -363,8 +442,9 @@ def mla_decode(
             q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1), kv_cache.stride(0), kv_cache.stride(1),
             block_tables.stride(0), seq_lens.stride(0), out.stride(0), out.stride(1), *lse_strides)
     odt = FP8_DOTS_CODE[FP8_DOTS] if fmt == 1 and q_lat.element_size() == 2 else 0
+    cvt = FP8_CONVERT_CODE[FP8_CONVERT or ("bits" if os.environ.get("TRITON_INTERPRET") == "1" else "ptx")]
     common = dict(L=lat, R=rope, BL=bl, BR=br, PAGE=page, BH=bh, WS=ws, HAS_LSE=lse is not None, PREC=prec,
-                  FMT=fmt, ODT=odt)
+                  FMT=fmt, ODT=odt, CVT=cvt if fmt else 0)
     _mla_decode_split[(triton.cdiv(h, bh), num_splits, b)](
         *args, **common, BN=BLOCK_N, SPLITS=num_splits, G=1, MODE=0 if grouped is None else 1,
         num_warps=warps, num_stages=stages)

@@ -21,6 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+import engine.mla_decode as mla_decode_module  # noqa: E402
 from engine.kv_format import KVFormat  # noqa: E402
 from engine.mla_decode import (  # noqa: E402
     HAS_TRITON,
@@ -235,6 +236,14 @@ def test_fp8_caches_match_reference(config: tuple) -> None:
         print(line)
 
 
+@pytest.mark.parametrize("convert", ["compiler", "bits", "ptx"])
+def test_fp8_conversions_match_reference(convert: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each way the kernel turns e4m3 rows into fp16 (mla_decode.FP8_CONVERT; "ptx" the default on GPUs)."""
+    monkeypatch.setattr(mla_decode_module, "FP8_CONVERT", convert)
+    for line in run_quantized("cuda", torch.bfloat16, [GPU_CONFIGS[1]]):
+        print(convert, line)
+
+
 def test_fp32_cache_on_gpu() -> None:
     run_checks("cuda", torch.float32, [(16, 16, 8, 3000, None), (128, 64, 3, 3000, 4)])
 
@@ -269,7 +278,9 @@ if __name__ == "__main__":  # TRITON_INTERPRET=1: the same checks on CPU, small 
         check_grouped("cpu", dt, lat=64, rope=16, segments=((30, 13), (0, 9)), decode=3, pad=2)
         check_grouped("cpu", dt, lat=64, rope=16, segments=((40, 11),), decode=0, pad=0, num_splits=2)
     print("grouped ok")
-    for dt in (torch.float32, torch.float16):  # fp16 queries: the fp8 format's fp16 dots (mla_decode.FP8_DOTS)
-        for line in run_quantized("cpu", dt, [(16, 16, 3, 70, None), (16, 16, 2, 90, 2)]):
-            print(line)
+    for convert in ("bits", "compiler"):  # the interpreter runs no PTX (mla_decode.FP8_CONVERT)
+        mla_decode_module.FP8_CONVERT = convert
+        for dt in (torch.float32, torch.float16):  # fp16 queries: the fp8 format's fp16 dots (mla_decode.FP8_DOTS)
+            for line in run_quantized("cpu", dt, [(16, 16, 3, 70, None), (16, 16, 2, 90, 2)]):
+                print(convert, line)
     print("ok")
