@@ -280,7 +280,18 @@ class ModelRunner:
         Under expert parallelism every member calls this after every step (rows or none): the layer's MoE
         dispatches over the group in each pass that any member runs (``_pass_counts``), a member without rows
         in a pass running only its collectives. These passes run eagerly, also after a replayed step; without EP
-        they replay as graphs after a replayed step (``engine.mtp_graphs``)."""
+        they replay as graphs after a replayed step (``engine.mtp_graphs``).
+
+        Returns once the pass's writes are done on the device, also when no request drafts (then no drafts come
+        to the host to wait for it): the engine frees the blocks of requests that finished at this step right
+        after, and a decode node may hand them to a KV pull, whose writes the stream does not order."""
+        drafts = self._draft(next_ids, picks, extra, tables)
+        if not picks and next_ids and self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        return drafts
+
+    def _draft(self, next_ids: list[int], picks: list[int], extra: list[int],
+               tables: list[list[int]]) -> list[list[int]]:
         assert self.model.mtp is not None and self.model.rope is not None
         index, layer = next(iter(self.model.mtp.items()))  # DeepSeek's one layer drafts every token
         assert isinstance(layer, MTPLayer)

@@ -118,3 +118,20 @@ def test_oracle_drafts_with_graphs(mtp_model: Path, runs: dict, wrong: bool) -> 
     else:
         # every token the run shares with the reference came from a right draft or a bonus: few steps each
         assert c.accepted_tokens >= 0.5 * followed, (c, followed)
+
+
+@pytest.mark.parametrize("eager", [False, True], ids=["graphs", "eager"])
+def test_a_step_nobody_drafts_after_is_done_when_it_returns(mtp_model: Path, eager: bool) -> None:
+    """The MTP pass after a step at which every request finished writes those requests' blocks, and nothing reads
+    drafts to the host to wait for it: the engine frees the blocks right after, and a decode node may hand them to
+    a KV pull the stream does not order. So the step returns with the GPU done (ModelRunner.draft)."""
+    with LLM(str(mtp_model), enforce_eager=eager, **{**KW, "speculative_config": _spec(1)}) as llm:
+        eng = llm.engine
+        for prompt in _prompts()[:4]:
+            eng.add_request(prompt, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+        finished_last = False
+        while eng.has_unfinished():
+            done = eng.step()
+            finished_last = not eng.has_unfinished() and bool(done)
+        assert finished_last
+        assert torch.cuda.current_stream().query(), "the last step's MTP pass was still running on the GPU"
