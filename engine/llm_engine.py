@@ -122,13 +122,14 @@ class LLMEngine:
         overlap = config.async_scheduling
         if overlap is None:  # on a GPU the launch returns at once; on a CPU the step runs inside it
             overlap = getattr(self.executor, "device", torch.device("cpu")).type == "cuda"
-        # Speculative decoding (engine.speculative): its steps are not overlapped. On rank processes only the
-        # prefill hand-off drafts (verify steps run in process only).
+        # Speculative decoding (engine.speculative): its steps are not overlapped. On rank processes requests
+        # that go on decoding draft at k = 1 only (further passes run in process only).
         self.speculative = config.speculative
         self.drafts: Drafts | None = None
         if self.speculative is not None:
             self.drafts = Drafts(self.speculative, self.scheduler, self.executor, self.max_model_len,
-                                 decoding=self._local, deferred=not self._local and spans_dp(config))
+                                 decoding=self._local or self.speculative.num_speculative_tokens == 1,
+                                 deferred=not self._local and spans_dp(config))
         self.spec_counts = self.drafts.counts if self.drafts is not None else SpecCounts()
         self.overlap = self._local and overlap and self.speculative is None  # may change between steps
         self.overlapped_steps = 0  # steps launched on the previous step's samples, still on the device

@@ -157,9 +157,10 @@ class Scheduler:
             self.running.append(seq)
             out.append(Scheduled(seq, n, drafts))
             budget -= n
-        # Decode rows first (a verify step's rows are decode rows): the model attends them in one batched
-        # absorbed pass.
-        out.sort(key=lambda s: s.num_new != 1 and not s.drafts)
+        # Decode rows first, then verify steps' rows (in process decode rows too: the model attends them in one
+        # batched absorbed pass), then prompts' chunks. On rank processes a verify step's rows are a chunk, and a
+        # step plan has its single rows first (engine.parallel.step_plan).
+        out.sort(key=lambda s: 0 if s.num_new == 1 else 1 if s.drafts else 2)
         return out
 
     # -- prefix caching -----------------------------------------------------------------------

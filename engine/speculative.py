@@ -51,9 +51,10 @@ with ``mtp_recompute`` off the request decodes without drafts.
 On rank processes (DP > 1, PCP, PP: ``engine.parallel``) the last PP stage holds the MTP layer and its cache
 layer; after each step that stage's PCP ranks run it over their own rows of the step (``RunDraft``), its
 attention the PCP attention of every other layer, so its KV is sharded (or replicated) as theirs, and the
-rank that computed a prompt's last row has the draft. There only the prefill hand-off drafts (``Drafts``'s
-``decoding`` off): a held request's one draft goes to the decode side with the layer's KV, and requests that
-go on decoding on the ranks decode one token a step (verify steps run in process only).
+rank that computed a prompt's last row has the draft. A held request's one draft goes to the decode side with
+the layer's KV. Requests that go on decoding on the ranks draft there at k = 1: a verify step's 2 rows a request
+are a chunk split over the PCP ranks as a prompt's, and ``RunDraft`` picks the last accepted row; the further
+passes of k > 1 run in process only, so at k > 1 they decode one token a step (``Drafts``'s ``decoding`` off).
 
 Under expert parallelism a decode node's DP replicas (an engine each, one EP group stepping in lockstep:
 ``engine.parallel.expert_parallel.ExpertGroup``) draft as any engine does: the MTP layer's routed experts are
@@ -82,7 +83,7 @@ new drafts, known on the host only once both are, so the step cannot be launched
 node's loop) takes the finished requests and delivers the step's tokens, which then overlaps the GPU's next step
 (``LLMEngine.spec_ahead``; not in EP lockstep, where the members launch together).
 
-Not yet: verify steps on rank processes (above), and the grammar's mask
+Not yet: k > 1 on rank processes (above), and the grammar's mask
 on the MTP layer's own choice (the layer picks its argmax over the whole vocabulary, so with a grammar the
 drafts of a model that has not learned the format are mostly cut: a masked choice would need the matcher in
 ``ModelRunner.draft``'s loop; likewise the layer drafts without penalties, so a penalised request's drafts

@@ -137,11 +137,10 @@ class ReplicaExecutor:
 
     def launch(self, scheduled: list[Scheduled]) -> None:
         self._check_answered("a step launched")
-        if any(s.drafts for s in scheduled):  # (engine.speculative.Drafts does not draft for them here)
-            raise ValueError("verifying drafts needs the model in this process")
         plan = StepPlan([
-            PlanRow(
-                token_ids=int_tensor(s.seq.tokens(s.seq.num_computed, s.seq.num_computed + s.num_new)),
+            PlanRow(  # a verify step's rows (speculative decoding, k = 1): the last token and the draft, a chunk
+                token_ids=int_tensor(s.seq.tokens(s.seq.num_computed, s.seq.num_computed + s.num_new - len(s.drafts))
+                                     + s.drafts),
                 start=s.seq.num_computed,
                 block_ids=list(s.seq.block_ids),
                 logits=logits_span(s),
@@ -177,8 +176,8 @@ class ReplicaExecutor:
               tables: list[list[int]]) -> list[list[int]]:
         """Speculative decoding, after a step's ``collect``: the MTP layer over that step's rows on the last
         stage's PCP ranks (``RunDraft``; ``next_ids``: the token after each row, flattened in plan order) and
-        the draft at each row of ``picks``. Only one per pick: further drafts (``extra``) are for requests
-        decoding on, which draft in process only (``engine.speculative.Drafts``), so ``tables`` goes unused."""
+        the draft at each row of ``picks``. Only one per pick: further drafts (``extra``, k > 1) need the model in
+        process (``engine.speculative.Drafts``), so ``tables`` goes unused."""
         if any(extra):
             raise ValueError("drafts after the first need the model in this process")
         self.launch_draft(next_ids, picks)

@@ -16,6 +16,7 @@ speculative decoding, token for token, for k = 1 and 2.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,6 +26,7 @@ from engine_helpers import read_kv
 
 from engine import LLM, SamplingParams
 from engine.llm_engine import LLMEngine
+from engine.speculative import draft_budget
 from engine.weights import build_empty_model
 from kv_transfer.handoff import KVReceiver
 from kv_transfer.layout import CacheLayout, RequestKV
@@ -157,7 +159,7 @@ def test_a_prefill_on_rank_processes_hands_off_the_mtp_layers_draft_and_kv(
         for i in range(len(held)):
             assert pe.release(f"r{i}")
         assert pe.num_used_blocks == 0
-        # Requests decoding on the ranks do not draft (verify steps run in process only): outputs unchanged.
+        # At k = 2 requests decoding on the ranks do not draft (no further MTP passes there): outputs unchanged.
         assert [o.token_ids for o in prefill.generate(prompts(), GREEDY)] == reference
         assert pe.spec_counts.steps == 0 and pe.num_used_blocks == 0
 
@@ -195,3 +197,35 @@ def test_dp_replicas_with_expert_parallelism_across_them_hand_off_the_mtp_layers
             assert e.release(f"r{i}")
         assert all(e.num_used_blocks == 0 for e in prefill.engines)
         assert [o.token_ids for o in prefill.generate(prompts(), GREEDY)] == reference
+
+
+@pytest.mark.parametrize("topology", [dict(pcp=2, kv_layout="sharded"), dict(pcp=2, pp=2, kv_layout="sharded"),
+                                      dict(dp=2, enable_expert_parallel=True)], ids=["pcp2", "pp2-pcp2", "dp2-ep2"])
+def test_requests_decoding_on_rank_processes_verify_drafts_at_k1(
+        mtp_model: Path, reference: list[list[int]], topology: dict) -> None:
+    """k = 1: requests that go on decoding on the ranks draft at every step (the MTP layer's pass over the step's
+    rows, ``RunDraft``, picks the last accepted row) and verify the draft in the next one, its 2 rows a chunk of
+    the request split over the PCP ranks like a prompt's; across DP replicas with EP the drafts are settled once
+    every replica's step is done. Greedy outputs equal one engine's without drafts, token for token (the
+    prompts: one hitting the prefix cache), and every block is freed. The random model's drafts are seldom
+    right, so the requests decode again with drafts from the reference's continuation: each verify step's
+    second row (the token after an accepted draft) must come from the ranks right too."""
+    with LLM(str(mtp_model), speculative_config=spec(1), max_num_batched_tokens=CHUNK, **topology, **KW) as llm:
+        assert [o.token_ids for o in llm.generate(prompts(), GREEDY)] == reference
+        assert sum(e.spec_counts.steps for e in llm.engines) >= len(prompts()) * (TOKENS - 2) // 2  # they drafted
+        future = {tuple(p): out for p, out in zip(prompts(), reference)}
+
+        def oracle(engine: LLMEngine) -> Callable[[object], None]:
+            def draft(step: object) -> None:
+                for seq in engine.scheduler.running:
+                    if seq.num_remaining == 1 and draft_budget(seq, 1, engine.max_model_len):
+                        seq.drafts = future[tuple(seq.prompt_token_ids)][len(seq.output_token_ids):][:1]
+            return draft
+
+        for e in llm.engines:
+            e._draft = oracle(e)  # type: ignore[method-assign]
+        before = sum(e.spec_counts.accepted_tokens for e in llm.engines)
+        assert [o.token_ids for o in llm.generate(prompts(), GREEDY)] == reference
+        accepted = sum(e.spec_counts.accepted_tokens for e in llm.engines) - before
+        assert accepted >= len(prompts()) * (TOKENS - 2) // 2  # about every other token from a draft
+        assert all(e.num_used_blocks == 0 for e in llm.engines)
