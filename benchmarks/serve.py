@@ -37,6 +37,7 @@ import json
 import math
 import os
 import random
+import shutil
 import signal
 import sys
 import tempfile
@@ -317,6 +318,11 @@ def cluster(args: argparse.Namespace) -> Iterator[Target]:
             yield Target(state.proxy_url, topo.proxy.api_key or api_key, vocab)
         finally:
             down(run_dir, grace_s=10)
+            if args.keep_logs:  # (the run directory goes with the temporary one)
+                args.keep_logs.mkdir(parents=True, exist_ok=True)
+                for log in (run_dir / "logs").glob("*.log"):
+                    shutil.copy(log, args.keep_logs / log.name)
+                print(f"node logs in {args.keep_logs}", flush=True)
 
 
 async def bench(target: Target, args: argparse.Namespace) -> dict[str, Any]:
@@ -394,6 +400,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--request-timeout", type=float, default=600.0, help="seconds, per request")
     ap.add_argument("--start-timeout", type=float, default=300.0, help="seconds for the cluster to start")
     ap.add_argument("--schema", help="then the same load with this JSON schema as response_format: medium or a file")
+    ap.add_argument("--keep-logs", type=Path, metavar="DIR",
+                    help="copy the started cluster's logs here once it is stopped (e.g. $OUT on the GPU machine)")
     args = ap.parse_args(argv)
     if args.rate is None and args.concurrency is None:
         args.concurrency = 4

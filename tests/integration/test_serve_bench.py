@@ -41,7 +41,7 @@ def processes_naming(text: str) -> list[psutil.Process]:
 
 def test_serve_benchmark_tiny_cluster(tmp_path: Path) -> None:
     cmd = [sys.executable, "benchmarks/serve.py", "--requests", str(REQUESTS), "--warmup", str(WARMUP),
-           "--concurrency", "2", "--max-tokens", "4"]
+           "--concurrency", "2", "--max-tokens", "4", "--keep-logs", str(tmp_path / "logs")]
     proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "TMPDIR": str(tmp_path)}, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     try:
@@ -63,6 +63,8 @@ def test_serve_benchmark_tiny_cluster(tmp_path: Path) -> None:
 
     result = json.loads(out.strip().splitlines()[-1])
     assert KEYS <= result.keys(), KEYS - result.keys()
+    kept = {log.name: log.stat().st_size for log in (tmp_path / "logs").glob("*.log")}  # --keep-logs
+    assert {"prefill-0.log", "decode-0.log", "proxy.log"} <= kept.keys() and all(kept.values()), kept
     assert PROXY_KEYS <= result["proxy"].keys(), PROXY_KEYS - result["proxy"].keys()
     assert result["benchmark"] == "serve" and result["mode"] == "closed"
     assert result["sent"] == REQUESTS + WARMUP
