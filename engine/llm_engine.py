@@ -123,12 +123,13 @@ class LLMEngine:
         if overlap is None:  # on a GPU the launch returns at once; on a CPU the step runs inside it
             overlap = getattr(self.executor, "device", torch.device("cpu")).type == "cuda"
         # Speculative decoding (engine.speculative): its steps are not overlapped. On rank processes requests
-        # that go on decoding draft at k = 1 only (further passes run in process only).
+        # that go on decoding draft too, but across DP replicas in lockstep (EP) at k = 1 only.
         self.speculative = config.speculative
         self.drafts: Drafts | None = None
         if self.speculative is not None:
             self.drafts = Drafts(self.speculative, self.scheduler, self.executor, self.max_model_len,
-                                 decoding=self._local or self.speculative.num_speculative_tokens == 1,
+                                 decoding=self._local or self.speculative.num_speculative_tokens == 1
+                                 or not spans_dp(config),
                                  deferred=not self._local and spans_dp(config))
         self.spec_counts = self.drafts.counts if self.drafts is not None else SpecCounts()
         self.overlap = self._local and overlap and self.speculative is None  # may change between steps

@@ -52,9 +52,11 @@ On rank processes (DP > 1, PCP, PP: ``engine.parallel``) the last PP stage holds
 layer; after each step that stage's PCP ranks run it over their own rows of the step (``RunDraft``), its
 attention the PCP attention of every other layer, so its KV is sharded (or replicated) as theirs, and the
 rank that computed a prompt's last row has the draft. A held request's one draft goes to the decode side with
-the layer's KV. Requests that go on decoding on the ranks draft there at k = 1: a verify step's 2 rows a request
-are a chunk split over the PCP ranks as a prompt's, and ``RunDraft`` picks the last accepted row; the further
-passes of k > 1 run in process only, so at k > 1 they decode one token a step (``Drafts``'s ``decoding`` off).
+the layer's KV. Requests that go on decoding on the ranks draft there too: a verify step's rows are a chunk of
+the request split over the PCP ranks as a prompt's, ``RunDraft`` picks the last accepted row, and for k > 1 the
+ranks run the layer again, one decode row a drafting request a pass (every PCP rank alike, the picks' hidden
+states shared first). Across DP replicas stepping in lockstep (EP across them: the deferred drafts below) only
+k = 1 drafts there; at k > 1 those requests decode one token a step (``Drafts``'s ``decoding`` off).
 
 Under expert parallelism a decode node's DP replicas (an engine each, one EP group stepping in lockstep:
 ``engine.parallel.expert_parallel.ExpertGroup``) draft as any engine does: the MTP layer's routed experts are
@@ -83,7 +85,7 @@ new drafts, known on the host only once both are, so the step cannot be launched
 node's loop) takes the finished requests and delivers the step's tokens, which then overlaps the GPU's next step
 (``LLMEngine.spec_ahead``; not in EP lockstep, where the members launch together).
 
-Not yet: k > 1 on rank processes (above), and the grammar's mask
+Not yet: k > 1 across DP replicas in lockstep on rank processes (above), and the grammar's mask
 on the MTP layer's own choice (the layer picks its argmax over the whole vocabulary, so with a grammar the
 drafts of a model that has not learned the format are mostly cut: a masked choice would need the matcher in
 ``ModelRunner.draft``'s loop; likewise the layer drafts without penalties, so a penalised request's drafts

@@ -69,11 +69,13 @@ class StepOutput:
 class RunDraft:
     next_ids: torch.Tensor  # [rows of the last step, flattened in plan order] int64: the token after each row's
     picks: list[int]  # flattened plan rows whose prediction is a draft (empty: none, and no answer)
+    extra: list[int] | None = None  # further drafts after each pick's first (k > 1; None: none)
+    tables: list[list[int]] | None = None  # with ``extra``: each pick's global block table, covering them
 
 
 @dataclass(frozen=True)
 class Drafted:
-    tokens: list[int]  # the draft at each of ``RunDraft.picks``
+    tokens: list[list[int]]  # the drafts at each of ``RunDraft.picks`` (1 + its ``extra``)
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,8 @@ With ``speculative_config`` the last PP stage also holds the multi-token predict
 KV cache layer (index ``num_hidden_layers``, after the stage's own). After each step its PCP ranks run the
 layer over their own rows of that step (``RunDraft``: the step's batch and final hidden states, kept until
 then), through the same PCP attention as the stack's layers, so its KV is sharded (or replicated) exactly
-as theirs; the rank that computed a row the driver picks has that row's draft, and PCP rank 0 answers.
+as theirs; the rank that computed a row the driver picks has that row's draft, and PCP rank 0 answers. Further
+drafts (k > 1) are passes of decode rows, one a drafting request, run on every PCP rank alike.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from engine.parallel.rank_messages import (
     StepOutput,
     Stop,
 )
-from engine.parallel.step_plan import StepPlan, build_rank_batch
+from engine.parallel.step_plan import PlanRow, StepPlan, build_rank_batch, int_tensor
 
 
 @dataclass(frozen=True)
@@ -80,7 +81,8 @@ class RankWorker:
         # Speculative decoding: the last stage's MTP layer has a cache layer after the stage's own.
         mtp = 1 if self.model.mtp is not None else 0
         self.cache_layers = range(self.layers.start, self.layers.stop + mtp)
-        self._last: tuple[ForwardBatch, torch.Tensor] | None = None  # the last step's batch, hidden [T, D]
+        # The last step's plan, batch and hidden states [T, D]: what its MTP pass (``draft``) runs on.
+        self._last: tuple[StepPlan, ForwardBatch, torch.Tensor] | None = None
         self.max_model_len = spec.max_model_len
         # Every rank creates every PCP group, in the same order (new_group is collective).
         self.pcp_group: dist.ProcessGroup | None = None
@@ -188,7 +190,7 @@ class RankWorker:
                 dist.send(hidden.contiguous(), dst=self.next_rank)
             return None
         if self.model.mtp is not None:
-            self._last = (batch, hidden)  # for the MTP layer's pass (``draft``), which follows
+            self._last = (plan, batch, hidden)  # for the MTP layer's pass (``draft``), which follows
         st = batch.pcp
         assert st is not None and st.logits_index is not None
         rows = gather_padded(hidden[batch.logits_rows], st.logits_counts, self.pcp_group)[st.logits_index]
@@ -197,25 +199,32 @@ class RankWorker:
         return self.model.compute_logits(rows).cpu()
 
     @torch.inference_mode()
-    def draft(self, next_ids: torch.Tensor, picks: list[int]) -> list[int]:
+    def draft(self, next_ids: torch.Tensor, picks: list[int], extra: list[int] | None = None,
+              tables: list[list[int]] | None = None) -> list[list[int]]:
         """The MTP layer over this rank's rows of the last step, each row with the stack's hidden state there
         and ``next_ids`` [the step's rows, flattened in plan order] at its plan row, its KV written where the
         step's went; returns the drafts at the plan rows ``picks`` (``[]`` when none), agreed over the PCP
         group: each pick from the rank that computed its row (a decode row: every rank, alike). Under expert
         parallelism the layer's MoE dispatches with the step's counts (``batch.ep_counts``), its rows being the
         step's; across DP replicas every replica's last-stage ranks run it after every lockstep step (the driver
-        asks them all before it awaits any answer: ``ReplicaExecutor.launch_draft``)."""
+        asks them all before it awaits any answer: ``ReplicaExecutor.launch_draft``).
+
+        ``extra[i]`` further drafts for pick i (k > 1, ``ModelRunner.draft``'s): pass j runs the layer once more
+        for the picks drafting that far, one row each at the pick's position + j with its last draft and the
+        layer's own hidden state there, as a step's decode rows (on every PCP rank alike, attending the layer's
+        sharded cache through the PCP attention); ``tables[i]`` (global block ids) covers those positions. The
+        picks' hidden states go to every rank first, from the rank that computed each."""
         assert self.model.mtp is not None and self.model.rope is not None and self.cache is not None
         assert self._last is not None, "RunDraft without a step before it"
-        batch, hidden = self._last
+        plan, batch, hidden = self._last
         self._last = None
         st = batch.pcp
         assert st is not None
         index, layer = next(iter(self.model.mtp.items()))  # DeepSeek's one layer (as ModelRunner.draft)
         assert isinstance(layer, MTPLayer)
+        cache = self.cache.layers[int(index)]
         mine = st.plan_rows()  # [local rows] their plan rows
-        h = layer.predict(next_ids[mine].to(self.device), hidden, batch, self.cache.layers[int(index)],
-                          self.model.rope)
+        h = layer.predict(next_ids[mine].to(self.device), hidden, batch, cache, self.model.rope)
         if not picks:
             return []
         where = torch.full((next_ids.numel(),), -1, dtype=torch.long)
@@ -228,7 +237,45 @@ class RankWorker:
             tokens[have.to(self.device)] = layer.compute_logits(h[rows]).argmax(-1)
         if self.par.pcp > 1:
             dist.all_reduce(tokens, op=dist.ReduceOp.MAX, group=self.pcp_group)
-        return tokens.tolist()
+        drafts = [[t] for t in tokens.tolist()]
+        extra = extra or [0] * len(picks)
+        if not any(extra):
+            return drafts
+        assert tables is not None and len(tables) == len(picks) == len(extra)
+        hp = self._pick_states(h, local, have)
+        starts = torch.cat([r.start + torch.arange(r.num_new) for r in plan.rows])  # each plan row's position
+        pos = starts[torch.tensor(picks, dtype=torch.long)].tolist()
+        live = list(range(len(picks)))
+        for j in range(1, max(extra) + 1):
+            keep = [n for n, i in enumerate(live) if extra[i] >= j]
+            live = [live[n] for n in keep]
+            sel = torch.tensor(keep, dtype=torch.long, device=self.device)
+            tokens, hp = tokens[sel], hp[sel]
+            step = StepPlan([PlanRow(int_tensor([drafts[i][-1]]), pos[i] + j, tables[i], None) for i in live])
+            rows_batch = build_rank_batch(step, self.par, self.coord.pcp, self.cache.block_size, self.device,
+                                          self.pcp_group)
+            if self.experts is not None:  # (dp = 1: the driver keeps k > 1 off across DP replicas)
+                assert rows_batch.pcp is not None
+                rows_batch.ep_counts = rows_batch.pcp.row_counts
+            hp = layer.predict(tokens, hp, rows_batch, cache, self.model.rope)
+            tokens = layer.compute_logits(hp).argmax(-1)  # alike on every rank: the rows are decode rows
+            for i, t in zip(live, tokens.tolist()):
+                drafts[i].append(t)
+        return drafts
+
+    def _pick_states(self, h: torch.Tensor, local: torch.Tensor, have: torch.Tensor) -> torch.Tensor:
+        """[picks, D] the MTP layer's output at each pick's row on every PCP rank: from the lowest rank that
+        computed the row (a decode row is on every rank), zeros elsewhere, summed over the group."""
+        out = torch.zeros(local.numel(), h.shape[-1], dtype=h.dtype, device=self.device)
+        if have.numel():
+            out[have.to(self.device)] = h[local[have].to(self.device)]
+        if self.par.pcp == 1:
+            return out
+        owner = torch.where(local >= 0, self.coord.pcp, self.par.pcp).to(self.device)
+        dist.all_reduce(owner, op=dist.ReduceOp.MIN, group=self.pcp_group)
+        out[owner != self.coord.pcp] = 0
+        dist.all_reduce(out, group=self.pcp_group)
+        return out
 
     def read_blocks(self, physical: list[int]) -> dict[int, torch.Tensor]:
         assert self.cache is not None
@@ -255,8 +302,8 @@ def serve_rank(ctx: RankContext) -> None:
                     out = worker.execute(plan)
                     if worker.reports:
                         ctx.conn.send(StepOutput(out))
-                case RunDraft(next_ids, picks):
-                    drafts = worker.draft(next_ids, picks)
+                case RunDraft(next_ids, picks, extra, tables):
+                    drafts = worker.draft(next_ids, picks, extra, tables)
                     if worker.reports and picks:
                         ctx.conn.send(Drafted(drafts))
                 case ReadBlocks(physical):

@@ -175,18 +175,19 @@ class ReplicaExecutor:
     def draft(self, next_ids: list[int], picks: list[int], extra: list[int],
               tables: list[list[int]]) -> list[list[int]]:
         """Speculative decoding, after a step's ``collect``: the MTP layer over that step's rows on the last
-        stage's PCP ranks (``RunDraft``; ``next_ids``: the token after each row, flattened in plan order) and
-        the draft at each row of ``picks``. Only one per pick: further drafts (``extra``, k > 1) need the model in
-        process (``engine.speculative.Drafts``), so ``tables`` goes unused."""
-        if any(extra):
-            raise ValueError("drafts after the first need the model in this process")
-        self.launch_draft(next_ids, picks)
+        stage's PCP ranks (``RunDraft``; ``next_ids``: the token after each row, flattened in plan order), the
+        draft at each row of ``picks``, and ``extra[i]`` further ones for pick i (k > 1: the ranks run the layer
+        again over those, ``tables[i]``, its global block table, covering their positions)."""
+        self.launch_draft(next_ids, picks, extra, tables)
         return self.collect_drafts()
 
-    def launch_draft(self, next_ids: list[int], picks: list[int]) -> None:
+    def launch_draft(self, next_ids: list[int], picks: list[int], extra: list[int] | None = None,
+                     tables: list[list[int]] | None = None) -> None:
         """``draft``'s first half: the last stage's ranks asked to run the MTP layer (under EP across DP replicas
         every replica's are asked before any answer is awaited: their MoE dispatches over all of them)."""
-        msg = RunDraft(int_tensor(next_ids), list(picks))
+        further = list(extra) if extra is not None and any(extra) else None
+        msg = RunDraft(int_tensor(next_ids), list(picks), further,
+                       [list(t) for t in tables] if further is not None and tables is not None else None)
         for r in self.last_stage:
             self.node.group.send(r, msg)
         self._drafting = len(picks)
@@ -198,10 +199,11 @@ class ReplicaExecutor:
         if not n:
             return []
         reply = self.node.group.recv(self.reporter, self.node.config.rank_timeout_s)
-        if not isinstance(reply, Drafted) or len(reply.tokens) != n or min(reply.tokens) < 0:
+        if (not isinstance(reply, Drafted) or len(reply.tokens) != n
+                or any(min(d, default=-1) < 0 for d in reply.tokens)):
             self.node.shutdown(why=f"rank {self.reporter} answered a draft with {str(reply)[:80]}")
             raise RankFailure(f"rank {self.reporter} sent {str(reply)[:80]} instead of {n} drafts")
-        return [[t] for t in reply.tokens]
+        return [list(d) for d in reply.tokens]
 
     def ownership(self, block_ids: list[int]) -> list[RankBlocks]:
         return kv_ownership(block_ids, self.par, self.dp, self.node.num_layers, self.node.mtp_layers)

@@ -159,9 +159,9 @@ def test_a_prefill_on_rank_processes_hands_off_the_mtp_layers_draft_and_kv(
         for i in range(len(held)):
             assert pe.release(f"r{i}")
         assert pe.num_used_blocks == 0
-        # At k = 2 requests decoding on the ranks do not draft (no further MTP passes there): outputs unchanged.
+        # Requests that go on decoding on the ranks draft there too (test_requests_decoding_on_rank_processes_...).
         assert [o.token_ids for o in prefill.generate(prompts(), GREEDY)] == reference
-        assert pe.spec_counts.steps == 0 and pe.num_used_blocks == 0
+        assert pe.spec_counts.steps > 0 and pe.num_used_blocks == 0
 
 
 def test_dp_replicas_with_expert_parallelism_across_them_hand_off_the_mtp_layers_draft_and_kv(
@@ -199,27 +199,66 @@ def test_dp_replicas_with_expert_parallelism_across_them_hand_off_the_mtp_layers
         assert [o.token_ids for o in prefill.generate(prompts(), GREEDY)] == reference
 
 
-@pytest.mark.parametrize("topology", [dict(pcp=2, kv_layout="sharded"), dict(pcp=2, pp=2, kv_layout="sharded"),
-                                      dict(dp=2, enable_expert_parallel=True)], ids=["pcp2", "pp2-pcp2", "dp2-ep2"])
-def test_requests_decoding_on_rank_processes_verify_drafts_at_k1(
-        mtp_model: Path, reference: list[list[int]], topology: dict) -> None:
-    """k = 1: requests that go on decoding on the ranks draft at every step (the MTP layer's pass over the step's
-    rows, ``RunDraft``, picks the last accepted row) and verify the draft in the next one, its 2 rows a chunk of
-    the request split over the PCP ranks like a prompt's; across DP replicas with EP the drafts are settled once
-    every replica's step is done. Greedy outputs equal one engine's without drafts, token for token (the
-    prompts: one hitting the prefix cache), and every block is freed. The random model's drafts are seldom
-    right, so the requests decode again with drafts from the reference's continuation: each verify step's
-    second row (the token after an accepted draft) must come from the ranks right too."""
-    with LLM(str(mtp_model), speculative_config=spec(1), max_num_batched_tokens=CHUNK, **topology, **KW) as llm:
+def _record_drafts(engines: list[LLMEngine]) -> dict[tuple[int, ...], list[list[int]]]:
+    """Each request's drafts after every step it drafted at, by prompt (filled as the engines run)."""
+    log: dict[tuple[int, ...], list[list[int]]] = {}
+    for e in engines:
+        assert e.drafts is not None
+        drafts, draft = e.drafts, e.drafts.draft
+
+        def record(scheduled: list, starts: list[int], draft: Callable = draft) -> None:
+            draft(scheduled, starts)
+            for s in scheduled:
+                if s.seq.drafts:
+                    log.setdefault(tuple(s.seq.prompt_token_ids), []).append(list(s.seq.drafts))
+
+        drafts.draft = record  # type: ignore[method-assign]
+    return log
+
+
+@pytest.fixture(scope="module")
+def in_process_drafts(mtp_model: Path) -> dict[int, dict[tuple[int, ...], list[list[int]]]]:
+    """The drafts one engine in this process makes for the prompts, at k = 1 and 2."""
+    out = {}
+    for k in (1, 2):
+        with LLM(str(mtp_model), speculative_config=spec(k), max_num_batched_tokens=CHUNK, **KW) as llm:
+            out[k] = _record_drafts(llm.engines)
+            llm.generate(prompts(), GREEDY)
+    return out
+
+
+@pytest.mark.parametrize("k,topology", [
+    (1, dict(pcp=2, kv_layout="sharded")), (2, dict(pcp=2, kv_layout="sharded")),
+    (2, dict(pcp=2, pp=2, kv_layout="sharded")), (2, dict(pcp=2, enable_expert_parallel=True)),
+    (1, dict(dp=2, enable_expert_parallel=True)),
+], ids=["pcp2-k1", "pcp2-k2", "pp2-pcp2-k2", "pcp2-ep2-k2", "dp2-ep2-k1"])
+def test_requests_decoding_on_rank_processes_verify_drafts(
+        mtp_model: Path, reference: list[list[int]], in_process_drafts: dict, k: int, topology: dict) -> None:
+    """Requests that go on decoding on the ranks draft at every step (the MTP layer's pass over the step's rows,
+    ``RunDraft``, picks the last accepted row; at k = 2 the ranks run it once more, a decode row a request over the
+    layer's sharded cache) and verify the drafts in the next one, their rows a chunk of the request split over
+    the PCP ranks like a prompt's; across DP replicas with EP (k = 1 only) the drafts are settled once every
+    replica's step is done. Greedy outputs equal one engine's without drafts, token for token (the prompts: one
+    hitting the prefix cache), the drafts equal those one engine in this process makes (but across DP replicas,
+    whose drafts come in two halves), and every block is freed. The random model's drafts are seldom right, so
+    the requests decode again with drafts from the reference's continuation: each verify step's rows after an
+    accepted draft must come from the ranks right too."""
+    with LLM(str(mtp_model), speculative_config=spec(k), max_num_batched_tokens=CHUNK, **topology, **KW) as llm:
+        deferred = topology.get("dp", 1) > 1
+        drafted = {} if deferred else _record_drafts(llm.engines)
         assert [o.token_ids for o in llm.generate(prompts(), GREEDY)] == reference
-        assert sum(e.spec_counts.steps for e in llm.engines) >= len(prompts()) * (TOKENS - 2) // 2  # they drafted
+        assert sum(e.spec_counts.steps for e in llm.engines) >= len(prompts()) * (TOKENS - 2) // (k + 1)
+        if not deferred:
+            assert drafted == in_process_drafts[k]
+            assert any(len(d) == k for runs in drafted.values() for d in runs)
         future = {tuple(p): out for p, out in zip(prompts(), reference)}
 
         def oracle(engine: LLMEngine) -> Callable[[object], None]:
             def draft(step: object) -> None:
                 for seq in engine.scheduler.running:
-                    if seq.num_remaining == 1 and draft_budget(seq, 1, engine.max_model_len):
-                        seq.drafts = future[tuple(seq.prompt_token_ids)][len(seq.output_token_ids):][:1]
+                    if seq.num_remaining == 1:
+                        n = draft_budget(seq, k, engine.max_model_len)
+                        seq.drafts = future[tuple(seq.prompt_token_ids)][len(seq.output_token_ids):][:n]
             return draft
 
         for e in llm.engines:
@@ -227,5 +266,5 @@ def test_requests_decoding_on_rank_processes_verify_drafts_at_k1(
         before = sum(e.spec_counts.accepted_tokens for e in llm.engines)
         assert [o.token_ids for o in llm.generate(prompts(), GREEDY)] == reference
         accepted = sum(e.spec_counts.accepted_tokens for e in llm.engines) - before
-        assert accepted >= len(prompts()) * (TOKENS - 2) // 2  # about every other token from a draft
+        assert accepted >= len(prompts()) * (TOKENS - 4) * k // (k + 1)  # most tokens from a draft
         assert all(e.num_used_blocks == 0 for e in llm.engines)
