@@ -138,7 +138,7 @@ class ReplicaExecutor:
     def launch(self, scheduled: list[Scheduled]) -> None:
         self._check_answered("a step launched")
         plan = StepPlan([
-            PlanRow(  # a verify step's rows (speculative decoding, k = 1): the last token and the draft, a chunk
+            PlanRow(  # a verify step's rows (speculative decoding): the last token and the drafts, a chunk
                 token_ids=int_tensor(s.seq.tokens(s.seq.num_computed, s.seq.num_computed + s.num_new - len(s.drafts))
                                      + s.drafts),
                 start=s.seq.num_computed,
