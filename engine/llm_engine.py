@@ -127,10 +127,10 @@ class LLMEngine:
         self.speculative = config.speculative
         self.drafts: Drafts | None = None
         if self.speculative is not None:
+            deferred = not self._local and spans_dp(config)
             self.drafts = Drafts(self.speculative, self.scheduler, self.executor, self.max_model_len,
-                                 decoding=self._local or self.speculative.num_speculative_tokens == 1
-                                 or not spans_dp(config),
-                                 deferred=not self._local and spans_dp(config))
+                                 decoding=not deferred or self.speculative.num_speculative_tokens == 1,
+                                 deferred=deferred)
         self.spec_counts = self.drafts.counts if self.drafts is not None else SpecCounts()
         self.overlap = self._local and overlap and self.speculative is None  # may change between steps
         self.overlapped_steps = 0  # steps launched on the previous step's samples, still on the device

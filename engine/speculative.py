@@ -337,7 +337,7 @@ class Drafts:
                 drafting.append(seq)
             row += s.num_new
         if self.deferred:
-            assert not any(extra)  # (rank processes draft one token, for the hand-off)
+            assert not any(extra)  # (deferred drafts are one token: LLMEngine keeps k > 1 from decoding here)
             cast(DeferredDrafter, self.executor).launch_draft(next_ids, picks)
             self._asked = drafting
             return

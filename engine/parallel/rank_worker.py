@@ -238,8 +238,7 @@ class RankWorker:
         if self.par.pcp > 1:
             dist.all_reduce(tokens, op=dist.ReduceOp.MAX, group=self.pcp_group)
         drafts = [[t] for t in tokens.tolist()]
-        extra = extra or [0] * len(picks)
-        if not any(extra):
+        if not extra or not any(extra):
             return drafts
         assert tables is not None and len(tables) == len(picks) == len(extra)
         hp = self._pick_states(h, local, have)
