@@ -12,11 +12,14 @@ MESSAGE_LIMITS: tuple[tuple[str, int], ...] = (
 )
 
 # The proxy's channels to the nodes: notice a silently dead peer (no RST, e.g. a lost host) on long idle
-# decode streams. Pings only while a call is open.
+# calls (a long prefill). Pings only while a call is open. A peer gets gRPC's default 20 s to answer: a
+# host saturated for 10 s (CI's 2 cores under six engine processes) must not lose its decode streams,
+# and a dead one is still noticed within 50 s, before the proxy's 60 s token timeout.
 KEEPALIVE_TIME_MS = 30_000
+KEEPALIVE_TIMEOUT_MS = 20_000
 CHANNEL_OPTIONS: tuple[tuple[str, int], ...] = MESSAGE_LIMITS + (
     ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
-    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
     ("grpc.keepalive_permit_without_calls", 0),
 )
 
