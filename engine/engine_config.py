@@ -44,8 +44,8 @@ class EngineConfig:
     speculative_config: str | None = field(default=None, metadata={
         "help": 'speculative decoding in vLLM\'s JSON form, {"method": "mtp", "num_speculative_tokens": K}: the '
                 "model's multi-token prediction layer drafts K tokens and one target step verifies them "
-                "(engine/speculative.py). On rank processes (a prefill node's DP, PCP, PP) the MTP layer runs over "
-                "the prompt for the hand-off only: its draft and KV go to the decode side. No expert parallelism",
+                "(engine/speculative.py), in process and on rank processes (DP, PCP, PP; expert parallelism too); a "
+                "prefill node hands its draft and the MTP layer's KV to the decode side",
                 "metavar": "JSON"})
     mtp_recompute: bool = field(default=True, metadata={
         "help": "decode, with speculative_config: a request from a prefill node without it (its KV lacks the MTP "
@@ -170,8 +170,6 @@ class EngineConfig:
 
     def _check_speculative(self) -> None:
         self.speculative  # noqa: B018 (parses: a bad form raises)
-        # Expert parallelism over rank processes (a prefill node's) is refused where they start
-        # (engine.parallel.replica.ParallelNode); a decode node's DP replicas run it (engine.speculative).
 
     def torch_device(self) -> torch.device:
         if self.gpus is not None:

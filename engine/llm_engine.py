@@ -123,14 +123,12 @@ class LLMEngine:
         if overlap is None:  # on a GPU the launch returns at once; on a CPU the step runs inside it
             overlap = getattr(self.executor, "device", torch.device("cpu")).type == "cuda"
         # Speculative decoding (engine.speculative): its steps are not overlapped. On rank processes requests
-        # that go on decoding draft too, but across DP replicas in lockstep (EP) at k = 1 only.
+        # that go on decoding draft too (across DP replicas in lockstep, EP: their drafts settled after all steps).
         self.speculative = config.speculative
         self.drafts: Drafts | None = None
         if self.speculative is not None:
             deferred = not self._local and spans_dp(config)
-            self.drafts = Drafts(self.speculative, self.scheduler, self.executor, self.max_model_len,
-                                 decoding=not deferred or self.speculative.num_speculative_tokens == 1,
-                                 deferred=deferred)
+            self.drafts = Drafts(self.speculative, self.scheduler, self.executor, self.max_model_len, deferred=deferred)
         self.spec_counts = self.drafts.counts if self.drafts is not None else SpecCounts()
         self.overlap = self._local and overlap and self.speculative is None  # may change between steps
         self.overlapped_steps = 0  # steps launched on the previous step's samples, still on the device
@@ -281,7 +279,7 @@ class LLMEngine:
         if self._append(seq, first_token, first_logprob, top):  # max_tokens=1, or a stop token
             self._requests.pop(seq.request_id, None)
             return True
-        if self.drafts is not None and self.drafts.decoding and drafts:
+        if self.drafts is not None and drafts:
             seq.drafts = grammar_drafts(seq, list(drafts[: draft_budget(seq, self.drafts.k, self.max_model_len)]))
         return False
 

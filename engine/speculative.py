@@ -55,8 +55,9 @@ rank that computed a prompt's last row has the draft. A held request's one draft
 the layer's KV. Requests that go on decoding on the ranks draft there too: a verify step's rows are a chunk of
 the request split over the PCP ranks as a prompt's, ``RunDraft`` picks the last accepted row, and for k > 1 the
 ranks run the layer again, one decode row a drafting request a pass (every PCP rank alike, the picks' hidden
-states shared first). Across DP replicas stepping in lockstep (EP across them: the deferred drafts below) only
-k = 1 drafts there; at k > 1 those requests decode one token a step (``Drafts``'s ``decoding`` off).
+states shared first). Across DP replicas stepping in lockstep (EP across them: the deferred drafts below) every
+replica's ranks run each further pass together, their rows in it exchanged first (a replica whose requests draft
+less far, or not at all, runs only the pass's MoE collectives).
 
 Under expert parallelism a decode node's DP replicas (an engine each, one EP group stepping in lockstep:
 ``engine.parallel.expert_parallel.ExpertGroup``) draft as any engine does: the MTP layer's routed experts are
@@ -85,11 +86,10 @@ new drafts, known on the host only once both are, so the step cannot be launched
 node's loop) takes the finished requests and delivers the step's tokens, which then overlaps the GPU's next step
 (``LLMEngine.spec_ahead``; not in EP lockstep, where the members launch together).
 
-Not yet: k > 1 across DP replicas in lockstep on rank processes (above), and the grammar's mask
-on the MTP layer's own choice (the layer picks its argmax over the whole vocabulary, so with a grammar the
-drafts of a model that has not learned the format are mostly cut: a masked choice would need the matcher in
-``ModelRunner.draft``'s loop; likewise the layer drafts without penalties, so a penalised request's drafts
-hold less often).
+Not done: the grammar's mask, bias and penalties on the MTP layer's own choice (it takes its argmax over the
+whole vocabulary; the grammar then cuts a draft it forbids). Measured on the trained tiny model (docs/benchmarks.md,
+2026-12-05 late night), choosing the drafts as the sampler would change the logits saved 4-5% of the steps under a
+regex and none under penalties, while it would take those steps off the MTP graphs' path: not kept.
 """
 
 from __future__ import annotations
@@ -245,7 +245,8 @@ class DeferredDrafter(Drafter, Protocol):
     replicas stepping in lockstep on rank processes dispatches over all of them, so every replica's ranks must be
     asked before any answer is awaited)."""
 
-    def launch_draft(self, next_ids: list[int], picks: list[int]) -> None: ...
+    def launch_draft(self, next_ids: list[int], picks: list[int], extra: list[int] | None = None,
+                     tables: list[list[int]] | None = None) -> None: ...
 
     def collect_drafts(self) -> list[list[int]]: ...
 
@@ -257,12 +258,10 @@ class Drafts:
     """One engine's speculative decoding: a step's drafts verified (``verify``), the next ones made (``draft``)."""
 
     def __init__(self, config: SpeculativeConfig, scheduler: Blocks, executor: Drafter,
-                 max_model_len: int, decoding: bool = True, deferred: bool = False) -> None:
-        """``decoding``: requests that go on decoding here draft (in-process models); off, only a prefill
-        node's held requests draft, once, for the decode side (rank processes: module docstring). ``deferred``:
-        ``draft`` only asks the executor (a ``DeferredDrafter``) for the drafts, ``settle`` takes them."""
+                 max_model_len: int, deferred: bool = False) -> None:
+        """``deferred``: ``draft`` only asks the executor (a ``DeferredDrafter``) for the drafts, ``settle``
+        takes them."""
         self.k = config.num_speculative_tokens
-        self.decoding = decoding
         self.scheduler = scheduler
         self.executor = executor
         self.max_model_len = max_model_len
@@ -327,7 +326,7 @@ class Drafts:
                 budget = int(seq.hold_kv and bool(seq.block_ids) and seq.finish_reason == "length")
             else:
                 budget = draft_budget(seq, self.k, self.max_model_len) \
-                    if self.decoding and seq.num_remaining == 1 and seq.mtp_kv else 0
+                    if seq.num_remaining == 1 and seq.mtp_kv else 0
             # Further drafts write the MTP layer's KV one position on each: their blocks first.
             while budget > 1 and not self.scheduler.grow(seq, budget - 1):
                 budget -= 1
@@ -336,12 +335,12 @@ class Drafts:
                 extra.append(budget - 1)
                 drafting.append(seq)
             row += s.num_new
+        tables = [q.block_ids for q in drafting]
         if self.deferred:
-            assert not any(extra)  # (deferred drafts are one token: LLMEngine keeps k > 1 from decoding here)
-            cast(DeferredDrafter, self.executor).launch_draft(next_ids, picks)
+            cast(DeferredDrafter, self.executor).launch_draft(next_ids, picks, extra, tables)
             self._asked = drafting
             return
-        drafts = self.executor.draft(next_ids, picks, extra, [q.block_ids for q in drafting])
+        drafts = self.executor.draft(next_ids, picks, extra, tables)
         for seq, d in zip(drafting, drafts):
             seq.drafts = grammar_drafts(seq, d)  # (the blocks grown for any cut stay the request's, as ever)
 

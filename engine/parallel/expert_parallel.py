@@ -94,14 +94,20 @@ def expert_shard(config: EngineConfig, mc: ModelConfig, rank: int = 0) -> Expert
 
 def exchange_counts(rows: int, group: dist.ProcessGroup | None, device: torch.device) -> list[int]:
     """Every EP rank's row count this step, in group order, from this rank's ``rows`` (one all-gather)."""
-    n = dist.get_world_size(group)
-    mine = torch.tensor([rows], dtype=torch.int64, device=device)
-    out = torch.empty(n, dtype=torch.int64, device=device)
+    return exchange_rows([rows], group, device)[0]
+
+
+def exchange_rows(rows: list[int], group: dist.ProcessGroup | None, device: torch.device) -> list[list[int]]:
+    """Every EP rank's row counts in each of several passes (the same number on every rank), from this rank's
+    ``rows`` per pass (one all-gather): per pass, the counts in group order."""
+    n, p = dist.get_world_size(group), len(rows)
+    mine = torch.tensor(rows, dtype=torch.int64, device=device)
+    out = torch.empty(n * p, dtype=torch.int64, device=device)
     if dist.get_backend(group) == "nccl":
         dist.all_gather_into_tensor(out, mine, group=group)
     else:
         dist.all_gather(list(out.chunk(n)), mine, group=group)
-    return out.tolist()
+    return out.view(n, p).t().tolist()
 
 
 @dataclass
@@ -152,10 +158,7 @@ class ExpertGroup:
         """Every member's rows in each of a step's MTP passes (speculative decoding: ``ModelRunner.draft``),
         from this member's ``rows`` per pass (the same number of passes on every member): per pass, the
         counts in group order (one all-gather)."""
-        n, p = dist.get_world_size(self.host), len(rows)
-        out = torch.empty(n * p, dtype=torch.int64)
-        dist.all_gather(list(out.chunk(n)), torch.tensor(rows, dtype=torch.int64), group=self.host)
-        return out.view(n, p).t().tolist()
+        return exchange_rows(rows, self.host, torch.device("cpu"))
 
 
 class ExpertComm(Protocol):

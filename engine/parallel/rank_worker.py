@@ -30,7 +30,7 @@ from engine.forward_batch import ForwardBatch
 from engine.kv_cache import KVCache
 from engine.model import MTPLayer
 from engine.parallel.collectives import gather_padded
-from engine.parallel.expert_parallel import GatherReduce, exchange_counts, expert_shard, spans_dp
+from engine.parallel.expert_parallel import GatherReduce, exchange_counts, exchange_rows, expert_shard, spans_dp
 from engine.parallel.grid import ParallelConfig, stage_layers
 from engine.parallel.rank_group import RankContext
 from engine.parallel.rank_messages import (
@@ -225,7 +225,10 @@ class RankWorker:
         cache = self.cache.layers[int(index)]
         mine = st.plan_rows()  # [local rows] their plan rows
         h = layer.predict(next_ids[mine].to(self.device), hidden, batch, cache, self.model.rope)
+        passes = self._further_counts(extra or [])
         if not picks:
+            for counts in passes or []:  # other replicas' requests draft further
+                layer.expert_collectives(counts)
             return []
         where = torch.full((next_ids.numel(),), -1, dtype=torch.long)
         where[mine] = torch.arange(mine.numel())
@@ -238,29 +241,48 @@ class RankWorker:
         if self.par.pcp > 1:
             dist.all_reduce(tokens, op=dist.ReduceOp.MAX, group=self.pcp_group)
         drafts = [[t] for t in tokens.tolist()]
-        if not extra or not any(extra):
+        extra = extra or [0] * len(picks)
+        further = len(passes) if passes is not None else max(extra)
+        if not further:
             return drafts
-        assert tables is not None and len(tables) == len(picks) == len(extra)
-        hp = self._pick_states(h, local, have)
+        assert len(extra) == len(picks)
+        hp = self._pick_states(h, local, have) if any(extra) else h[:0]  # (none: other replicas' passes only)
         starts = torch.cat([r.start + torch.arange(r.num_new) for r in plan.rows])  # each plan row's position
         pos = starts[torch.tensor(picks, dtype=torch.long)].tolist()
         live = list(range(len(picks)))
-        for j in range(1, max(extra) + 1):
+        for j in range(1, further + 1):
             keep = [n for n, i in enumerate(live) if extra[i] >= j]
             live = [live[n] for n in keep]
+            if not live:  # (EP across DP replicas: another replica's requests draft this far)
+                assert passes is not None
+                layer.expert_collectives(passes[j - 1])
+                continue
+            assert tables is not None and len(tables) == len(picks)
             sel = torch.tensor(keep, dtype=torch.long, device=self.device)
             tokens, hp = tokens[sel], hp[sel]
             step = StepPlan([PlanRow(int_tensor([drafts[i][-1]]), pos[i] + j, tables[i], None) for i in live])
             rows_batch = build_rank_batch(step, self.par, self.coord.pcp, self.cache.block_size, self.device,
                                           self.pcp_group)
-            if self.experts is not None:  # (dp = 1: the driver keeps k > 1 off across DP replicas)
+            if self.experts is not None:  # each PCP rank runs every row: over PCP ranks, these are the counts
                 assert rows_batch.pcp is not None
-                rows_batch.ep_counts = rows_batch.pcp.row_counts
+                rows_batch.ep_counts = passes[j - 1] if passes is not None else rows_batch.pcp.row_counts
             hp = layer.predict(tokens, hp, rows_batch, cache, self.model.rope)
             tokens = layer.compute_logits(hp).argmax(-1)  # alike on every rank: the rows are decode rows
             for i, t in zip(live, tokens.tolist()):
                 drafts[i].append(t)
         return drafts
+
+    def _further_counts(self, extra: list[int]) -> list[list[int]] | None:
+        """Across DP replicas with EP (``ep_group``), every EP rank's rows in each further MTP pass (k > 1), from
+        this rank's picks' ``extra`` (none: a replica without drafting requests): one all-gather of each rank's
+        rows per pass for the k - 1 passes, every rank of the group alike, then the passes up to the last any rank
+        has rows in (a rank's rows only shrink pass to pass). None elsewhere: the replica's ranks run the passes
+        its own picks need, together."""
+        spec = self.config.speculative
+        if self.ep_group is None or spec is None or spec.num_speculative_tokens == 1:
+            return None
+        mine = [sum(e >= j for e in extra) for j in range(1, spec.num_speculative_tokens)]
+        return [c for c in exchange_rows(mine, self.ep_group, self.device) if any(c)]
 
     def _pick_states(self, h: torch.Tensor, local: torch.Tensor, have: torch.Tensor) -> torch.Tensor:
         """[picks, D] the MTP layer's output at each pick's row on every PCP rank: from the lowest rank that

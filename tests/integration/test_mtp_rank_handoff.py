@@ -26,7 +26,7 @@ from engine_helpers import read_kv
 
 from engine import LLM, SamplingParams
 from engine.llm_engine import LLMEngine
-from engine.speculative import draft_budget
+from engine.speculative import Drafts, draft_budget
 from engine.weights import build_empty_model
 from kv_transfer.handoff import KVReceiver
 from kv_transfer.layout import CacheLayout, RequestKV
@@ -171,7 +171,7 @@ def test_dp_replicas_with_expert_parallelism_across_them_hand_off_the_mtp_layers
     prefill node steps them (every replica's step finished, then the drafts settled: asked for one replica at a
     time and awaited at once, the MTP pass of one replica's ranks would wait for the other's). Each request's
     first token, draft and KV (the MTP layer's included) equal the in-process prefill's; decoding on the ranks
-    (no drafts there) equals one engine's."""
+    (drafting there too) equals one engine's."""
     with LLM(str(mtp_model), speculative_config=spec(2), max_num_batched_tokens=CHUNK, dp=2,
              enable_expert_parallel=True, **KW) as prefill:
         whole = build_empty_model(prefill.engine.model_config, torch.float32, torch.device("cpu"), mtp=True)
@@ -200,19 +200,30 @@ def test_dp_replicas_with_expert_parallelism_across_them_hand_off_the_mtp_layers
 
 
 def _record_drafts(engines: list[LLMEngine]) -> dict[tuple[int, ...], list[list[int]]]:
-    """Each request's drafts after every step it drafted at, by prompt (filled as the engines run)."""
+    """Each request's drafts after every step it drafted at, by prompt (filled as the engines run; deferred
+    drafts once they are settled)."""
     log: dict[tuple[int, ...], list[list[int]]] = {}
+
+    def note(seqs: list) -> None:
+        for seq in seqs:
+            if seq.drafts:
+                log.setdefault(tuple(seq.prompt_token_ids), []).append(list(seq.drafts))
+
     for e in engines:
         assert e.drafts is not None
-        drafts, draft = e.drafts, e.drafts.draft
+        drafts, draft, settle = e.drafts, e.drafts.draft, e.drafts.settle
 
         def record(scheduled: list, starts: list[int], draft: Callable = draft) -> None:
             draft(scheduled, starts)
-            for s in scheduled:
-                if s.seq.drafts:
-                    log.setdefault(tuple(s.seq.prompt_token_ids), []).append(list(s.seq.drafts))
+            note([s.seq for s in scheduled])
+
+        def record_settled(drafts: Drafts = drafts, settle: Callable = settle) -> None:
+            asked = drafts._asked or []
+            settle()
+            note(asked)
 
         drafts.draft = record  # type: ignore[method-assign]
+        drafts.settle = record_settled  # type: ignore[method-assign]
     return log
 
 
@@ -230,27 +241,25 @@ def in_process_drafts(mtp_model: Path) -> dict[int, dict[tuple[int, ...], list[l
 @pytest.mark.parametrize("k,topology", [
     (1, dict(pcp=2, kv_layout="sharded")), (2, dict(pcp=2, kv_layout="sharded")),
     (2, dict(pcp=2, pp=2, kv_layout="sharded")), (2, dict(pcp=2, enable_expert_parallel=True)),
-    (1, dict(dp=2, enable_expert_parallel=True)),
-], ids=["pcp2-k1", "pcp2-k2", "pp2-pcp2-k2", "pcp2-ep2-k2", "dp2-ep2-k1"])
+    (1, dict(dp=2, enable_expert_parallel=True)), (2, dict(dp=2, enable_expert_parallel=True)),
+], ids=["pcp2-k1", "pcp2-k2", "pp2-pcp2-k2", "pcp2-ep2-k2", "dp2-ep2-k1", "dp2-ep2-k2"])
 def test_requests_decoding_on_rank_processes_verify_drafts(
         mtp_model: Path, reference: list[list[int]], in_process_drafts: dict, k: int, topology: dict) -> None:
     """Requests that go on decoding on the ranks draft at every step (the MTP layer's pass over the step's rows,
     ``RunDraft``, picks the last accepted row; at k = 2 the ranks run it once more, a decode row a request over the
     layer's sharded cache) and verify the drafts in the next one, their rows a chunk of the request split over
-    the PCP ranks like a prompt's; across DP replicas with EP (k = 1 only) the drafts are settled once every
-    replica's step is done. Greedy outputs equal one engine's without drafts, token for token (the prompts: one
-    hitting the prefix cache), the drafts equal those one engine in this process makes (but across DP replicas,
-    whose drafts come in two halves), and every block is freed. The random model's drafts are seldom right, so
-    the requests decode again with drafts from the reference's continuation: each verify step's rows after an
-    accepted draft must come from the ranks right too."""
+    the PCP ranks like a prompt's; across DP replicas with EP the drafts are settled once every replica's step
+    is done (at k = 2 a replica whose requests draft less, or none, runs the further pass's collectives for the
+    other's). Greedy outputs equal one engine's without drafts, token for token (the prompts: one hitting the
+    prefix cache), the drafts equal those one engine in this process makes, and every block is freed. The random
+    model's drafts are seldom right, so the requests decode again with drafts from the reference's continuation:
+    each verify step's rows after an accepted draft must come from the ranks right too."""
     with LLM(str(mtp_model), speculative_config=spec(k), max_num_batched_tokens=CHUNK, **topology, **KW) as llm:
-        deferred = topology.get("dp", 1) > 1
-        drafted = {} if deferred else _record_drafts(llm.engines)
+        drafted = _record_drafts(llm.engines)
         assert [o.token_ids for o in llm.generate(prompts(), GREEDY)] == reference
         assert sum(e.spec_counts.steps for e in llm.engines) >= len(prompts()) * (TOKENS - 2) // (k + 1)
-        if not deferred:
-            assert drafted == in_process_drafts[k]
-            assert any(len(d) == k for runs in drafted.values() for d in runs)
+        assert drafted == in_process_drafts[k]
+        assert any(len(d) == k for runs in drafted.values() for d in runs)
         future = {tuple(p): out for p, out in zip(prompts(), reference)}
 
         def oracle(engine: LLMEngine) -> Callable[[object], None]:
