@@ -10,6 +10,9 @@ speculative decoding and with ``num_speculative_tokens`` k = 1..3, in one run:
 - decode tokens per second against no drafts (the same prompts, one at a time: batch 1), as a ratio;
 - that the outputs equal the no-draft outputs token for token.
 
+``--params`` adds sampling parameters to the measured requests (penalties, a grammar: how drafting holds up under
+them); each row then also gives the decode steps the requests took with and without drafts.
+
 With ``--cluster``, also through a whole local cluster (``pdctl up``'s launcher): a prefill node and a decode
 node with ``num_speculative_tokens`` 1, beside a decode node without it (the baseline, fed by the same prefill
 node, which it ignores the draft of); the same prompts through the proxy (streamed completions), one at a time
@@ -41,6 +44,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine import LLM, SamplingParams  # noqa: E402
+from engine.structured_output import StructuredOutputsParams  # noqa: E402
 from pdctl.tiny_model import make_tiny_model  # noqa: E402
 from pdctl.train_tiny import corpus_ids, train_tiny_model  # noqa: E402
 
@@ -68,18 +72,29 @@ def prompts(model: Path, held_out: bool, count: int) -> list[list[int]]:
     return out
 
 
-def run(model: Path, batch: list[list[int]], max_tokens: int, k: int) -> dict:
+def sampling(max_tokens: int, params: dict[str, Any]) -> SamplingParams:
+    """Greedy, ``max_tokens`` each, with ``params`` (``--params``: penalties, a ``structured_outputs`` mapping...)."""
+    extra = dict(params)
+    if "structured_outputs" in extra:
+        extra["structured_outputs"] = StructuredOutputsParams(**extra["structured_outputs"])
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **extra)
+
+
+def run(model: Path, batch: list[list[int]], max_tokens: int, k: int, params: dict[str, Any]) -> dict:
     spec = {"speculative_config": json.dumps({"method": "mtp", "num_speculative_tokens": k})} if k else {}
-    sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    sp = sampling(max_tokens, params)
     with LLM(str(model), **spec, **KW) as llm:
         llm.generate(batch[:1], SamplingParams(max_tokens=4, temperature=0.0))  # warm-up
+        before = llm.engine.spec_counts.accepted_tokens
         t0 = time.perf_counter()
         outs = [llm.generate([p], sp)[0].token_ids for p in batch]  # batch 1: one request at a time
         seconds = time.perf_counter() - t0
         c = llm.engine.spec_counts
+        # every decode step (the first token is the prompt's) gives one token and its accepted drafts
+        steps = len(batch) * (max_tokens - 1) - (c.accepted_tokens - before)
         return {"k": k, "tokens_per_s": len(batch) * max_tokens / seconds, "outputs": outs,
                 "acceptance_rate": c.acceptance_rate if k else None,
-                "mean_accepted_length": c.mean_accepted_length if k else None}
+                "mean_accepted_length": c.mean_accepted_length if k else None, "decode_steps": steps}
 
 
 def through_cluster(model: Path, batch: list[list[int]], max_tokens: int, repeat: int,
@@ -213,6 +228,9 @@ def main() -> None:
     ap.add_argument("--cluster", action="store_true", help="also through a local cluster (trained-on prompts)")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1], help="with --cluster: requests at a time")
     ap.add_argument("--device", default="cpu", help="cpu, or cuda (bf16, CUDA graphs)")
+    ap.add_argument("--params", type=json.loads, default={}, metavar="JSON",
+                    help='more sampling parameters for the measured requests, e.g. \'{"repetition_penalty": 1.3}\' '
+                         'or \'{"structured_outputs": {"regex": "[a-z ]+"}}\' (the engine alone, not --cluster)')
     a = ap.parse_args()
     use_device(a.device)
     model = a.model
@@ -231,7 +249,7 @@ def main() -> None:
         runs: dict[int, list[dict]] = {k: [] for k in (0, *a.k)}
         for _ in range(a.repeat):
             for k in runs:
-                runs[k].append(run(model, batch, a.max_tokens, k))
+                runs[k].append(run(model, batch, a.max_tokens, k, a.params))
         base_speed = statistics.median(r["tokens_per_s"] for r in runs[0])
         rows = []
         for k in a.k:
@@ -241,9 +259,11 @@ def main() -> None:
             speed = statistics.median(x["tokens_per_s"] for x in runs[k])
             rows.append({"k": k, "acceptance_rate": round(r["acceptance_rate"], 3),
                          "mean_accepted_length": round(r["mean_accepted_length"], 2),
+                         "decode_steps": r["decode_steps"], "baseline_decode_steps": runs[0][0]["decode_steps"],
                          "speedup": round(speed / base_speed, 2)})
             print(f"{name:10} k={k}: acceptance {r['acceptance_rate']:.0%}, {r['mean_accepted_length']:.2f} "
-                  f"tokens/step, {speed:.0f} tok/s vs {base_speed:.0f} without ({rows[-1]['speedup']:.2f}x, "
+                  f"tokens/verify step, {r['decode_steps']} decode steps vs {runs[0][0]['decode_steps']}, "
+                  f"{speed:.0f} tok/s vs {base_speed:.0f} without ({rows[-1]['speedup']:.2f}x, "
                   f"medians of {a.repeat}); outputs equal")
         results[name] = {"baseline_tokens_per_s": round(base_speed, 1), "k": rows}
     if a.cluster:
@@ -251,6 +271,7 @@ def main() -> None:
                                              a.concurrency)
     print(json.dumps({"benchmark": "mtp_acceptance", "model": str(model), "trained": trained,
                       "device": a.device, "max_tokens": a.max_tokens, "prompts_per_set": a.prompts, "batch": 1,
+                      "params": a.params,
                       "repeat": a.repeat,
                       **results}))
 
