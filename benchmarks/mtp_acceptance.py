@@ -74,10 +74,10 @@ def prompts(model: Path, held_out: bool, count: int) -> list[list[int]]:
 
 def sampling(max_tokens: int, params: dict[str, Any]) -> SamplingParams:
     """Greedy, ``max_tokens`` each, with ``params`` (``--params``: penalties, a ``structured_outputs`` mapping...)."""
-    extra = dict(params)
+    extra: dict[str, Any] = dict(max_tokens=max_tokens, temperature=0.0, ignore_eos=True) | params
     if "structured_outputs" in extra:
         extra["structured_outputs"] = StructuredOutputsParams(**extra["structured_outputs"])
-    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **extra)
+    return SamplingParams(**extra)
 
 
 def run(model: Path, batch: list[list[int]], max_tokens: int, k: int, params: dict[str, Any]) -> dict:
@@ -91,7 +91,7 @@ def run(model: Path, batch: list[list[int]], max_tokens: int, k: int, params: di
         seconds = time.perf_counter() - t0
         c = llm.engine.spec_counts
         # every decode step (the first token is the prompt's) gives one token and its accepted drafts
-        steps = len(batch) * (max_tokens - 1) - (c.accepted_tokens - before)
+        steps = sum(len(o) - 1 for o in outs) - (c.accepted_tokens - before)
         return {"k": k, "tokens_per_s": len(batch) * max_tokens / seconds, "outputs": outs,
                 "acceptance_rate": c.acceptance_rate if k else None,
                 "mean_accepted_length": c.mean_accepted_length if k else None, "decode_steps": steps}

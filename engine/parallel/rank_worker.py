@@ -213,7 +213,8 @@ class RankWorker:
         for the picks drafting that far, one row each at the pick's position + j with its last draft and the
         layer's own hidden state there, as a step's decode rows (on every PCP rank alike, attending the layer's
         sharded cache through the PCP attention); ``tables[i]`` (global block ids) covers those positions. The
-        picks' hidden states go to every rank first, from the rank that computed each."""
+        picks' hidden states go to every rank first, from the rank that computed each. Across DP replicas with EP
+        every replica's ranks run the same passes, each rank's rows in them exchanged first (``_further_counts``)."""
         assert self.model.mtp is not None and self.model.rope is not None and self.cache is not None
         assert self._last is not None, "RunDraft without a step before it"
         plan, batch, hidden = self._last

@@ -242,7 +242,8 @@ def in_process_drafts(mtp_model: Path) -> dict[int, dict[tuple[int, ...], list[l
     (1, dict(pcp=2, kv_layout="sharded")), (2, dict(pcp=2, kv_layout="sharded")),
     (2, dict(pcp=2, pp=2, kv_layout="sharded")), (2, dict(pcp=2, enable_expert_parallel=True)),
     (1, dict(dp=2, enable_expert_parallel=True)), (2, dict(dp=2, enable_expert_parallel=True)),
-], ids=["pcp2-k1", "pcp2-k2", "pp2-pcp2-k2", "pcp2-ep2-k2", "dp2-ep2-k1", "dp2-ep2-k2"])
+    (2, dict(dp=2, pcp=2, kv_layout="sharded", enable_expert_parallel=True)),
+], ids=["pcp2-k1", "pcp2-k2", "pp2-pcp2-k2", "pcp2-ep2-k2", "dp2-ep2-k1", "dp2-ep2-k2", "dp2-pcp2-ep4-k2"])
 def test_requests_decoding_on_rank_processes_verify_drafts(
         mtp_model: Path, reference: list[list[int]], in_process_drafts: dict, k: int, topology: dict) -> None:
     """Requests that go on decoding on the ranks draft at every step (the MTP layer's pass over the step's rows,
