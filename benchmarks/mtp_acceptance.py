@@ -92,7 +92,7 @@ def run(model: Path, batch: list[list[int]], max_tokens: int, k: int, params: di
         c = llm.engine.spec_counts
         # every decode step (the first token is the prompt's) gives one token and its accepted drafts
         steps = sum(len(o) - 1 for o in outs) - (c.accepted_tokens - before)
-        return {"k": k, "tokens_per_s": len(batch) * max_tokens / seconds, "outputs": outs,
+        return {"k": k, "tokens_per_s": sum(len(o) for o in outs) / seconds, "outputs": outs,
                 "acceptance_rate": c.acceptance_rate if k else None,
                 "mean_accepted_length": c.mean_accepted_length if k else None, "decode_steps": steps}
 

@@ -13,7 +13,7 @@ from engine.kv_cache import KVCache
 from engine.model import DeepseekForCausalLM, MTPLayer
 from engine.mtp_graphs import MTPGraphs
 from engine.overlap import Feed
-from engine.parallel.expert_parallel import ExpertGroup
+from engine.parallel.expert_parallel import ExpertGroup, further_rows
 from engine.scheduler import Scheduled
 
 # A step with prefill rows replays a graph when its rows fit the largest captured size and its
@@ -343,9 +343,8 @@ class ModelRunner:
         if not self.ep.rows:  # the step ran nowhere (every member knows): no pass, no exchange
             return []
         assert all(e < self.draft_tokens for e in extra)
-        mine = [last[1].shape[0] if last is not None else 0]
-        mine += [sum(e >= j for e in extra) for j in range(1, self.draft_tokens)]
-        return [counts for counts in self.ep.pass_counts(mine) if any(counts)]
+        first = last[1].shape[0] if last is not None else 0  # the first pass: every row of the step
+        return self.ep.pass_counts([first] + further_rows(extra, self.draft_tokens))
 
 
 def _decode_rows(tokens: torch.Tensor, positions: torch.Tensor, tables: list[list[int]], block_size: int,

@@ -110,6 +110,18 @@ def exchange_rows(rows: list[int], group: dist.ProcessGroup | None, device: torc
     return out.view(n, p).t().tolist()
 
 
+def further_rows(extra: list[int], k: int) -> list[int]:
+    """A member's rows in each further MTP pass of a step (speculative decoding, k drafts at most): pass j (1 to
+    k - 1) runs the picks drafting more than j tokens (``extra[i]``: pick i's drafts after its first)."""
+    return [sum(e >= j for e in extra) for j in range(1, k)]
+
+
+def exchange_passes(rows: list[int], group: dist.ProcessGroup | None, device: torch.device) -> list[list[int]]:
+    """``exchange_rows`` for a step's MTP passes: the passes up to the last in which any member has rows (a
+    member's rows only shrink pass to pass, so the passes dropped are the tail every member skips)."""
+    return [counts for counts in exchange_rows(rows, group, device) if any(counts)]
+
+
 @dataclass
 class ExpertGroup:
     """One member of an EP group of in-process engines, one engine per process of a ``torch.distributed``
@@ -156,9 +168,9 @@ class ExpertGroup:
 
     def pass_counts(self, rows: list[int]) -> list[list[int]]:
         """Every member's rows in each of a step's MTP passes (speculative decoding: ``ModelRunner.draft``),
-        from this member's ``rows`` per pass (the same number of passes on every member): per pass, the
-        counts in group order (one all-gather)."""
-        return exchange_rows(rows, self.host, torch.device("cpu"))
+        from this member's ``rows`` per pass (the same number of passes on every member): per pass that any
+        member runs, the counts in group order (one all-gather: ``exchange_passes``)."""
+        return exchange_passes(rows, self.host, torch.device("cpu"))
 
 
 class ExpertComm(Protocol):

@@ -30,7 +30,14 @@ from engine.forward_batch import ForwardBatch
 from engine.kv_cache import KVCache
 from engine.model import MTPLayer
 from engine.parallel.collectives import gather_padded
-from engine.parallel.expert_parallel import GatherReduce, exchange_counts, exchange_rows, expert_shard, spans_dp
+from engine.parallel.expert_parallel import (
+    GatherReduce,
+    exchange_counts,
+    exchange_passes,
+    expert_shard,
+    further_rows,
+    spans_dp,
+)
 from engine.parallel.grid import ParallelConfig, stage_layers
 from engine.parallel.rank_group import RankContext
 from engine.parallel.rank_messages import (
@@ -246,7 +253,7 @@ class RankWorker:
         further = len(passes) if passes is not None else max(extra)
         if not further:
             return drafts
-        assert len(extra) == len(picks)
+        assert len(extra) == len(picks) and (tables is not None and len(tables) == len(picks) or not any(extra))
         hp = self._pick_states(h, local, have) if any(extra) else h[:0]  # (none: other replicas' passes only)
         starts = torch.cat([r.start + torch.arange(r.num_new) for r in plan.rows])  # each plan row's position
         pos = starts[torch.tensor(picks, dtype=torch.long)].tolist()
@@ -258,7 +265,7 @@ class RankWorker:
                 assert passes is not None
                 layer.expert_collectives(passes[j - 1])
                 continue
-            assert tables is not None and len(tables) == len(picks)
+            assert tables is not None
             sel = torch.tensor(keep, dtype=torch.long, device=self.device)
             tokens, hp = tokens[sel], hp[sel]
             step = StepPlan([PlanRow(int_tensor([drafts[i][-1]]), pos[i] + j, tables[i], None) for i in live])
@@ -282,8 +289,7 @@ class RankWorker:
         spec = self.config.speculative
         if self.ep_group is None or spec is None or spec.num_speculative_tokens == 1:
             return None
-        mine = [sum(e >= j for e in extra) for j in range(1, spec.num_speculative_tokens)]
-        return [c for c in exchange_rows(mine, self.ep_group, self.device) if any(c)]
+        return exchange_passes(further_rows(extra, spec.num_speculative_tokens), self.ep_group, self.device)
 
     def _pick_states(self, h: torch.Tensor, local: torch.Tensor, have: torch.Tensor) -> torch.Tensor:
         """[picks, D] the MTP layer's output at each pick's row on every PCP rank: from the lowest rank that
