@@ -35,5 +35,8 @@ fi
 echo "== vllm $("$VENV/bin/python" -c 'import vllm; print(vllm.__version__)'), torch $("$VENV/bin/python" -c 'import torch; print(torch.__version__)')"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export VLLM_CACHE_ROOT=${VLLM_CACHE_ROOT:-$(mktemp -d -t vllm-cache-XXXX)}
+# Every node and the proxy log gRPC's pings (sent, received, acked): should a stream die of "ping timeout",
+# the cluster's logs say which end stopped answering, and when. A few lines per ping.
+export GRPC_TRACE=${GRPC_TRACE-http2_ping} GRPC_VERBOSITY=${GRPC_VERBOSITY-INFO}
 echo "== pytest tests/vllm_backend"
 exec "$VENV/bin/python" -m pytest -q -p no:cacheprovider tests/vllm_backend "$@"
