@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import logging
 from dataclasses import dataclass, field
 
 import torch
@@ -24,19 +23,18 @@ from engine.engine_config import EngineConfig
 from engine.executor import Executor, LocalExecutor
 from engine.model import DeepseekForCausalLM
 from engine.model_runner import StepLogits
+from engine.outputs import append_token, detokenize, record_prompt_logits
 from engine.overlap import Feed, NextRows, advance, grow, next_decode_rows
 from engine.parallel.expert_parallel import ExpertGroup, spans_dp
 from engine.parallel.kv_layout import RankBlocks
 from engine.prefix_cache import PrefixCache
-from engine.sampler import PendingSamples, launch_sample, top_logprobs
+from engine.sampler import PendingSamples, launch_sample
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduled, Scheduler
 from engine.sequence import SeqStatus, Sequence
 from engine.speculative import Drafts, SpecCounts, draft_budget, grammar_drafts
 from engine.structured_output import Grammar, GuidanceTokenizers
 from engine.tokenizer import Tokenizer
-
-log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -511,7 +509,7 @@ class LLMEngine:
             if s.seq.is_finished:
                 continue  # aborted while the step ran: its blocks are already free (or will be)
             if not step.advanced:
-                self._record_prompt_logits(s, sl)
+                record_prompt_logits(s, sl)
                 s.seq.num_computed += s.num_new - len(s.drafts)  # a draft's row counts once it is accepted
             self.scheduler.cache_computed(s.seq)
         seqs = step.sampled or []
@@ -559,82 +557,17 @@ class LLMEngine:
         if self.drafts is not None:
             self.drafts.settle()
 
-    def _record_prompt_logits(self, s: Scheduled, sl: StepLogits | None) -> None:
-        """Record prompt logits/logprobs of this step's rows, skipping rows recorded before (a
-        preempted request recomputes its prompt, perhaps in other chunks)."""
-        seq = s.seq
-        if sl is None or sl.logits.shape[0] < s.num_new:
-            return
-        start = seq.num_computed
-        rows = min(s.num_new, len(seq.prompt_token_ids) - start)  # rows inside the prompt
-        if rows <= 0:
-            return  # decode rows (a speculative step's too)
-        if seq.want_prompt_logits:
-            first = max(0, len(seq.prompt_logits) - start)
-            seq.prompt_logits.extend(sl.logits[first:rows].cpu())
-        k = seq.params.prompt_logprobs
-        if k is None:
-            return
-        if not seq.prompt_logprobs:
-            seq.prompt_logprobs.append(None)  # the first prompt token has no logprob
-            seq.prompt_top_logprobs.append(None)
-        # Row i predicts prompt token start+i+1; entries so far cover tokens [0, len(prompt_logprobs)).
-        first = max(0, len(seq.prompt_logprobs) - start - 1)
-        targets = seq.prompt_token_ids[start + first + 1 : start + rows + 1]
-        if not targets:
-            return
-        logp = torch.log_softmax(sl.logits[first : first + len(targets)], dim=-1)
-        chosen = logp.gather(1, torch.tensor(targets, device=logp.device).unsqueeze(1)).squeeze(1)
-        seq.prompt_logprobs.extend(chosen.tolist())
-        seq.prompt_top_logprobs.extend(top_logprobs(logp, k))
-
     def _append(self, seq: Sequence, token: int, logprob: float, top: dict[int, float] | None) -> bool:
-        """Add a sampled token; returns True when the request finished (its blocks are then free)."""
-        p = seq.params
-        if seq.max_tokens == 0:
-            self.scheduler.finish(seq, "length", keep_blocks=seq.hold_kv)
-            return True
-        seq.output_token_ids.append(token)
-        seq.logprobs.append(logprob)
-        if top is not None:
-            seq.top_logprobs.append(top)
-        reason = None
-        if seq.grammar is not None:
-            if not seq.grammar.advance(token):  # never with its masks applied: a bug, but not the node's end
-                log.warning("request %s: token %d breaks its structured output (%s); stopping it",
-                            seq.request_id, token, seq.grammar.error)
-                reason = "stop"
-            elif seq.grammar.done:
-                reason = "stop"  # the grammar is complete: nothing may follow
-        n_out = len(seq.output_token_ids)
-        if reason is None and n_out >= p.min_tokens:
-            if token in (p.stop_token_ids or ()) or (not p.ignore_eos and token in seq.eos_token_ids):
-                reason = "stop"
-            elif p.stop_strings and self.tokenizer is not None and self._hit_stop_string(seq):
-                reason = "stop"
-        if reason is None and n_out >= seq.max_tokens:
-            reason = "length"
-        if reason is not None:
-            self.scheduler.finish(seq, reason, keep_blocks=seq.hold_kv)
-            return True
-        return False
-
-    def _hit_stop_string(self, seq: Sequence) -> bool:
-        assert self.tokenizer is not None
-        text = self.tokenizer.decode(seq.output_token_ids, seq.params.skip_special_tokens)
-        for stop in seq.params.stop_strings:
-            idx = text.find(stop)
-            if idx >= 0:
-                seq.text = text[:idx]
-                return True
-        return False
+        """Add a sampled token (``engine.outputs.append_token``); returns True when the request finished (its
+        blocks are then free, or held for ``release``)."""
+        reason = append_token(seq, token, logprob, top, self.tokenizer)
+        if reason is None:
+            return False
+        self.scheduler.finish(seq, reason, keep_blocks=seq.hold_kv)
+        return True
 
     def detokenize(self, seq: Sequence) -> str:
-        if self.tokenizer is None:
-            return ""
-        if seq.finish_reason == "stop" and seq.params.stop_strings and seq.text:
-            return seq.text
-        return self.tokenizer.decode(seq.output_token_ids, seq.params.skip_special_tokens)
+        return detokenize(seq, self.tokenizer)
 
 
 __all__ = ["EngineLoad", "HeldKV", "LLMEngine", "SeqStatus"]
