@@ -1,5 +1,5 @@
-"""Shared fixtures: tiny models made once per session, GPU tests skipped without CUDA, and the logs
-of the clusters a failed test ran against in its report."""
+"""Shared fixtures: tiny models made once per session, GPU tests skipped without CUDA, and in a failed test's
+report the logs of the clusters it ran against and the times the machine itself stalled meanwhile."""
 
 from __future__ import annotations
 
@@ -8,11 +8,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from host_stalls import HostStallWatch
 
 from pdctl.tiny_model import make_tiny_model
 
 CLUSTER_RUN_DIRS = pytest.StashKey[list[Path]]()
 LOG_TAIL_LINES = 40
+
+
+HOST_STALLS = HostStallWatch()
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -52,6 +56,9 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     report = outcome.get_result()
     if not report.failed:
         return
+    stalls = HOST_STALLS.during(call.start, call.stop)
+    if stalls:
+        report.sections.append(("host stalls (the VM's vCPUs did not run)", "\n".join(stalls)))
     for run_dir in item.config.stash.get(CLUSTER_RUN_DIRS, []):
         for log in sorted((run_dir / "logs").glob("*.log")):
             lines = log.read_text(errors="replace").splitlines()[-LOG_TAIL_LINES:]
