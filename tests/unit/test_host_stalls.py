@@ -15,6 +15,7 @@ def test_a_window_whose_cpu_time_never_ran_is_reported_where_it_overlaps(monkeyp
     frozen = HostStallWatch._ticks()
     monkeypatch.setattr(HostStallWatch, "_ticks", staticmethod(lambda: frozen))  # as a paused VM's counters
     time.sleep(1.0)
+    assert len(watch.during(t0, time.time())) == 1  # reported while still under way
     monkeypatch.undo()
     time.sleep(0.4)  # the stall ends at the next window that ran
     (stall,) = watch.during(t0, time.time())
