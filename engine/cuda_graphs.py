@@ -225,10 +225,12 @@ class DecodeGraphs:
         return self._logits[:b].clone()
 
     def run_rows(self, token_ids: list[int], positions: list[int], block_tables: list[list[int]],
-                 repeats: list[int], logit_rows: list[int], size: int | None = None) -> torch.Tensor:
+                 repeats: list[int], logit_rows: list[int], feed: Feed | None = None,
+                 size: int | None = None) -> torch.Tensor:
         """One step of token rows, request r's ``repeats[r]`` consecutive rows sharing its block table
-        ``block_tables[r]`` -> logits [len(logit_rows), V] fp32 of the rows listed (``size`` as for ``run``)."""
-        size = self._replay(token_ids, positions, block_tables, repeats, size=size)
+        ``block_tables[r]`` -> logits [len(logit_rows), V] fp32 of the rows listed (``feed`` and ``size`` as for
+        ``run``: a verify step's drafts may still be on the device)."""
+        size = self._replay(token_ids, positions, block_tables, repeats, feed, size)
         self.prefill_replays += 1
         rows = torch.tensor(logit_rows, dtype=torch.long).to(self.device, non_blocking=True)
         if size <= self.max_batch:

@@ -26,6 +26,7 @@ from engine.parallel.expert_parallel import ExpertGroup, ExpertShard, GatherRedu
 from engine.parallel.grid import ParallelConfig
 from engine.parallel.kv_layout import RankBlocks, kv_ownership
 from engine.scheduler import Scheduled
+from engine.speculative import DraftsInFlight
 from engine.weights import build_empty_model, init_random_weights, load_weights
 
 log = logging.getLogger(__name__)
@@ -152,6 +153,11 @@ class LocalExecutor:
         """Speculative decoding's drafts after the last step (``ModelRunner.draft``; under EP every member calls
         it after every step, rows or none)."""
         return self.runner.draft(next_ids, picks, extra, tables)
+
+    def draft_ahead(self, next_ids: list[int], picks: list[int], extra: list[int],
+                    tables: list[list[int]]) -> DraftsInFlight:
+        """``draft``'s drafts left on the device for the next step (``ModelRunner.draft_ahead``)."""
+        return self.runner.draft_ahead(next_ids, picks, extra, tables)
 
     def ownership(self, block_ids: list[int]) -> list[RankBlocks]:
         return kv_ownership(block_ids, ParallelConfig(), 0, self.num_layers, self.cache_layers - self.num_layers)

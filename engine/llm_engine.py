@@ -480,25 +480,45 @@ class LLMEngine:
         if self._next is None and self._next_rows(step) is not None:
             return finished  # the next launch_step runs on its samples, then this finishes
         newer, self._launched, self._next = self._next, self._next, None
-        finished += self._complete(step, newer)
-        if self.spec_ahead and self._launched is None:
+        ahead = self.spec_ahead and newer is None
+        finished += self._complete(step, newer, ahead)
+        if ahead:
             self._done = finished  # (should the launch fail, the next finish_step still returns them)
-            self._launch_ahead()
+            try:
+                self._launch_ahead()
+            finally:
+                self._land(step)
             self._done = []
         return finished
 
     def _launch_ahead(self) -> None:
         """Speculative decoding: the next step scheduled and launched now, right after the last one's drafts
-        (``spec_ahead``). Requests that arrive before the caller's next ``launch_step`` join the step after."""
+        (``spec_ahead``), which may still be on the device: its verify rows then read them there (``Drafts.feed``).
+        Requests that arrive before the caller's next ``launch_step`` join the step after."""
         scheduled = self.scheduler.schedule()
         if scheduled:  # nothing: the next launch_step schedules as ever (and says why none can run)
-            self._launched = self._launch(scheduled)
+            assert self.drafts is not None
+            self._launched = self._launch(scheduled, self.drafts.feed(scheduled))
             self._launched.ahead = True
             self.ahead_steps += 1
 
-    def _complete(self, step: _Launched, newer: _Launched | None) -> list[Sequence]:
+    def _land(self, step: _Launched) -> None:
+        """After ``_launch_ahead``: ``step``'s drafts, if still on the device, reach the host (and the step just
+        launched, its verify rows' tokens); then the blocks freed when ``step`` completed are given back (its MTP
+        passes wrote the rows of every request in it, those that finished too)."""
+        assert self.drafts is not None
+        if not self.drafts.in_flight:
+            return
+        self.drafts.land(self._launched.scheduled if self._launched is not None else [])
+        self.scheduler.release_deferred(step.id)
+        if self._launched is None:
+            self.scheduler.free_after = None
+
+    def _complete(self, step: _Launched, newer: _Launched | None, ahead: bool = False) -> list[Sequence]:
         """Wait for ``step``'s samples and apply them: tokens appended, stops checked, blocks cached
-        (blocks freed meanwhile wait for ``newer``, the step still in flight, if any)."""
+        (blocks freed meanwhile wait for ``newer``, the step still in flight, if any). ``ahead``: the next step
+        is launched before the drafts are taken (``finish_step``), so they may stay on the device (and the
+        blocks freed here with them, until ``_land``)."""
         self.scheduler.free_after = newer.id if newer is not None else (
             step.id if self.speculative is not None else None)
         logits = step.logits if step.logits is not None else self.executor.collect()
@@ -523,11 +543,13 @@ class LLMEngine:
                 finished.append(seq)
         if self.speculative is not None:
             finished += self._verify(step.scheduled, logits)
-            self._draft(step)
+            self._draft(step, ahead)
         for seq in finished:
             self._requests.pop(seq.request_id, None)
             if seq.hold_kv and seq.block_ids:
                 self.held[seq.request_id] = seq
+        if self.drafts is not None and self.drafts.in_flight:
+            return finished  # the blocks freed here wait for the drafts (``_land``)
         self.scheduler.release_deferred(step.id)
         if self.speculative is not None and newer is None:
             self.scheduler.free_after = None
@@ -539,13 +561,14 @@ class LLMEngine:
         with torch.profiler.record_function("spec.verify"):  # named in profiles (benchmarks/mtp_verify.py)
             return self.drafts.verify(scheduled, logits, self.generator, self._append)
 
-    def _draft(self, step: _Launched) -> None:
-        """Speculative decoding: the MTP layer over the step's rows, and the next drafts. In lockstep (EP) a
-        step without rows here still runs the layer's MoE collectives for the other members' rows."""
+    def _draft(self, step: _Launched, ahead: bool = False) -> None:
+        """Speculative decoding: the MTP layer over the step's rows, and the next drafts (``ahead``: they may stay
+        on the device, ``Drafts.draft``). In lockstep (EP) a step without rows here still runs the layer's MoE
+        collectives for the other members' rows."""
         assert self.drafts is not None
         with torch.profiler.record_function("spec.draft"):
             if step.scheduled or not self.lockstep:
-                self.drafts.draft(step.scheduled, step.starts)
+                self.drafts.draft(step.scheduled, step.starts, ahead)
             else:
                 self.drafts.idle()
 

@@ -15,6 +15,7 @@ from engine.mtp_graphs import MTPGraphs
 from engine.overlap import Feed
 from engine.parallel.expert_parallel import ExpertGroup, further_rows
 from engine.scheduler import Scheduled
+from engine.speculative import DraftsInFlight
 
 # A step with prefill rows replays a graph when its rows fit the largest captured size and its
 # prefill rows attend at most this many (row, key) pairs in all; 0 sends every step with a prefill
@@ -212,8 +213,6 @@ class ModelRunner:
             known = [q.token_at(q.num_computed) if q.num_computed < q.num_tokens - q.pending else 0 for q in seqs]
             return GraphRows(known, [q.num_computed for q in seqs], tables, None, [(0, 1)] * len(seqs),
                              list(range(len(seqs))))
-        if feed is not None:
-            return None  # fed rows replay only as a decode step
         rows = sum(s.num_new for s in scheduled)
         spans = [logits_span(s) for s in scheduled]
         if rows > graphs.max_rows or any(sp is not None and sp != (s.num_new - 1, 1) and not s.drafts
@@ -249,7 +248,7 @@ class ModelRunner:
             logits = graphs.run(step.ids, step.positions, step.tables, feed, size)
             self._keep_replayed(graphs, step.rows)
             return [StepLogits(0, logits[i : i + 1]) for i in range(step.rows)]
-        logits = graphs.run_rows(step.ids, step.positions, step.tables, step.repeats, step.logit_rows, size)
+        logits = graphs.run_rows(step.ids, step.positions, step.tables, step.repeats, step.logit_rows, feed, size)
         self._keep_replayed(graphs, step.rows)
         out: list[StepLogits | None] = []
         k = 0
@@ -289,6 +288,31 @@ class ModelRunner:
         if not picks and next_ids and self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
         return drafts
+
+    @torch.inference_mode()
+    def draft_ahead(self, next_ids: list[int], picks: list[int], extra: list[int],
+                    tables: list[list[int]]) -> DraftsInFlight:
+        """``draft``'s passes (with drafting requests: ``picks``), their drafts left on the device for a step
+        launched before they reach the host (``engine.speculative``: ``Drafts.feed``), and copied to the host
+        behind the passes alone. Eager passes bring them to the host as they go."""
+        last = self._last
+        mtp = self.mtp_graphs
+        if mtp is None or last is None or not mtp.fits(self._replayed, len(picks)):
+            known = self._draft(next_ids, picks, extra, tables)
+            width = max(len(d) for d in known)
+            padded = [d + [0] * (width - len(d)) for d in known]
+            return DraftsInFlight(torch.tensor(padded, dtype=torch.long, device=self.device),
+                                  [len(d) for d in known], known=known)
+        self._last = None
+        tokens = mtp.launch(self._replayed, next_ids, picks, extra, tables)
+        lengths = [1 + e for e in extra]
+        if tokens.device.type != "cuda":  # (the graphs' work run eagerly: tests on CPU)
+            return DraftsInFlight(tokens, lengths, known=[r[:n] for r, n in zip(tokens.tolist(), lengths)])
+        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+        host.copy_(tokens, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        return DraftsInFlight(tokens, lengths, host=host, ready=ready)
 
     def _draft(self, next_ids: list[int], picks: list[int], extra: list[int],
                tables: list[list[int]]) -> list[list[int]]:

@@ -15,7 +15,8 @@ saves what the passes then spend again. Here they replay as two graphs per step:
   drafts fewer tokens (``extra``) than a pass needs attends nothing in it and writes its KV into the spare
   block no request owns; its drafts past its own are dropped on the host.
 
-The drafts of every request come back in one copy to the host (the eager passes sync once per pass). Padding
+The drafts of every request come back in one copy to the host (the eager passes sync once per pass), or stay on
+the device (``launch``) for a step launched before they reach the host (``engine.speculative``). Padding
 rows (a step padded to its graph's size) are run and dropped as in the step's graph. Not under expert
 parallelism: there the group's passes have sizes that change every step and collectives in them
 (``ModelRunner.draft`` runs those eagerly).
@@ -129,6 +130,13 @@ class MTPGraphs:
             tables: list[list[int]]) -> list[list[int]]:
         """The passes after the replay of the graph of ``size`` rows whose first ``len(next_ids)`` rows are the
         step's (``ModelRunner.draft``'s arguments) -> each drafting request's drafts."""
+        out = self.launch(size, next_ids, picks, extra, tables).tolist()
+        return [row[: 1 + e] for row, e in zip(out, extra)]
+
+    def launch(self, size: int, next_ids: list[int], picks: list[int], extra: list[int],
+               tables: list[list[int]]) -> torch.Tensor:
+        """``run``'s passes queued on the device -> their drafts there, [picks, k] (row i: pick i's ``1 +
+        extra[i]``, then whatever), until the next passes overwrite them."""
         n, p = len(next_ids), len(picks)
         dev = self.steps.device
         self.next_ids[:n].copy_(torch.tensor(next_ids, dtype=torch.long), non_blocking=True)
@@ -147,8 +155,7 @@ class MTPGraphs:
             self.tables[:p, :width].copy_(table.to(dev, non_blocking=True))
         self._launch_drafts(padded)
         self.replays += 1
-        out = self.out[:p].tolist()
-        return [row[: 1 + e] for row, e in zip(out, extra)]
+        return self.out[:p]
 
     def _launch_first(self, size: int) -> None:
         """Replay the first pass's graph (tests on CPU run the captured work eagerly here and in

@@ -80,11 +80,17 @@ CUDA graphs: the verify rows replay from the graphs of token rows (``engine.cuda
 after such a replay from graphs of their own (``engine.mtp_graphs``; eager under EP). Greedy requests are verified
 in one batch (``_greedy_verdicts``: one argmax and one gather over all their rows, one copy to the host).
 
-Overlapped steps (``async_scheduling``, a GPU's default): a step's inputs are the last one's verified tokens and
-new drafts, known on the host only once both are, so the step cannot be launched on tokens still on the device
-(``engine.overlap``'s way). It is launched ahead instead: right after the drafts, before the caller (a decode
-node's loop) takes the finished requests and delivers the step's tokens, which then overlaps the GPU's next step
-(``LLMEngine.spec_ahead``; not in EP lockstep, where the members launch together).
+Overlapped steps (``async_scheduling``, a GPU's default): a step's rows are known on the host once the last
+step's tokens are verified (how many drafts were accepted decides its positions), so it cannot be launched
+before that (``engine.overlap``'s way). It is launched ahead instead: right after the verification, before the
+caller (a decode node's loop) takes the finished requests and delivers the step's tokens, which then overlaps
+the GPU's next step (``LLMEngine.spec_ahead``; not in EP lockstep, where the members launch together). Its
+drafts need not reach the host first: where no drafting request has a grammar (whose cut of the drafts would
+change the step's rows) the MTP passes leave them on the device (``ModelRunner.draft_ahead``, ``DraftsInFlight``),
+each request holds placeholders of their number, the step is scheduled and launched while the passes run, its
+verify rows reading the drafts where the passes wrote them (``Drafts.feed``, an ``engine.overlap.Feed``), and
+they land on the host after (``Drafts.land``: a wait for the passes alone), with the blocks freed meanwhile
+(``LLMEngine._land``). The GPU then runs the passes and the next step back to back.
 
 Not done: the grammar's mask, bias and penalties on the MTP layer's own choice (it takes its argmax over the
 whole vocabulary; the grammar then cuts a draft it forbids). Measured on the trained tiny model (docs/benchmarks.md,
@@ -103,6 +109,7 @@ from typing import Any, Protocol, cast
 import torch
 
 from engine.logits_processors import apply_bias_and_penalties
+from engine.overlap import Feed
 from engine.sampler import processed_probs, stop_ids, top_logprobs
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
@@ -240,6 +247,35 @@ class Drafter(Protocol):
               tables: list[list[int]]) -> list[list[int]]: ...
 
 
+@dataclass
+class DraftsInFlight:
+    """Drafts made on the device and on their way to the host (``ModelRunner.draft_ahead``): ``tokens`` [picks, k]
+    on the device, pick i's first ``lengths[i]`` in row i, which a step launched before they land reads there
+    (``Drafts.feed``). ``result`` gives them on the host: ``known`` where the passes already brought them (eager),
+    else once the copy into ``host`` (pinned) that ``ready`` marks is done, a wait for the passes alone, not for
+    the work queued after them."""
+
+    tokens: torch.Tensor
+    lengths: list[int]
+    known: list[list[int]] | None = None
+    host: torch.Tensor | None = None
+    ready: Any = None  # a torch.cuda.Event
+
+    def result(self) -> list[list[int]]:
+        if self.known is not None:
+            return self.known
+        assert self.host is not None and self.ready is not None
+        self.ready.synchronize()
+        return [row[:n] for row, n in zip(self.host.tolist(), self.lengths)]
+
+
+class AheadDrafter(Drafter, Protocol):
+    """An executor whose drafts can stay on the device while the next step is launched (``LocalExecutor``)."""
+
+    def draft_ahead(self, next_ids: list[int], picks: list[int], extra: list[int],
+                    tables: list[list[int]]) -> DraftsInFlight: ...
+
+
 class DeferredDrafter(Drafter, Protocol):
     """An executor whose drafts can be asked for and taken in two halves (``ReplicaExecutor``: the MTP layer of DP
     replicas stepping in lockstep on rank processes dispatches over all of them, so every replica's ranks must be
@@ -268,6 +304,7 @@ class Drafts:
         self.counts = SpecCounts()
         self.deferred = deferred
         self._asked: list[Sequence] | None = None  # deferred: the requests whose drafts are asked for
+        self._flight: tuple[list[Sequence], DraftsInFlight] | None = None  # ``draft(ahead=True)``'s, until ``land``
         scheduler.spare_blocks = 1  # (module docstring: prefix caching)
 
     def verify(self, scheduled: Sequence_[Rows], logits: Sequence_[RowLogits | None], generator: torch.Generator,
@@ -306,9 +343,12 @@ class Drafts:
                 self.scheduler.cache_computed(seq)
         return finished
 
-    def draft(self, scheduled: Sequence_[Rows], starts: list[int]) -> None:
+    def draft(self, scheduled: Sequence_[Rows], starts: list[int], ahead: bool = False) -> None:
         """The MTP layer over the step's rows (``starts``: each request's first row's position), and the next
-        drafts of the requests that decode on."""
+        drafts of the requests that decode on. ``ahead`` (the engine launches the next step before it takes the
+        drafts): where no drafting request has a grammar (which may cut its drafts, and so its next step's rows)
+        they stay on the device (``in_flight``) and each request holds placeholders of their number, for the
+        next step's verify rows (``feed``) until ``land``."""
         if not scheduled:
             return
         next_ids: list[int] = []
@@ -320,8 +360,8 @@ class Drafts:
             seq = s.seq
             seq.drafts = []
             known = len(seq.prompt_token_ids) + len(seq.output_token_ids)
-            ahead = seq.tokens(first + 1, min(first + 1 + s.num_new, known))  # the token after each row ...
-            next_ids += ahead + [0] * (s.num_new - len(ahead))  # ... unknown past the last: unused
+            after = seq.tokens(first + 1, min(first + 1 + s.num_new, known))  # the token after each row ...
+            next_ids += after + [0] * (s.num_new - len(after))  # ... unknown past the last: unused
             if seq.is_finished:  # a prefill node's held request: one draft, for the decode side (no blocks more)
                 budget = int(seq.hold_kv and bool(seq.block_ids) and seq.finish_reason == "length")
             else:
@@ -340,9 +380,53 @@ class Drafts:
             cast(DeferredDrafter, self.executor).launch_draft(next_ids, picks, extra, tables)
             self._asked = drafting
             return
+        if ahead and drafting and all(q.grammar is None for q in drafting):
+            flight = cast(AheadDrafter, self.executor).draft_ahead(next_ids, picks, extra, tables)
+            for seq, e in zip(drafting, extra):
+                seq.drafts = [0] * (1 + e)
+            self._flight = (drafting, flight)
+            return
         drafts = self.executor.draft(next_ids, picks, extra, tables)
         for seq, d in zip(drafting, drafts):
             seq.drafts = grammar_drafts(seq, d)  # (the blocks grown for any cut stay the request's, as ever)
+
+    @property
+    def in_flight(self) -> bool:
+        return self._flight is not None
+
+    def feed(self, scheduled: Sequence_[Rows]) -> Feed | None:
+        """The verify rows of ``scheduled`` (a step about to be launched) whose drafts are still on the device
+        (``draft(ahead=True)``), to be written there from the drafts' own tensor (None: no such rows)."""
+        if self._flight is None:
+            return None
+        drafting, flight = self._flight
+        where = {id(q): i for i, q in enumerate(drafting)}
+        k = flight.tokens.shape[1]
+        rows: list[int] = []
+        src: list[int] = []
+        row = 0
+        for s in scheduled:
+            i = where.get(id(s.seq))
+            if i is not None and s.drafts:  # a verify step's rows: the last token, then the drafts
+                rows += range(row + s.num_new - len(s.drafts), row + s.num_new)
+                src += range(i * k, i * k + len(s.drafts))
+            row += s.num_new
+        return Feed(flight.tokens.view(-1), rows, src) if rows else None
+
+    def land(self, scheduled: Sequence_[Rows]) -> None:
+        """The drafts in flight reach the host: each request's, and the verify rows of ``scheduled`` (the step
+        launched on them, if any) hold them in place of the placeholders."""
+        if self._flight is None:
+            return
+        drafting, flight = self._flight
+        self._flight = None
+        for seq, d in zip(drafting, flight.result(), strict=True):
+            if seq.drafts:  # (none: preempted while they flew, by the scheduling of the next step)
+                seq.drafts = d
+        landed = {id(q) for q in drafting}
+        for s in scheduled:
+            if s.drafts and id(s.seq) in landed:
+                s.drafts = s.seq.drafts[: len(s.drafts)]
 
     def idle(self) -> None:
         """A step without rows in lockstep (EP across DP replicas): the MTP layer's pass runs anyway, for the

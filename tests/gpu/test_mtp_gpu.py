@@ -98,7 +98,7 @@ def test_oracle_drafts_with_graphs(mtp_model: Path, runs: dict, wrong: bool) -> 
     with LLM(str(mtp_model), speculative_config=_spec(k), **KW) as llm:
         engine = llm.engine
 
-        def oracle(step: object) -> None:
+        def oracle(step: object, ahead: bool = False) -> None:
             for seq in engine.scheduler.running:
                 if seq.num_remaining != 1:
                     continue

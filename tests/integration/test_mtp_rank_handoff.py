@@ -213,8 +213,8 @@ def _record_drafts(engines: list[LLMEngine]) -> dict[tuple[int, ...], list[list[
         assert e.drafts is not None
         drafts, draft, settle = e.drafts, e.drafts.draft, e.drafts.settle
 
-        def record(scheduled: list, starts: list[int], draft: Callable = draft) -> None:
-            draft(scheduled, starts)
+        def record(scheduled: list, starts: list[int], ahead: bool = False, draft: Callable = draft) -> None:
+            draft(scheduled, starts, ahead)
             note([s.seq for s in scheduled])
 
         def record_settled(drafts: Drafts = drafts, settle: Callable = settle) -> None:
@@ -264,7 +264,7 @@ def test_requests_decoding_on_rank_processes_verify_drafts(
         future = {tuple(p): out for p, out in zip(prompts(), reference)}
 
         def oracle(engine: LLMEngine) -> Callable[[object], None]:
-            def draft(step: object) -> None:
+            def draft(step: object, ahead: bool = False) -> None:
                 for seq in engine.scheduler.running:
                     if seq.num_remaining == 1:
                         n = draft_budget(seq, k, engine.max_model_len)

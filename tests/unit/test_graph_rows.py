@@ -42,8 +42,8 @@ class EagerRows:
                              feed=feed)
 
     def run_rows(self, token_ids: list[int], positions: list[int], block_tables: list[list[int]],
-                 repeats: list[int], logit_rows: list[int], size: int | None = None,
-                 feed: Feed | None = None) -> torch.Tensor:
+                 repeats: list[int], logit_rows: list[int], feed: Feed | None = None,
+                 size: int | None = None) -> torch.Tensor:
         # (``size``, the graph to pad to under expert parallelism: rows are run as they are here)
         host, table = row_inputs(token_ids, positions, block_tables, repeats, self.block_size)
         t = torch.from_numpy(host)

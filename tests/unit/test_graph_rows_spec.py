@@ -7,6 +7,7 @@ CUDA. tests/unit/test_graph_rows.py checks plain steps as rows with a stand-in o
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -83,22 +84,29 @@ def reference(mtp_model: Path) -> list:
         return llm.generate(prompts(), GREEDY)
 
 
-@pytest.mark.parametrize("k", [0, 1, 3])
-def test_steps_as_graph_rows_equal_eager_steps(mtp_model: Path, reference: list, k: int) -> None:
+@pytest.mark.parametrize("k,ahead", [(0, False), (1, False), (3, False), (1, True), (3, True)],
+                         ids=["k0", "k1", "k3", "k1-ahead", "k3-ahead"])
+def test_steps_as_graph_rows_equal_eager_steps(mtp_model: Path, reference: list, k: int, ahead: bool) -> None:
     """Greedy tokens and logprobs through the graph rows (k = 0: plain decoding; k > 0: MTP drafts verified
     as graph rows, the MTP passes as their graphs' work on the replay's buffers) equal the eager engine's
-    without drafts."""
+    without drafts. ``ahead`` (``async_scheduling``, a GPU's default): each step is launched before its drafts
+    reach the host, its verify rows fed them from the passes' own buffer."""
     spec = {"speculative_config": json.dumps({"method": "mtp", "num_speculative_tokens": k})} if k else {}
-    with LLM(str(mtp_model), **KW, **spec) as llm:
+    with LLM(str(mtp_model), **KW, **spec, async_scheduling=ahead) as llm:
         rows, mtp = graph_path(llm, mtp=k > 0)
-        made = llm.engine.executor.draft
+        ex = llm.engine.executor
         calls = []  # the steps that drafted
+        fed = []  # the steps launched on drafts still on the device
 
-        def count(*args: list, made: object = made) -> list[list[int]]:
+        def count(*args: list, made: object) -> object:
             calls.append(bool(args[1]))
             return made(*args)  # type: ignore[operator]
 
-        llm.engine.executor.draft = count  # type: ignore[method-assign]
+        ex.draft = functools.partial(count, made=ex.draft)  # type: ignore[method-assign]
+        ex.draft_ahead = functools.partial(count, made=ex.draft_ahead)  # type: ignore[method-assign]
+        if k:
+            feed = llm.engine.drafts.feed
+            llm.engine.drafts.feed = lambda s: fed.append(feed(s)) or fed[-1]  # type: ignore[method-assign]
         outs = llm.generate(prompts(), GREEDY)
         assert [o.token_ids for o in outs] == [r.token_ids for r in reference]
         for o, r in zip(outs, reference):
@@ -109,7 +117,8 @@ def test_steps_as_graph_rows_equal_eager_steps(mtp_model: Path, reference: list,
             assert c.steps > 0 and c.draft_tokens > 0
             assert rows.prefill_replays > rows.replays // 2  # the verify steps too, not run eagerly
             assert mtp is not None and mtp.replays == sum(calls) > 10  # every step's passes by their graphs
-        assert llm.engine.num_used_blocks == 0
+        assert (sum(f is not None for f in fed) > 10) == ahead and (llm.engine.ahead_steps > 10) == ahead
+        assert llm.engine.num_used_blocks == 0 and llm.engine.scheduler.num_deferred == 0
 
 
 @pytest.mark.parametrize("k,sizes", [(1, None), (3, None), (3, [1, 2, 4, 8, 16, 32, 64])],
@@ -156,7 +165,7 @@ def test_right_drafts_verified_as_graph_rows_are_all_accepted(mtp_model: Path, r
         rows = EagerRows(llm, max_rows=64)
         engine.executor.runner.graphs = rows
 
-        def oracle(step: object) -> None:
+        def oracle(step: object, ahead: bool = False) -> None:
             for seq in engine.scheduler.running:
                 if seq.num_remaining == 1:
                     done = len(seq.output_token_ids)

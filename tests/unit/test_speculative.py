@@ -75,8 +75,8 @@ def test_every_first_draft_is_the_plain_mtp_references_prediction(mtp_model: Pat
         engine = llm.engine
         draft = engine._draft
 
-        def recording(step: object) -> None:
-            draft(step)
+        def recording(step: object, ahead: bool = False) -> None:
+            draft(step, ahead)
             for seq in engine.scheduler.running:
                 if seq.drafts:
                     made.setdefault(tuple(seq.prompt_token_ids), []).append((seq.num_computed - 1, seq.drafts[0]))
@@ -103,7 +103,7 @@ class Oracle:
     def __init__(self, engine: LLMEngine, reference: dict[tuple[int, ...], list[int]], k: int, wrong: bool) -> None:
         self.engine, self.reference, self.k, self.wrong = engine, reference, k, wrong
 
-    def __call__(self, step: object) -> None:
+    def __call__(self, step: object, ahead: bool = False) -> None:
         for seq in self.engine.scheduler.running:
             if seq.num_remaining != 1:
                 continue
@@ -216,15 +216,26 @@ def _disaggregated(mtp_model: Path, prefill_spec: bool, decode_spec: bool,
                     async_scheduling=ahead, **KW)
         p_eng, d_eng = p_llm.engine, d_llm.engine
         if record is not None:
-            draft = d_eng._draft
+            draft, land = d_eng._draft, d_eng._land
 
-            def recording(step: object) -> None:
-                draft(step)
+            def note() -> None:
                 for q in d_eng.scheduler.running:
                     if q.drafts:
                         record.append((tuple(q.prompt_token_ids), q.num_computed - 1, q.drafts[0]))
 
+            def recording(step: object, ahead: bool = False) -> None:
+                draft(step, ahead)
+                if not (d_eng.drafts and d_eng.drafts.in_flight):  # else once they land (the next step launched)
+                    note()
+
+            def landing(step: object) -> None:
+                flying = d_eng.drafts is not None and d_eng.drafts.in_flight
+                land(step)
+                if flying:
+                    note()
+
             d_eng._draft = recording  # type: ignore[method-assign]
+            d_eng._land = landing  # type: ignore[method-assign]
         layers = sorted(set(p_eng.cache_layers) & set(d_eng.cache_layers))
         seqs = []
         for i, prompt in enumerate(prompts()):
@@ -335,8 +346,8 @@ def test_a_recomputed_request_keeps_its_first_token_reuses_cached_blocks_and_fre
         made: list[tuple[int, int]] = []
         draft = engine._draft
 
-        def recording(step: object) -> None:
-            draft(step)
+        def recording(step: object, ahead: bool = False) -> None:
+            draft(step, ahead)
             made.extend((q.num_computed - 1, q.drafts[0]) for q in engine.scheduler.running
                         if q.request_id == "b" and q.drafts)
 
@@ -436,3 +447,48 @@ def test_rejection_sampling_keeps_the_targets_distribution(trained: Path, penalt
         if len(table[0]) < 2:
             continue  # one outcome only: nothing to compare
         assert chi2_contingency(table).pvalue > 1e-3, (name, table)
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graph-rows"])
+def test_drafts_fed_from_the_device_to_a_step_launched_ahead_are_the_right_ones(
+        mtp_model: Path, reference: list[list[int]], graphs: bool) -> None:
+    """Steps launched ahead (``async_scheduling``) on drafts still on the device: each verify row reads its own
+    draft from where the MTP passes left them (``Drafts.feed``). The drafts in flight are made the greedy
+    continuation's (written over the passes' output, as the passes would have made them), so every one is
+    accepted and its row's KV kept: the outputs equal decoding without drafts, eagerly and through the graph path's
+    buffers (test_graph_rows_spec.py's stand-ins: the passes' output buffer itself), every draft accepted, and
+    nothing left deferred. A row fed another draft of its request, or none, breaks both."""
+    from test_graph_rows_spec import KW as ROWS_KW
+    from test_graph_rows_spec import graph_path
+
+    k = 3
+    future = {tuple(p): r for p, r in zip(prompts(), reference)}
+    with LLM(str(mtp_model), speculative_config=spec(k), async_scheduling=True,
+             **(dict(ROWS_KW, max_model_len=512) if graphs else KW)) as llm:
+        engine = llm.engine
+        if graphs:
+            graph_path(llm, mtp=True)
+        drafts = engine.drafts
+        assert drafts is not None
+        draft, fed = drafts.draft, []
+
+        def right(scheduled: list, starts: list[int], ahead: bool = False) -> None:
+            draft(scheduled, starts, ahead)
+            if drafts._flight is None:
+                return
+            seqs, flight = drafts._flight
+            fed.append(flight)
+            for i, q in enumerate(seqs):
+                done = len(q.output_token_ids)
+                good = future[tuple(q.prompt_token_ids)][done : done + flight.lengths[i]]
+                with torch.inference_mode():
+                    flight.tokens[i, : len(good)] = torch.tensor(good)
+                if flight.known is not None:
+                    flight.known[i] = good
+
+        drafts.draft = right  # type: ignore[method-assign]
+        outs = [o.token_ids for o in llm.generate(prompts(), GREEDY)]
+        c = engine.spec_counts
+        assert len(fed) > 4 and c.accepted_tokens == c.draft_tokens and c.mean_accepted_length > 3
+        assert engine.num_used_blocks == 0 and engine.scheduler.num_deferred == 0
+    assert outs == reference

@@ -96,8 +96,8 @@ def record_drafting(engine: LLMEngine) -> set[str]:
     drafted: set[str] = set()
     draft = engine._draft
 
-    def recording(step: object) -> None:
-        draft(step)  # type: ignore[arg-type]
+    def recording(step: object, ahead: bool = False) -> None:
+        draft(step, ahead)  # type: ignore[arg-type]
         drafted.update(q.request_id for q in engine.scheduler.running if q.drafts)
 
     engine._draft = recording  # type: ignore[method-assign]
