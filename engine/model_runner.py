@@ -306,12 +306,13 @@ class ModelRunner:
         self._last = None
         tokens = mtp.launch(self._replayed, next_ids, picks, extra, tables)
         lengths = [1 + e for e in extra]
-        if tokens.device.type != "cuda":  # (the graphs' work run eagerly: tests on CPU)
-            return DraftsInFlight(tokens, lengths, known=[r[:n] for r, n in zip(tokens.tolist(), lengths)])
-        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-        host.copy_(tokens, non_blocking=True)
-        ready = torch.cuda.Event()
-        ready.record()
+        if tokens.device.type != "cuda":  # (the graphs' work run eagerly: tests on CPU; read when they land)
+            return DraftsInFlight(tokens, lengths)
+        with torch.cuda.device(tokens.device):  # (an engine thread's device need not be the current one)
+            host = mtp.out_host[: len(picks)]
+            host.copy_(tokens, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(tokens.device))
         return DraftsInFlight(tokens, lengths, host=host, ready=ready)
 
     def _draft(self, next_ids: list[int], picks: list[int], extra: list[int],

@@ -56,6 +56,8 @@ class MTPGraphs:
         self.extra = torch.zeros(p, dtype=torch.long, device=dev)  # ... and its drafts after the first
         self.tables = torch.zeros(p, graphs.width, dtype=torch.long, device=dev)  # ... and its block table
         self.out = torch.zeros(p, k, dtype=torch.long, device=dev)  # the drafts
+        # ... and where they reach the host when a step is launched before they do (``ModelRunner.draft_ahead``)
+        self.out_host = torch.zeros(p, k, dtype=torch.long, pin_memory=dev.type == "cuda")
         self._first: dict[int, torch.cuda.CUDAGraph] = {}
         self._drafts: dict[int, torch.cuda.CUDAGraph] = {}
         self.first_sizes: list[int] = []

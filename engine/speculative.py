@@ -253,7 +253,7 @@ class DraftsInFlight:
     on the device, pick i's first ``lengths[i]`` in row i, which a step launched before they land reads there
     (``Drafts.feed``). ``result`` gives them on the host: ``known`` where the passes already brought them (eager),
     else once the copy into ``host`` (pinned) that ``ready`` marks is done, a wait for the passes alone, not for
-    the work queued after them."""
+    the work queued after them (without either: ``tokens`` read then, on a CPU)."""
 
     tokens: torch.Tensor
     lengths: list[int]
@@ -264,9 +264,10 @@ class DraftsInFlight:
     def result(self) -> list[list[int]]:
         if self.known is not None:
             return self.known
-        assert self.host is not None and self.ready is not None
-        self.ready.synchronize()
-        return [row[:n] for row, n in zip(self.host.tolist(), self.lengths)]
+        if self.ready is not None:
+            self.ready.synchronize()
+        rows = (self.host if self.host is not None else self.tokens).tolist()
+        return [row[:n] for row, n in zip(rows, self.lengths)]
 
 
 class AheadDrafter(Drafter, Protocol):

@@ -466,8 +466,7 @@ def test_drafts_fed_from_the_device_to_a_step_launched_ahead_are_the_right_ones(
     with LLM(str(mtp_model), speculative_config=spec(k), async_scheduling=True,
              **(dict(ROWS_KW, max_model_len=512) if graphs else KW)) as llm:
         engine = llm.engine
-        if graphs:
-            graph_path(llm, mtp=True)
+        passes = graph_path(llm, mtp=True)[1] if graphs else None
         drafts = engine.drafts
         assert drafts is not None
         draft, fed = drafts.draft, []
@@ -481,14 +480,16 @@ def test_drafts_fed_from_the_device_to_a_step_launched_ahead_are_the_right_ones(
             for i, q in enumerate(seqs):
                 done = len(q.output_token_ids)
                 good = future[tuple(q.prompt_token_ids)][done : done + flight.lengths[i]]
-                with torch.inference_mode():
+                with torch.inference_mode():  # (the graph path lands what is there then: written once)
                     flight.tokens[i, : len(good)] = torch.tensor(good)
-                if flight.known is not None:
+                if flight.known is not None:  # (eager passes brought their drafts to the host as they went)
                     flight.known[i] = good
 
         drafts.draft = right  # type: ignore[method-assign]
         outs = [o.token_ids for o in llm.generate(prompts(), GREEDY)]
         c = engine.spec_counts
         assert len(fed) > 4 and c.accepted_tokens == c.draft_tokens and c.mean_accepted_length > 3
+        assert all((f.known is None) == graphs for f in fed)  # the graph path's drafts landed from its buffer
+        assert passes is None or passes.replays >= len(fed)
         assert engine.num_used_blocks == 0 and engine.scheduler.num_deferred == 0
     assert outs == reference
