@@ -24,6 +24,7 @@ Reported at DeepSeek's published 85% and at ``--acceptance`` (e.g. the trained t
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import tempfile
@@ -35,18 +36,22 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine import LLM, SamplingParams  # noqa: E402
+from engine.engine_config import EngineConfig  # noqa: E402
 from pdctl.model_presets import PRESETS, preset_config  # noqa: E402
 from pdctl.tiny_model import make_tiny_model, write_config_only  # noqa: E402
 
 DEEPSEEK_ACCEPTANCE = 0.85  # DeepSeek-V3's report: 85-90% of second tokens accepted
+# The engine's default, as a node runs: the step graphs up to it compute their rows' logits in the graph (an
+# engine of max_num_seqs = 1 computes a 2-row verify step's logits eagerly after the replay).
+MAX_NUM_SEQS = EngineConfig.max_num_seqs
 
 
 def step_time(model: Path, device: str, batch: int, prompt_len: int, steps: int, k: int, eager: bool,
-              dummy: bool, profile: bool = False, pass_graphs: bool = True) -> float:
+              dummy: bool, profile: bool = False, pass_graphs: bool = True, max_num_seqs: int = MAX_NUM_SEQS) -> float:
     """Seconds per engine step with ``batch`` requests decoding (k drafts each when k > 0; ``pass_graphs`` off:
-    the MTP passes run eagerly after a replayed step)."""
+    the MTP passes run eagerly after a replayed step) on an engine of ``max_num_seqs`` (at least ``batch``)."""
     kw: dict = dict(dtype="bfloat16" if device != "cpu" else "float32", device=device,
-                    max_model_len=prompt_len + steps * (k + 1) + 64, max_num_seqs=max(batch, 1),
+                    max_model_len=prompt_len + steps * (k + 1) + 64, max_num_seqs=max(batch, max_num_seqs),
                     max_num_batched_tokens=max(2048, prompt_len), enforce_eager=eager)
     if dummy:
         kw["load_format"] = "dummy"
@@ -112,6 +117,8 @@ def main() -> None:
     ap.add_argument("--eager-passes", action="store_true",
                     help="also the speculative step with graphs but its MTP passes run eagerly")
     ap.add_argument("--profile", action="store_true", help="print torch.profiler tables of speculative steps")
+    ap.add_argument("--max-num-seqs", type=int, default=MAX_NUM_SEQS,
+                    help="the engine's max_num_seqs (at least the batch; before 2026-12-06 the batch itself)")
     ap.add_argument("--acceptance", type=float, default=0.972,
                     help="another acceptance rate to project at (default: the trained tiny model's at k=1)")
     a = ap.parse_args()
@@ -127,15 +134,14 @@ def main() -> None:
         model = make_tiny_model(tmp / "tiny", arch="v3", seed=0, mtp_layers=1)
     rows = []
     for batch in a.batch:
-        base = step_time(model, a.device, batch, a.prompt_len, a.steps, 0, eager=False, dummy=dummy)
-        eager = step_time(model, a.device, batch, a.prompt_len, a.steps, 0, eager=True, dummy=dummy) if a.eager else 0.0
+        run = functools.partial(step_time, model, a.device, batch, a.prompt_len, a.steps, dummy=dummy,
+                                max_num_seqs=a.max_num_seqs)
+        base = run(0, eager=False)
+        eager = run(0, eager=True) if a.eager else 0.0
         for k in a.k:
-            spec = step_time(model, a.device, batch, a.prompt_len, a.steps, k, eager=False, dummy=dummy,
-                             profile=a.profile)
-            passes = (step_time(model, a.device, batch, a.prompt_len, a.steps, k, eager=False, dummy=dummy,
-                                pass_graphs=False) if a.eager_passes else 0.0)
-            spec_eager = (step_time(model, a.device, batch, a.prompt_len, a.steps, k, eager=True, dummy=dummy)
-                          if a.eager else 0.0)
+            spec = run(k, eager=False, profile=a.profile)
+            passes = run(k, eager=False, pass_graphs=False) if a.eager_passes else 0.0
+            spec_eager = run(k, eager=True) if a.eager else 0.0
             row = {"batch": batch, "k": k, "decode_step_ms": round(base * 1e3, 3),
                    "eager_decode_step_ms": round(eager * 1e3, 3) or None, "spec_step_ms": round(spec * 1e3, 3),
                    "eager_spec_step_ms": round(spec_eager * 1e3, 3) or None,
@@ -150,7 +156,8 @@ def main() -> None:
                   f"acceptance (a projection)")
     print(json.dumps({"benchmark": "mtp_verify", "model": a.preset or str(model), "device": a.device,
                       "gpu": torch.cuda.get_device_name() if a.device != "cpu" and torch.cuda.is_available() else None,
-                      "prompt_len": a.prompt_len, "steps": a.steps, "rows": rows}))
+                      "prompt_len": a.prompt_len, "steps": a.steps, "max_num_seqs": a.max_num_seqs,
+                      "rows": rows}))
 
 
 if __name__ == "__main__":
