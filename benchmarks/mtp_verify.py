@@ -118,7 +118,7 @@ def main() -> None:
                     help="also the speculative step with graphs but its MTP passes run eagerly")
     ap.add_argument("--profile", action="store_true", help="print torch.profiler tables of speculative steps")
     ap.add_argument("--max-num-seqs", type=int, default=MAX_NUM_SEQS,
-                    help="the engine's max_num_seqs (at least the batch; figures taken before this option had the batch)")
+                    help="the engine's max_num_seqs (at least the batch; earlier figures had the batch)")
     ap.add_argument("--acceptance", type=float, default=0.972,
                     help="another acceptance rate to project at (default: the trained tiny model's at k=1)")
     a = ap.parse_args()
