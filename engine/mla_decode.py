@@ -71,6 +71,11 @@ FP8_DOTS_CODE = {"dequant": 0, "fp16": 1}
 # whose 8-bit layout changes go byte by byte); None: "ptx", "bits" when interpreted.
 FP8_CONVERT: str | None = None
 FP8_CONVERT_CODE = {"compiler": 0, "bits": 1, "ptx": 2}
+# With the "ptx" conversion, pass each converted tile through an opaque 16-bit identity before the dots: Triton
+# traces a dot operand back to its loads and, finding 8-bit ones, gives the dot kWidth 4 (operands read by plain
+# ld.shared, the tile stored twice: the shared-memory bound Nsight Compute showed); behind the identity the
+# operand is a 16-bit value as a bf16 row's is (kWidth 2, ldmatrix). scripts/mla_decode_ir.py shows both.
+OPAQUE_TILES = True
 
 
 def _config(num_heads: int) -> tuple[int, int, int]:
@@ -153,10 +158,16 @@ if HAS_TRITON:
         return v
 
     @triton.jit
+    def _opaque16(v):
+        """``v`` (16-bit values) unchanged, through inline PTX the compiler cannot see into (OPAQUE_TILES)."""
+        return tl.inline_asm_elementwise("mov.b16 $0, $1;", "=h,h", [v], dtype=v.dtype, is_pure=False, pack=1)
+
+    @triton.jit
     def _decode_tile(raw_c, raw_pe, raw_sc, kv_scale, dt: tl.constexpr, BL: tl.constexpr, BR: tl.constexpr,
-                     BN: tl.constexpr, FMT: tl.constexpr, ODT: tl.constexpr, CVT: tl.constexpr):
+                     BN: tl.constexpr, FMT: tl.constexpr, ODT: tl.constexpr, CVT: tl.constexpr,
+                     OPQ: tl.constexpr):
         """A stored tile as the dots' operands in ``dt`` (see the split kernel's FMT / ODT); ``kv_scale``: the
-        fp8 format's scale, already over _e4m3_tile's gain."""
+        fp8 format's scale, already over _e4m3_tile's gain. OPQ: through _opaque16 (OPAQUE_TILES)."""
         if FMT == 0:
             kv_c = raw_c
             k_pe = raw_pe
@@ -171,6 +182,9 @@ if HAS_TRITON:
         else:
             kv_c = (_e4m3_tile(raw_c, BN, BL, CVT).to(tl.float32) * kv_scale).to(dt)
             k_pe = (_e4m3_tile(raw_pe, BN, BR, CVT).to(tl.float32) * kv_scale).to(dt)
+        if OPQ:
+            kv_c = _opaque16(kv_c)
+            k_pe = _opaque16(k_pe)
         return kv_c, k_pe
 
     @triton.jit
@@ -181,7 +195,7 @@ if HAS_TRITON:
         L: tl.constexpr, R: tl.constexpr, BL: tl.constexpr, BR: tl.constexpr, PAGE: tl.constexpr,
         BH: tl.constexpr, BN: tl.constexpr, SPLITS: tl.constexpr, WS: tl.constexpr, HAS_LSE: tl.constexpr,
         PREC: tl.constexpr, G: tl.constexpr, MODE: tl.constexpr, FMT: tl.constexpr,
-        ODT: tl.constexpr, CVT: tl.constexpr,
+        ODT: tl.constexpr, CVT: tl.constexpr, OPQ: tl.constexpr,
     ):
         # Program (head group, split, group of G rows): its G * BH queries are rows r0..r0+G-1 x BH heads.
         # MODE 0: every row (G = 1); 1: the rows GROUPED does not flag (G = 1); 2: the groups it flags,
@@ -245,7 +259,7 @@ if HAS_TRITON:
         for n0 in range(start, end, BN):
             blk = _tile_blocks(BT, r0, s_bt_b, n0, end, BN, PAGE)
             raw_c, raw_pe, raw_sc = _load_tile(KV, blk, n0, end, s_kv_blk, s_kv_tok, L, R, BL, BR, BN, PAGE, FMT, CVT)
-            kv_c, k_pe = _decode_tile(raw_c, raw_pe, raw_sc, kv_scale, dt, BL, BR, BN, FMT, ODT, CVT)
+            kv_c, k_pe = _decode_tile(raw_c, raw_pe, raw_sc, kv_scale, dt, BL, BR, BN, FMT, ODT, CVT, OPQ)
             offs_n = n0 + tl.arange(0, BN)  # [BN] token positions in the rows' context
             s = tl.dot(q_lat, tl.trans(kv_c), input_precision=PREC)  # [GBH, BN] fp32
             s = tl.dot(q_pe, tl.trans(k_pe), acc=s, input_precision=PREC)
@@ -444,7 +458,7 @@ def mla_decode(
     odt = FP8_DOTS_CODE[FP8_DOTS] if fmt == 1 and q_lat.element_size() == 2 else 0
     cvt = FP8_CONVERT_CODE[FP8_CONVERT or ("bits" if os.environ.get("TRITON_INTERPRET") == "1" else "ptx")]
     common = dict(L=lat, R=rope, BL=bl, BR=br, PAGE=page, BH=bh, WS=ws, HAS_LSE=lse is not None, PREC=prec,
-                  FMT=fmt, ODT=odt, CVT=cvt if fmt else 0)
+                  FMT=fmt, ODT=odt, CVT=cvt if fmt else 0, OPQ=bool(fmt and cvt == 2 and OPAQUE_TILES))
     _mla_decode_split[(triton.cdiv(h, bh), num_splits, b)](
         *args, **common, BN=BLOCK_N, SPLITS=num_splits, G=1, MODE=0 if grouped is None else 1,
         num_warps=warps, num_stages=stages)

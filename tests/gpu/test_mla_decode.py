@@ -236,10 +236,12 @@ def test_fp8_caches_match_reference(config: tuple) -> None:
         print(line)
 
 
-@pytest.mark.parametrize("convert", ["compiler", "bits", "ptx"])
+@pytest.mark.parametrize("convert", ["compiler", "bits", "ptx", "ptx-plain"])
 def test_fp8_conversions_match_reference(convert: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Each way the kernel turns e4m3 rows into fp16 (mla_decode.FP8_CONVERT; "ptx" the default on GPUs)."""
-    monkeypatch.setattr(mla_decode_module, "FP8_CONVERT", convert)
+    """Each way the kernel turns e4m3 rows into fp16 (mla_decode.FP8_CONVERT; "ptx" the default on GPUs);
+    "ptx-plain": without the opaque identity (mla_decode.OPAQUE_TILES) that "ptx" passes its tiles through."""
+    monkeypatch.setattr(mla_decode_module, "FP8_CONVERT", convert.removesuffix("-plain"))
+    monkeypatch.setattr(mla_decode_module, "OPAQUE_TILES", not convert.endswith("-plain"))
     for line in run_quantized("cuda", torch.bfloat16, [GPU_CONFIGS[1]]):
         print(convert, line)
 
