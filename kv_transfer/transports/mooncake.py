@@ -33,6 +33,8 @@ _PENDING, _DONE = 1, 0
 MAX_BATCH = 512
 MAX_IN_FLIGHT = 1024
 RETRIES = 2  # further submissions of a failed batch
+START_RETRIES = 2  # further submissions of a batch the engine could not start
+START_PAUSE_S = 0.2  # before the first of them; doubled for each next one
 
 log = logging.getLogger("pdcluster.transfer")
 
@@ -79,13 +81,23 @@ class MooncakeTransport(Transport):
         pending: dict[int, tuple[str, list[Segment], int]] = {}  # batch id -> (peer, segments, retries so far)
         in_flight = 0
         pause = 5e-5
+        starts = 0  # batches the engine could not start, so far
         while todo or pending:
             while todo and in_flight + len(todo[0][1]) <= MAX_IN_FLIGHT:  # a part is at most MAX_BATCH
                 peer, part, tries = todo.pop(0)
                 batch = submit(peer, [s.local_addr for s in part], [s.remote_addr for s in part],
                                [s.nbytes for s in part])
-                if not batch:
-                    raise TransferError("peer_gone", f"could not start a batch with {peer}")
+                while not batch:
+                    wait = START_PAUSE_S * 2**starts
+                    if starts >= START_RETRIES or time.monotonic() + wait >= deadline:
+                        raise TransferError("peer_gone", f"could not start a batch with {peer} "
+                                                         f"({starts + 1} attempts)")
+                    starts += 1
+                    log.warning("could not start a batch with %s (its handshake failed?); trying again in %.1f s",
+                                peer, wait)
+                    time.sleep(wait)
+                    batch = submit(peer, [s.local_addr for s in part], [s.remote_addr for s in part],
+                                   [s.nbytes for s in part])
                 pending[batch] = (peer, part, tries)
                 in_flight += len(part)
             for batch, (peer, part, tries) in list(pending.items()):

@@ -74,3 +74,46 @@ def test_a_batch_still_pending_at_the_deadline_is_a_timeout() -> None:
     with pytest.raises(TransferError) as e:
         t.read("peer:1", SEGMENTS, timeout_s=0.2)
     assert e.value.cause == "timeout"
+
+
+class UnstartableEngine(ScriptedEngine):
+    """Cannot start its first ``refusals`` batches (submit returns 0, as when the handshake fails)."""
+
+    def __init__(self, refusals: int) -> None:
+        super().__init__([])
+        self.refusals = refusals
+
+    def batch_transfer_async_read(self, peer: str, local: list[int], remote: list[int], sizes: list[int]) -> int:
+        if self.refusals:
+            self.refusals -= 1
+            self.submitted.append((peer, 0))
+            return 0
+        return super().batch_transfer_async_read(peer, local, remote, sizes)
+
+
+def test_a_batch_that_could_not_start_is_tried_again(monkeypatch: pytest.MonkeyPatch,
+                                                      caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setattr(mooncake, "START_PAUSE_S", 0.01)
+    t = transport([])
+    t._engine = UnstartableEngine(mooncake.START_RETRIES)  # the last allowed attempt starts it
+    t.read("peer:1", SEGMENTS, timeout_s=5)
+    assert t._engine.submitted[-1] == ("peer:1", 3) and len(t._engine.submitted) == mooncake.START_RETRIES + 1
+    assert "could not start a batch with peer:1" in caplog.text
+
+
+def test_a_peer_that_never_starts_a_batch_is_gone_after_the_retries(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(mooncake, "START_PAUSE_S", 0.01)
+    t = transport([])
+    t._engine = UnstartableEngine(100)
+    with pytest.raises(TransferError) as e:
+        t.read("peer:1", SEGMENTS, timeout_s=5)
+    assert e.value.cause == "peer_gone" and f"{mooncake.START_RETRIES + 1} attempts" in str(e.value)
+    assert len(t._engine.submitted) == mooncake.START_RETRIES + 1
+
+
+def test_no_start_retry_past_the_timeout() -> None:
+    t = transport([])
+    t._engine = UnstartableEngine(100)
+    with pytest.raises(TransferError) as e:
+        t.read("peer:1", SEGMENTS, timeout_s=0.1)  # shorter than the first pause (START_PAUSE_S)
+    assert e.value.cause == "peer_gone" and len(t._engine.submitted) == 1
