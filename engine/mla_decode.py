@@ -54,6 +54,7 @@ BLOCK_H: int | None = None  # heads per program (>= 16: tl.dot's M); each cache 
 BLOCK_N = 32  # tokens per tile
 MIN_SPLIT_TOKENS = 64  # a split of the longest possible context covers at least this many tokens
 MAX_SPLITS = 128
+WAVE: int | None = None  # programs an SM the splits aim at (None: 2 with 16 heads a program, else 1)
 NUM_WARPS: int | None = None
 NUM_STAGES: int | None = None
 # The grouped launch (one request's rows, G of them a program: G x heads = 64 queries a tile).
@@ -348,7 +349,8 @@ def choose_num_splits(batch: int, num_heads: int, max_context: int, device: torc
     (``max_context``, e.g. block-table width x block size) at least MIN_SPLIT_TOKENS long. A power of two,
     so few kernel variants are compiled."""
     bh = _config(num_heads)[0]
-    return _wave_splits(max(batch, 1) * math.ceil(num_heads / bh), 2 if bh <= 16 else 1, max_context, device)
+    per_sm = WAVE or (2 if bh <= 16 else 1)
+    return _wave_splits(max(batch, 1) * math.ceil(num_heads / bh), per_sm, max_context, device)
 
 
 def _wave_splits(programs: int, per_sm: int, max_context: int, device: torch.device) -> int:
