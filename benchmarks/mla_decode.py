@@ -125,8 +125,8 @@ def measure(case: dict, b: int, ctx: int, h: int, page: int, repeats: int, with_
             "speedup": round(base_ms / ms, 2) if base_ms else None, "max_err": err}
 
 
-KNOBS = ("BLOCK_H", "BLOCK_N", "NUM_WARPS", "NUM_STAGES", "MAX_SPLITS", "MIN_SPLIT_TOKENS", "WAVE", "FP8_CONVERT",
-         "OPAQUE_TILES")
+KNOBS = ("BLOCK_H", "BLOCK_N", "NUM_WARPS", "NUM_STAGES", "MAX_SPLITS", "MIN_SPLIT_TOKENS", "WAVE", "MAXNREG",
+         "FP8_CONVERT", "OPAQUE_TILES")
 STR_KNOBS = {"FP8_CONVERT": list(mla_decode_mod.FP8_CONVERT_CODE)}
 
 

@@ -55,6 +55,10 @@ BLOCK_N = 32  # tokens per tile
 MIN_SPLIT_TOKENS = 64  # a split of the longest possible context covers at least this many tokens
 MAX_SPLITS = 128
 WAVE: int | None = None  # programs an SM the splits aim at (None: 2 with 16 heads a program, else 1)
+# A cap on the decode launch's registers a thread (Triton's ``maxnreg``; None: the compiler's choice, 220-255 at 16
+# heads, which allows 2 programs an SM). 128 allows 4 (with spills: scripts/mla_decode_ir.py style ptxas counts in
+# docs/benchmarks.md); a knob for the sweep.
+MAXNREG: int | None = None
 NUM_WARPS: int | None = None
 NUM_STAGES: int | None = None
 # The grouped launch (one request's rows, G of them a program: G x heads = 64 queries a tile).
@@ -461,9 +465,10 @@ def mla_decode(
     cvt = FP8_CONVERT_CODE[FP8_CONVERT or ("bits" if os.environ.get("TRITON_INTERPRET") == "1" else "ptx")]
     common = dict(L=lat, R=rope, BL=bl, BR=br, PAGE=page, BH=bh, WS=ws, HAS_LSE=lse is not None, PREC=prec,
                   FMT=fmt, ODT=odt, CVT=cvt if fmt else 0, OPQ=bool(fmt and cvt == 2 and OPAQUE_TILES))
+    cap = {"maxnreg": MAXNREG} if MAXNREG else {}
     _mla_decode_split[(triton.cdiv(h, bh), num_splits, b)](
         *args, **common, BN=BLOCK_N, SPLITS=num_splits, G=1, MODE=0 if grouped is None else 1,
-        num_warps=warps, num_stages=stages)
+        num_warps=warps, num_stages=stages, **cap)
     if grouped is not None:
         _mla_decode_split[(triton.cdiv(h, bh), gsplits, b // g)](
             *args, **common, BN=GROUP_BLOCK_N, SPLITS=gsplits, G=g, MODE=2, num_warps=GROUP_NUM_WARPS,
