@@ -38,6 +38,9 @@ NODE = dict(dtype="float32", max_model_len=256)
 # not the lease, frees the prefill node's blocks.
 PREFILL_KV = dict(lease_s=120.0)
 DECODE_KV = dict(transfer_timeout_s=90.0)
+# The openai client's wait for a whole answer: past the proxy's token limit below (180 s), so that a stall the
+# proxy waits out is not cut short by the client (a request timed out at the client's earlier 120 s on CI, 2026-12-06).
+CLIENT_TIMEOUT_S = 300.0
 
 
 @pytest.fixture(scope="module")
@@ -103,7 +106,7 @@ def _routed(url: str, node_id: str) -> float:
 
 
 def _completions_equal_colocated(url: str, colocated: list[list[int]], tok: Tokenizer, node_id: str) -> None:
-    oa = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+    oa = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=CLIENT_TIMEOUT_S)
     for prompt, want in zip(PROMPTS, colocated, strict=True):
         _wait_routable(url, node_id)
         r = oa.completions.create(model="tiny", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0.0,
@@ -119,7 +122,7 @@ def test_openai_client_equals_colocated_vllm(proxy_url: str, colocated_all, mla_
     _only_prefill(proxy_url, "prefill-0")
     before = _routed(proxy_url, "prefill-0")
     _completions_equal_colocated(proxy_url, colocated, tok, "prefill-0")
-    oa = openai.OpenAI(base_url=f"{proxy_url}/v1", api_key="unused", max_retries=0, timeout=120)
+    oa = openai.OpenAI(base_url=f"{proxy_url}/v1", api_key="unused", max_retries=0, timeout=CLIENT_TIMEOUT_S)
     r = oa.chat.completions.create(model="tiny", messages=CHAT, max_tokens=MAX_TOKENS, temperature=0.0,
                                    extra_body={"ignore_eos": True})
     assert r.usage.prompt_tokens == len(chat_ids) and r.usage.completion_tokens == MAX_TOKENS
@@ -152,7 +155,7 @@ def test_vllm_nodes_serve_their_metrics_in_vllms_names(proxy_url: str) -> None:
     names = ("vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:time_to_first_token_seconds_count",
              "vllm:e2e_request_latency_seconds_count")
     before = {(n, m): _page_total(u, m) for n, u in pages.items() for m in names}
-    oa = openai.OpenAI(base_url=f"{proxy_url}/v1", api_key="unused", max_retries=0, timeout=120)
+    oa = openai.OpenAI(base_url=f"{proxy_url}/v1", api_key="unused", max_retries=0, timeout=CLIENT_TIMEOUT_S)
     r = oa.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0.0,
                               extra_body={"ignore_eos": True})
     moved = {(n, m): _page_total(pages[n], m) - v for (n, m), v in before.items()}
@@ -223,7 +226,7 @@ def test_structured_output_on_vllm_nodes(proxy_url: str, prefill: str) -> None:
     """vLLM's own structured outputs (vLLM prefill) or our llguidance masks (native prefill) choose the first
     token; the vLLM decode node continues under vLLM's: every answer follows the constraint."""
     _only_prefill(proxy_url, prefill)
-    oa = openai.OpenAI(base_url=f"{proxy_url}/v1", api_key="unused", max_retries=0, timeout=120)
+    oa = openai.OpenAI(base_url=f"{proxy_url}/v1", api_key="unused", max_retries=0, timeout=CLIENT_TIMEOUT_S)
     choices = ["alpha", "beta gamma"]
     r = oa.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=16, temperature=0.0,
                               extra_body={"guided_choice": choices})
