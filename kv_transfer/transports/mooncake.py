@@ -85,8 +85,8 @@ class MooncakeTransport(Transport):
         while todo or pending:
             while todo and in_flight + len(todo[0][1]) <= MAX_IN_FLIGHT:  # a part is at most MAX_BATCH
                 peer, part, tries = todo.pop(0)
-                batch = submit(peer, [s.local_addr for s in part], [s.remote_addr for s in part],
-                               [s.nbytes for s in part])
+                addrs = ([s.local_addr for s in part], [s.remote_addr for s in part], [s.nbytes for s in part])
+                batch = submit(peer, *addrs)
                 while not batch:
                     wait = START_PAUSE_S * 2**starts
                     if starts >= START_RETRIES or time.monotonic() + wait >= deadline:
@@ -96,8 +96,7 @@ class MooncakeTransport(Transport):
                     log.warning("could not start a batch with %s (its handshake failed?); trying again in %.1f s",
                                 peer, wait)
                     time.sleep(wait)
-                    batch = submit(peer, [s.local_addr for s in part], [s.remote_addr for s in part],
-                                   [s.nbytes for s in part])
+                    batch = submit(peer, *addrs)
                 pending[batch] = (peer, part, tries)
                 in_flight += len(part)
             for batch, (peer, part, tries) in list(pending.items()):
