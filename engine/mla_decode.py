@@ -55,9 +55,9 @@ BLOCK_N = 32  # tokens per tile
 MIN_SPLIT_TOKENS = 64  # a split of the longest possible context covers at least this many tokens
 MAX_SPLITS = 128
 WAVE: int | None = None  # programs an SM the splits aim at (None: 2 with 16 heads a program, else 1)
-# A cap on the decode launch's registers a thread (Triton's ``maxnreg``; None: the compiler's choice, 220-255 at 16
-# heads, which allows 2 programs an SM). 128 allows 4 (with spills: scripts/mla_decode_ir.py style ptxas counts in
-# docs/benchmarks.md); a knob for the sweep.
+# A cap on the decode launch's registers a thread (Triton's ``maxnreg``; None: the compiler's choice, which at 16
+# heads leaves room for 2 programs an SM); a lower cap trades spills for occupancy (scripts/mla_decode_ir.py
+# --maxnreg counts them); a knob for the sweep.
 MAXNREG: int | None = None
 NUM_WARPS: int | None = None
 NUM_STAGES: int | None = None
