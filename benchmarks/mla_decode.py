@@ -180,7 +180,7 @@ def main() -> None:
           f"{'eager us':>9} {'graph us':>9} {'x roof':>7} {'GB/s':>6} {'TFLOP/s':>7} {'torch us':>9} {'speedup':>8} "
           f"{'err':>8} {'vs first':>8}")
     knobs = {k.lower(): v for k, v in base_knobs.items()}
-    knobs["block_h, warps, stages"] = mla_decode_mod._config(h)
+    knobs["block_h, warps, stages"] = mla_decode_mod._config(h)  # 16-bit rows; 8-bit ones: mla_decode._tiles
     print("knobs:", knobs)
     res: dict = {"bench": "mla_decode", "device": name, "heads": h, "kv_lora_rank": lat, "rope": rope,
                  "block_size": page, "dtype": "bfloat16", "hbm_tb_s": HBM_BYTES_PER_S / 1e12, **knobs}

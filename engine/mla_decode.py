@@ -9,10 +9,10 @@ Computes, per decode row b and head h, over the row's ``t < seq_lens[b]`` cached
 A row with ``seq_len`` 0 (a graph's padding) gets zeros and lse -inf, never NaN.
 
 Grid. Stage 1 runs programs (head group, split, b): a program holds ``BLOCK_H`` heads' queries and walks
-its split of the row's context in tiles of ``BLOCK_N`` tokens, gathered through the block table; each tile
-[BLOCK_N, L+R] is loaded once for all its heads and used twice on the tensor cores (``tl.dot``): the
-scores [BLOCK_H, L+R] x [L+R, BLOCK_N] and the output [BLOCK_H, BLOCK_N] x [BLOCK_N, L]; softmax is
-online, in fp32. A row's context is cut into ``num_splits`` equal chunks (multiples of BLOCK_N) from its
+its split of the row's context in tiles of ``BN`` tokens (``_tiles``), gathered through the block table; each
+tile [BN, L+R] is loaded once for all its heads and used twice on the tensor cores (``tl.dot``): the
+scores [BLOCK_H, L+R] x [L+R, BN] and the output [BLOCK_H, BN] x [BN, L]; softmax is
+online, in fp32. A row's context is cut into ``num_splits`` equal chunks (multiples of BN) from its
 own seq_len on the device; with one split stage 1 writes the result, otherwise it writes partial outputs
 and LSEs to a workspace and stage 2 (programs (b, h, chunk of latent columns)) merges the splits by LSE.
 
@@ -51,7 +51,7 @@ except ImportError:  # CPU-only installs: the engine keeps its torch path
 
 # Tuning knobs (benchmarks/mla_decode.py overrides them). None: chosen from the head count (_config).
 BLOCK_H: int | None = None  # heads per program (>= 16: tl.dot's M); each cache tile is loaded once for them
-BLOCK_N = 32  # tokens per tile
+BLOCK_N: int | None = None  # tokens per tile (None: _tiles' choice)
 MIN_SPLIT_TOKENS = 64  # a split of the longest possible context covers at least this many tokens
 MAX_SPLITS = 128
 WAVE: int | None = None  # programs an SM the splits aim at (None: 2 with 16 heads a program, else 1)
@@ -84,9 +84,24 @@ OPAQUE_TILES = True
 
 
 def _config(num_heads: int) -> tuple[int, int, int]:
-    """(heads per program, warps, pipeline stages), from an H200 sweep (benchmarks/mla_decode.py)."""
+    """(heads per program, warps, pipeline stages) for 16-bit rows, from an H200 sweep (benchmarks/mla_decode.py)."""
     bh = BLOCK_H or min(64, max(16, 1 << (num_heads - 1).bit_length()))
     return bh, NUM_WARPS or (4 if bh <= 16 else 8), NUM_STAGES or (3 if bh <= 16 else 2)
+
+
+def _tiles(num_heads: int, eight_bit: bool, split_tokens: int) -> tuple[int, int, int, int]:
+    """(heads per program, tokens per tile, warps, stages) of the decode launch, for splits of ``split_tokens``.
+
+    16-bit rows: 32-token tiles, double-buffered by the pipeline. 8-bit rows, where a split holds at least two
+    64-token tiles: 64-token tiles loaded straight into registers (one stage, no pipeline), as an H100 sweep chose
+    (docs/benchmarks.md, 2026-12-06): the pipeline would stage the e4m3 bytes in shared memory before the
+    conversion writes the fp16 tile there again, and shared memory, not DRAM, bounds that kernel; 64-token tiles
+    also halve each warp's reads of the queries a token. Shorter splits (one row over many SMs) keep the
+    pipelined 32-token tiles, whose second tile's copy overlaps the first's dots."""
+    bh, warps, stages = _config(num_heads)
+    if eight_bit and BLOCK_N is None and NUM_STAGES is None and split_tokens >= 128:
+        return bh, 64, warps, 1
+    return bh, BLOCK_N or 32, warps, stages
 
 
 if HAS_TRITON:
@@ -261,8 +276,13 @@ if HAS_TRITON:
         m_i = tl.full([G * BH], float("-inf"), tl.float32)  # running max, log2 units
         l_i = tl.zeros([G * BH], tl.float32)  # running sum of exp2(s - m_i)
         acc = tl.zeros([G * BH, BL], tl.float32)  # running sum of p * kv_c
+        # The tile's cache blocks are read one iteration ahead and carried: a tile whose address came from a load
+        # in the same iteration is single-buffered by Triton's pipeliner (its copy waited for as soon as issued);
+        # carried, the tiles are double-buffered and the next one's copy overlaps this one's dots.
+        blk_next = _tile_blocks(BT, r0, s_bt_b, start, end, BN, PAGE)
         for n0 in range(start, end, BN):
-            blk = _tile_blocks(BT, r0, s_bt_b, n0, end, BN, PAGE)
+            blk = blk_next
+            blk_next = _tile_blocks(BT, r0, s_bt_b, n0 + BN, end, BN, PAGE)
             raw_c, raw_pe, raw_sc = _load_tile(KV, blk, n0, end, s_kv_blk, s_kv_tok, L, R, BL, BR, BN, PAGE, FMT, CVT)
             kv_c, k_pe = _decode_tile(raw_c, raw_pe, raw_sc, kv_scale, dt, BL, BR, BN, FMT, ODT, CVT, OPQ)
             offs_n = n0 + tl.arange(0, BN)  # [BN] token positions in the rows' context
@@ -455,7 +475,7 @@ def mla_decode(
     bl, br = max(triton.next_power_of_2(lat), 16), max(triton.next_power_of_2(rope), 16)  # tl.dot: K >= 16
     # fp32 tiles (an fp32 cache, or a quantized one read by fp32 queries): exact fp32 products
     prec = "ieee" if (q_lat.dtype if fmt else kv_cache.dtype) == torch.float32 else "tf32"
-    bh, warps, stages = _config(h)
+    bh, bn, warps, stages = _tiles(h, kv_cache.element_size() == 1, block_tables.shape[1] * page // num_splits)
     flags = grouped if grouped is not None else seq_lens  # never read without groups
     args = (q_lat, q_pe, kv_cache, block_tables, seq_lens, flags, out, lse_arg, pout, plse,
             scale * math.log2(math.e), kv_format.scale if kv_format is not None else 1.0, h,
@@ -467,7 +487,7 @@ def mla_decode(
                   FMT=fmt, ODT=odt, CVT=cvt if fmt else 0, OPQ=bool(fmt and cvt == 2 and OPAQUE_TILES))
     cap = {"maxnreg": MAXNREG} if MAXNREG else {}
     _mla_decode_split[(triton.cdiv(h, bh), num_splits, b)](
-        *args, **common, BN=BLOCK_N, SPLITS=num_splits, G=1, MODE=0 if grouped is None else 1,
+        *args, **common, BN=bn, SPLITS=num_splits, G=1, MODE=0 if grouped is None else 1,
         num_warps=warps, num_stages=stages, **cap)
     if grouped is not None:
         _mla_decode_split[(triton.cdiv(h, bh), gsplits, b // g)](

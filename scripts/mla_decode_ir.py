@@ -53,13 +53,19 @@ def registers(ptx: str) -> str:
 
 def compile_variant(fmt: int, odt: int, cvt: int, opq: int, warps: int, stages: int,
                     maxnreg: int | None = None) -> triton.compiler.CompiledKernel:
-    """The split kernel as the decode launch compiles it for 16 heads (V2-Lite), 32-token tiles, 8 splits."""
+    """The split kernel as the decode launch compiles it for 16 heads (V2-Lite) and 8 splits of 2,048 tokens."""
     fn = mla_decode._mla_decode_split
-    const = dict(L=512, R=64, BL=512, BR=64, PAGE=64, BH=16, BN=mla_decode.BLOCK_N, SPLITS=8, WS=8, HAS_LSE=False,
-                 PREC="tf32", G=1, MODE=0, FMT=fmt, ODT=odt, CVT=cvt, OPQ=opq)
+    bn = mla_decode._tiles(16, fmt != 0, 2048)[1]  # the launch's tile at batch 64 x 8k tokens (2,048 a split)
+    const = dict(L=512, R=64, BL=512, BR=64, PAGE=64, BH=16, BN=bn, SPLITS=8, WS=8, HAS_LSE=False,
+                 PREC="tf32", G=1, MODE=0, FMT=fmt, ODT=odt, CVT=cvt, OPQ=opq, s_lens=1)
     sig = {n: "constexpr" if n in const else POINTERS.get(n, "i32") for n in fn.arg_names}
     sig["KV"] = "*u8" if fmt else "*bf16"
-    src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in const.items()})
+    # A launch's specialisation: Triton's JIT marks each pointer 16-byte aligned and each int a multiple of 16
+    # when it is (every one at V2-Lite's shapes: strides of 512 / 576 / 192 values, 64-token blocks) and makes
+    # an int equal to 1 a constant (s_lens); without these hints the loads would compile scalar and unpipelined.
+    hinted = [i for i, n in enumerate(fn.arg_names) if sig[n] != "constexpr" and sig[n] != "fp32"]
+    src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in const.items()},
+                    attrs={(i,): [["tt.divisibility", 16]] for i in hinted})
     options = {"num_warps": warps, "num_stages": stages, **({"maxnreg": maxnreg} if maxnreg else {})}
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
@@ -71,12 +77,14 @@ def main() -> None:
     a = ap.parse_args()
     print(f"triton {triton.__version__}, sm_90" + (f", maxnreg {a.maxnreg}" if a.maxnreg else ""))
     for name, fmt, odt, cvt, opq in VARIANTS:
-        k = compile_variant(fmt, odt, cvt, opq, warps=4, stages=3, maxnreg=a.maxnreg)
+        _, _, warps, stages = mla_decode._tiles(16, fmt != 0, 2048)
+        k = compile_variant(fmt, odt, cvt, opq, warps=warps, stages=stages, maxnreg=a.maxnreg)
         ttgir, ptx = k.asm["ttgir"], k.asm["ptx"]
         widths = sorted(set(re.findall(r"kWidth = (\d+)", ttgir)))
         counts = {op: len(re.findall(pat, ptx)) for op, pat in (
             ("ldmatrix", r"\bldmatrix"), ("stmatrix", r"\bstmatrix"), ("ld.shared", r"\bld\.shared"),
-            ("st.shared", r"\bst\.shared"), ("shfl", r"\bshfl"), ("mma", r"\bmma\.sync"))}
+            ("st.shared", r"\bst\.shared"), ("shfl", r"\bshfl"), ("mma", r"\bmma\.sync"),
+            ("ld.global", r"\bld\.global"), ("cp.async", r"\bcp\.async\.(?:ca|cg)"))}
         print(f"{name:26s} kWidth {','.join(widths):4s} shared {k.metadata.shared:6d} B  "
               + "  ".join(f"{op} {n}" for op, n in counts.items()) + "  " + registers(ptx), flush=True)
         if a.out:

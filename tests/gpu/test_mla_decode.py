@@ -283,6 +283,7 @@ if __name__ == "__main__":  # TRITON_INTERPRET=1: the same checks on CPU, small 
     for convert in ("bits", "compiler"):  # the interpreter runs no PTX (mla_decode.FP8_CONVERT)
         mla_decode_module.FP8_CONVERT = convert
         for dt in (torch.float32, torch.float16):  # fp16 queries: the fp8 format's fp16 dots (mla_decode.FP8_DOTS)
-            for line in run_quantized("cpu", dt, [(16, 16, 3, 70, None), (16, 16, 2, 90, 2)]):
+            # the last case's one split of 300 tokens takes the 8-bit rows' 64-token tiles (mla_decode._tiles)
+            for line in run_quantized("cpu", dt, [(16, 16, 3, 70, None), (16, 16, 2, 90, 2), (16, 16, 2, 300, 1)]):
                 print(convert, line)
     print("ok")
