@@ -34,6 +34,7 @@ from engine.cuda_graphs import DecodeGraphs
 from engine.forward_batch import ForwardBatch
 from engine.model import MTPLayer
 from engine.rope import RotaryEmbedding
+from engine.speculative import DraftsInFlight
 
 log = logging.getLogger(__name__)
 
@@ -132,8 +133,7 @@ class MTPGraphs:
             tables: list[list[int]]) -> list[list[int]]:
         """The passes after the replay of the graph of ``size`` rows whose first ``len(next_ids)`` rows are the
         step's (``ModelRunner.draft``'s arguments) -> each drafting request's drafts."""
-        out = self.launch(size, next_ids, picks, extra, tables).tolist()
-        return [row[: 1 + e] for row, e in zip(out, extra)]
+        return DraftsInFlight(self.launch(size, next_ids, picks, extra, tables), [1 + e for e in extra]).result()
 
     def launch(self, size: int, next_ids: list[int], picks: list[int], extra: list[int],
                tables: list[list[int]]) -> torch.Tensor:
