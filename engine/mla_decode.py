@@ -89,17 +89,20 @@ def _config(num_heads: int) -> tuple[int, int, int]:
     return bh, NUM_WARPS or (4 if bh <= 16 else 8), NUM_STAGES or (3 if bh <= 16 else 2)
 
 
-def _tiles(num_heads: int, eight_bit: bool, split_tokens: int) -> tuple[int, int, int, int]:
-    """(heads per program, tokens per tile, warps, stages) of the decode launch, for splits of ``split_tokens``.
+def _tiles(num_heads: int, eight_bit: bool, max_split_tokens: int, num_splits: int) -> tuple[int, int, int, int]:
+    """(heads per program, tokens per tile, warps, stages) of the decode launch with ``num_splits`` splits a row,
+    each at most ``max_split_tokens`` long (the block table's width over the splits).
 
-    16-bit rows: 32-token tiles, double-buffered by the pipeline. 8-bit rows, where a split holds at least two
-    64-token tiles: 64-token tiles loaded straight into registers (one stage, no pipeline), as an H100 sweep chose
+    16-bit rows: 32-token tiles, double-buffered by the pipeline. 8-bit rows in few splits (many rows a launch):
+    64-token tiles loaded straight into registers (one stage, no pipeline), as an H100 sweep chose
     (docs/benchmarks.md, 2026-12-06): the pipeline would stage the e4m3 bytes in shared memory before the
     conversion writes the fp16 tile there again, and shared memory, not DRAM, bounds that kernel; 64-token tiles
-    also halve each warp's reads of the queries a token. Shorter splits (one row over many SMs) keep the
-    pipelined 32-token tiles, whose second tile's copy overlaps the first's dots."""
+    also halve each warp's reads of the queries a token. With many splits (a few rows over all SMs) a split is
+    short: splits are cut from each row's own length at run time, so a graph's table as wide as max_model_len
+    says little, and a split of one 64-token tile overlaps nothing (batch 1 x 8k: 22.6 against 17.2 us); those
+    keep the pipelined 32-token tiles, whose second tile's copy overlaps the first's dots."""
     bh, warps, stages = _config(num_heads)
-    if eight_bit and BLOCK_N is None and NUM_STAGES is None and split_tokens >= 128:
+    if eight_bit and BLOCK_N is None and NUM_STAGES is None and num_splits <= 8 and max_split_tokens >= 128:
         return bh, 64, warps, 1
     return bh, BLOCK_N or 32, warps, stages
 
@@ -475,7 +478,8 @@ def mla_decode(
     bl, br = max(triton.next_power_of_2(lat), 16), max(triton.next_power_of_2(rope), 16)  # tl.dot: K >= 16
     # fp32 tiles (an fp32 cache, or a quantized one read by fp32 queries): exact fp32 products
     prec = "ieee" if (q_lat.dtype if fmt else kv_cache.dtype) == torch.float32 else "tf32"
-    bh, bn, warps, stages = _tiles(h, kv_cache.element_size() == 1, block_tables.shape[1] * page // num_splits)
+    bh, bn, warps, stages = _tiles(h, kv_cache.element_size() == 1, block_tables.shape[1] * page // num_splits,
+                                   num_splits)
     flags = grouped if grouped is not None else seq_lens  # never read without groups
     args = (q_lat, q_pe, kv_cache, block_tables, seq_lens, flags, out, lse_arg, pout, plse,
             scale * math.log2(math.e), kv_format.scale if kv_format is not None else 1.0, h,
