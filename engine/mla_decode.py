@@ -93,8 +93,9 @@ def _tiles(num_heads: int, eight_bit: bool, max_split_tokens: int, num_splits: i
     """(heads per program, tokens per tile, warps, stages) of the decode launch with ``num_splits`` splits a row,
     each at most ``max_split_tokens`` long (the block table's width over the splits).
 
-    16-bit rows: 32-token tiles, double-buffered by the pipeline. 8-bit rows in few splits (many rows a launch):
-    64-token tiles loaded straight into registers (one stage, no pipeline), as an H100 sweep chose
+    16-bit rows: 32-token tiles, double-buffered by the pipeline. 8-bit rows (``eight_bit``: read by 16-bit
+    queries) in few splits (many rows a launch): 64-token tiles loaded straight into registers (one stage, no
+    pipeline), as an H100 sweep chose
     (docs/benchmarks.md, 2026-12-06): the pipeline would stage the e4m3 bytes in shared memory before the
     conversion writes the fp16 tile there again, and shared memory, not DRAM, bounds that kernel; 64-token tiles
     also halve each warp's reads of the queries a token. With many splits (a few rows over all SMs) a split is
@@ -478,8 +479,9 @@ def mla_decode(
     bl, br = max(triton.next_power_of_2(lat), 16), max(triton.next_power_of_2(rope), 16)  # tl.dot: K >= 16
     # fp32 tiles (an fp32 cache, or a quantized one read by fp32 queries): exact fp32 products
     prec = "ieee" if (q_lat.dtype if fmt else kv_cache.dtype) == torch.float32 else "tf32"
-    bh, bn, warps, stages = _tiles(h, kv_cache.element_size() == 1, block_tables.shape[1] * page // num_splits,
-                                   num_splits)
+    # (8-bit rows read by fp32 queries make fp32 tiles, twice the shared memory: not measured, they keep 32 tokens)
+    eight_bit = kv_cache.element_size() == 1 and q_lat.element_size() == 2
+    bh, bn, warps, stages = _tiles(h, eight_bit, block_tables.shape[1] * page // num_splits, num_splits)
     flags = grouped if grouped is not None else seq_lens  # never read without groups
     args = (q_lat, q_pe, kv_cache, block_tables, seq_lens, flags, out, lse_arg, pout, plse,
             scale * math.log2(math.e), kv_format.scale if kv_format is not None else 1.0, h,
