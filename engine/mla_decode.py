@@ -95,12 +95,11 @@ def _tiles(num_heads: int, eight_bit: bool, max_split_tokens: int, num_splits: i
 
     16-bit rows: 32-token tiles, double-buffered by the pipeline. 8-bit rows (``eight_bit``: read by 16-bit
     queries) in few splits (many rows a launch): 64-token tiles loaded straight into registers (one stage, no
-    pipeline), as an H100 sweep chose
-    (docs/benchmarks.md, 2026-12-06): the pipeline would stage the e4m3 bytes in shared memory before the
-    conversion writes the fp16 tile there again, and shared memory, not DRAM, bounds that kernel; 64-token tiles
-    also halve each warp's reads of the queries a token. With many splits (a few rows over all SMs) a split is
-    short: splits are cut from each row's own length at run time, so a graph's table as wide as max_model_len
-    says little, and a split of one 64-token tile overlaps nothing (batch 1 x 8k: 22.6 against 17.2 us); those
+    pipeline), as an H100 sweep chose (docs/benchmarks.md): the pipeline would stage the e4m3 bytes in shared
+    memory before the conversion writes the fp16 tile there again, and shared memory, not DRAM, bounds that
+    kernel; 64-token tiles also halve each warp's reads of the queries a token. With many splits (a few rows over
+    all SMs) a split is short: splits are cut from each row's own length at run time, so a graph's table as wide
+    as max_model_len says little, and a split of one 64-token tile overlaps nothing (slower at batch 1); those
     keep the pipelined 32-token tiles, whose second tile's copy overlaps the first's dots."""
     bh, warps, stages = _config(num_heads)
     if eight_bit and BLOCK_N is None and NUM_STAGES is None and num_splits <= 8 and max_split_tokens >= 128:
