@@ -479,7 +479,7 @@ def mla_decode(
     # fp32 tiles (an fp32 cache, or a quantized one read by fp32 queries): exact fp32 products
     prec = "ieee" if (q_lat.dtype if fmt else kv_cache.dtype) == torch.float32 else "tf32"
     # (8-bit rows read by fp32 queries make fp32 tiles, twice the shared memory: not measured, they keep 32 tokens)
-    eight_bit = kv_cache.element_size() == 1 and q_lat.element_size() == 2
+    eight_bit = fmt != 0 and q_lat.element_size() == 2
     bh, bn, warps, stages = _tiles(h, eight_bit, block_tables.shape[1] * page // num_splits, num_splits)
     flags = grouped if grouped is not None else seq_lens  # never read without groups
     args = (q_lat, q_pe, kv_cache, block_tables, seq_lens, flags, out, lse_arg, pout, plse,

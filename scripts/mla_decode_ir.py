@@ -51,12 +51,12 @@ def registers(ptx: str) -> str:
     return f"regs {regs[0] if regs else '?'} spill {spills[0] if spills else '?'} B"
 
 
-def compile_variant(fmt: int, odt: int, cvt: int, opq: int, warps: int, stages: int,
+def compile_variant(fmt: int, odt: int, cvt: int, opq: int,
                     maxnreg: int | None = None) -> triton.compiler.CompiledKernel:
     """The split kernel as the decode launch compiles it for 16 heads (V2-Lite) at batch 64 x 8k tokens on an H100:
-    4 splits of 2,048 tokens."""
+    4 splits of 2,048 tokens, the tiles, warps and stages of ``mla_decode._tiles``."""
     fn = mla_decode._mla_decode_split
-    bn = mla_decode._tiles(16, fmt != 0, 2048, 4)[1]
+    _, bn, warps, stages = mla_decode._tiles(16, fmt != 0, 2048, 4)
     const = dict(L=512, R=64, BL=512, BR=64, PAGE=64, BH=16, BN=bn, SPLITS=4, WS=4, HAS_LSE=False,
                  PREC="tf32", G=1, MODE=0, FMT=fmt, ODT=odt, CVT=cvt, OPQ=opq, s_lens=1)
     sig = {n: "constexpr" if n in const else POINTERS.get(n, "i32") for n in fn.arg_names}
@@ -78,8 +78,7 @@ def main() -> None:
     a = ap.parse_args()
     print(f"triton {triton.__version__}, sm_90" + (f", maxnreg {a.maxnreg}" if a.maxnreg else ""))
     for name, fmt, odt, cvt, opq in VARIANTS:
-        _, _, warps, stages = mla_decode._tiles(16, fmt != 0, 2048, 4)
-        k = compile_variant(fmt, odt, cvt, opq, warps=warps, stages=stages, maxnreg=a.maxnreg)
+        k = compile_variant(fmt, odt, cvt, opq, maxnreg=a.maxnreg)
         ttgir, ptx = k.asm["ttgir"], k.asm["ptx"]
         widths = sorted(set(re.findall(r"kWidth = (\d+)", ttgir)))
         counts = {op: len(re.findall(pat, ptx)) for op, pat in (
