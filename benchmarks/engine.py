@@ -107,7 +107,7 @@ def kernel_profile(prof, steps: int, wall_s: float) -> dict:
     by_name: dict[str, float] = {}
     for e in kernels:
         by_name[e.name] = by_name.get(e.name, 0.0) + e.time_range.end - e.time_range.start
-    top = sorted(by_name.items(), key=lambda kv: -kv[1])[:12]
+    top = sorted(by_name.items(), key=lambda kv: -kv[1])[:24]
     busy_us, end = 0.0, float("-inf")
     for a, b in spans:  # union of the kernels' intervals (µs)
         if b > end:
