@@ -5,7 +5,8 @@ one H200, replayed from CUDA graphs:
   vs torch's own block-scaled ``torch._scaled_mm`` (cuBLAS; the activation quantized by our kernel, so
   the two FP8 columns differ only in the GEMM) where this torch has it;
 - routed experts: the engine's bf16 path (fused Triton MoE up to ``MAX_ROWS`` rows, grouped GEMM above)
-  vs the FP8 fused kernels (``engine.moe_kernels.fused_experts`` with scales).
+  vs the FP8 experts (``engine.moe_kernels.fused_experts`` with scales: the fused kernels, or from
+  ``FP8_TMA_MIN_ROWS`` rows an expert their TMA-fed form; ``--tma-min-rows 0 inf`` times both forms).
 
   python benchmarks/fp8_gemm.py                 # V2-Lite and V3 shapes
   python benchmarks/fp8_gemm.py --preset v2-lite --rows 1 64 256
@@ -164,6 +165,7 @@ def experts(preset: str, tokens: list[int], res: dict, sweep: bool) -> None:
         flops = 2 * t * top * 3 * d * i
         row = {"bf16_us": round(base, 1), "fp8_us": round(ours, 1), "fp8_vs_bf16": round(base / ours, 3),
                "tiles": list(moe_kernels.fp8_tiles(t * top, e)),
+               "fp8_form": "tma" if moe_kernels.tma_form(x, t * top, e, d, i) else "fused",
                "fp8_err": round(err, 4), "fp8_tflops": round(flops / (ours * 1e-6) / 1e12, 1),
                "bf16_path": "fused" if moe_kernels.supported(x, ids.numel()) else "grouped_mm"}
         if sweep:
@@ -182,13 +184,21 @@ def main() -> None:
     ap.add_argument("--skip-dense", action="store_true")
     ap.add_argument("--skip-experts", action="store_true")
     ap.add_argument("--sweep", action="store_true", help="the FP8 experts at every tile of FP8_TILES (best reported)")
+    ap.add_argument("--tma-min-rows", type=float, nargs="+", default=None,
+                    help="the FP8 experts once per value of moe_kernels.FP8_TMA_MIN_ROWS (0: the TMA form at every "
+                         "size, inf: the fused form at every size); default: the engine's")
     args = ap.parse_args()
     res: dict = {"bench": "fp8_gemm", "torch": torch.__version__, "device": torch.cuda.get_device_name()}
     for preset in args.preset:
         if not args.skip_dense:
             dense(preset, args.rows, res)
         if not args.skip_experts:
-            experts(preset, args.tokens, res, args.sweep)
+            for rows in args.tma_min_rows or [moe_kernels.FP8_TMA_MIN_ROWS]:
+                moe_kernels.FP8_TMA_MIN_ROWS = rows
+                part: dict = {}
+                experts(preset, args.tokens, part, args.sweep)
+                tag = "" if args.tma_min_rows is None else f"/tma_min_rows={rows:g}"
+                res.update({k + tag: v for k, v in part.items()})
     print(json.dumps(res))
 
 

@@ -18,6 +18,10 @@ For ``T`` tokens choosing ``K`` experts each (``N = T*K`` rows):
 3. ``_moe_down``: the same over ``w2``; each row's output is written to its (token, choice) slot, where
    ``combine`` reads it for the weighted sum over choices.
 
+Block-FP8 experts run these kernels at every size, and from ``FP8_TMA_MIN_ROWS`` rows an expert on Hopper
+(prefill) a second pair, ``_moe_gate_up_tma`` and ``_moe_down_tma``: the quantized rows are gathered into
+expert order first, so both operands of every product arrive as TMA tiles.
+
 4. ``_moe_combine``: program (token, column chunk) sums the token's K expert rows, each times its router
    weight, in fp32, plus the shared experts' output, and rounds once: the weighted sum and the add in
    one pass (torch needs a permutation copy, a batched [1, K] x [K, D] product and an add; at prefill
@@ -34,6 +38,8 @@ kernels are capturable in a CUDA graph. Triton is optional: without it ``HAS_TRI
 # ruff: noqa: ANN001  (Triton kernel arguments are pointers and ints, typed by the JIT, not annotations)
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from engine.fp8 import FP8_DTYPE
@@ -47,6 +53,12 @@ try:
     HAS_TRITON = True
 except ImportError:  # CPU-only installs: the MoE keeps its torch paths
     HAS_TRITON = False
+try:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    HAS_TMA = True
+except ImportError:  # Triton without host tensor descriptors: the FP8 experts keep one form at every size
+    HAS_TMA = False
 
 # Tuning (benchmarks/moe.py sweeps them; H200, V2-Lite's experts): rows per tile (None: from the rows per
 # expert, 16 to 64), output columns per tile, inner-dimension step.
@@ -70,6 +82,12 @@ FP8_WARPS: int | None = None
 FP8_STAGES: int | None = None
 FP8_DOWN_BN: int | None = None
 FP8_DOWN_WARPS: int | None = None
+# FP8 experts at prefill sizes (from this many (token, choice) rows an expert on average, on Hopper): each expert's
+# rows gathered first, so both operands come in as TMA tiles with no pointer tensors in registers, which leaves
+# room for 128-row gate-up tiles. (gate-up rows, warps, stages; down rows, columns, warps, stages); a sweep on an
+# H100 (docs/benchmarks.md, 2026-12-06 fourth session): 1.29x / 1.34x the fused form at 4,096 / 16,384 tokens.
+FP8_TMA_MIN_ROWS = 64.0
+FP8_TMA_TILES = (128, 8, 4, 64, 128, 4, 4)
 MAX_ROWS = 4096  # above this many (token, choice) rows the caller's grouped GEMM is the better tool
 # From this many (token, choice) rows routing runs as three kernels over chunks of rows (count per chunk,
 # offsets, place) instead of one program walking all rows twice; 0: always one program. One MoE layer on
@@ -78,6 +96,8 @@ ROUTE_SPLIT_ROWS = 512
 ROUTE_CHUNK = 128
 
 if HAS_TRITON:
+    # Weight scales floored in the rescaled FP8 sums, which divide by them (an all-zero block).
+    _MIN_WS = tl.constexpr(1e-12)
 
     @triton.jit
     def _moe_route(IDS, OFFS, SRC, ORDER, N, E: tl.constexpr, EP: tl.constexpr, K: tl.constexpr,
@@ -249,6 +269,78 @@ if HAS_TRITON:
                      mask=rmask[:, None] & cmask[None, :])
 
     @triton.jit
+    def _moe_gate_up_tma(XD, XS, OFFS, WD, WS, OUT, OUTS, D, INTER, NKB, SBI, E,
+                         EP: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
+        # _moe_gate_up's FP8 form on rows already gathered per expert: XD a descriptor of the e4m3 rows [N, D]
+        # (XS their scales [N, NKB]), WD one of all experts' w13 as [E * 2I, D]; tiles of BK = 128 columns (one
+        # weight block, one output group). Rows past the tile's expert are read and never written.
+        tile = tl.program_id(0)
+        e, start, end = _row_tile(OFFS, tl.program_id(1), E, EP, BM)
+        cols = tile * BK + tl.arange(0, BK)
+        cmask = cols < INTER
+        ws = WS + e.to(tl.int64) * (2 * SBI * NKB)
+        wrow = e * (2 * INTER) + tile * BK
+        for m0 in range(start, end, BM):  # one tile, or none
+            rows = m0 + tl.arange(0, BM)
+            rmask = rows < end
+            # The sums are kept divided by the last step's scales (sa_ per row, sg_ / su_ for the tile's weight
+            # block): each step rescales them once and its product accumulates in place, so no second
+            # [BM, BK] of registers per sum (the product-then-scale form spills at 128 rows).
+            gate = tl.zeros([BM, BK], tl.float32)
+            up = tl.zeros([BM, BK], tl.float32)
+            sa_ = tl.full([BM], 1.0, tl.float32)
+            sg_ = 1.0
+            su_ = 1.0
+            for k0 in range(0, D, BK):
+                kb = k0 // BK
+                a = XD.load([m0, k0])
+                wg = WD.load([wrow, k0])
+                wu = WD.load([wrow + INTER, k0])
+                sa = tl.load(XS + rows.to(tl.int64) * NKB + kb, mask=rmask, other=1.0)
+                sg = tl.maximum(tl.load(ws + tile * NKB + kb), _MIN_WS)
+                su = tl.maximum(tl.load(ws + (SBI + tile) * NKB + kb), _MIN_WS)
+                ra = sa_ / sa
+                gate = tl.dot(a, wg.T, acc=gate * (ra * (sg_ / sg))[:, None])
+                up = tl.dot(a, wu.T, acc=up * (ra * (su_ / su))[:, None])
+                sa_ = sa
+                sg_ = sg
+                su_ = su
+            gate *= (sa_ * sg_)[:, None]
+            up *= (sa_ * su_)[:, None]
+            h = gate / (1.0 + tl.exp(-gate)) * up
+            omask = rmask[:, None] & cmask[None, :]
+            h = tl.where(omask, h, 0.0)
+            s = tl.maximum(tl.max(tl.abs(h), 1), 1e-10) / 448.0
+            tl.store(OUTS + rows.to(tl.int64) * tl.cdiv(INTER, BK) + tile, s, mask=rmask)
+            h = tl.clamp(h / s[:, None], -448.0, 448.0)
+            tl.store(OUT + rows[:, None].to(tl.int64) * INTER + cols[None, :], h.to(OUT.dtype.element_ty), mask=omask)
+
+    @triton.jit
+    def _moe_down_tma(AD, AS, ORDER, OFFS, WD, WS, OUT, D, INTER, NKB, SBD, E,
+                      EP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+        # _moe_down's FP8 form with AD a descriptor of the gate-up's e4m3 rows [N, INTER], WD one of all
+        # experts' w2 as [E * D, INTER]; here the product-then-scale form is the faster one (64-row tiles).
+        cols = tl.program_id(0) * BN + tl.arange(0, BN)
+        e, start, end = _row_tile(OFFS, tl.program_id(1), E, EP, BM)
+        cmask = cols < D
+        ws = WS + e.to(tl.int64) * (SBD * NKB)
+        wrow = e * D + tl.program_id(0) * BN
+        for m0 in range(start, end, BM):  # one tile, or none
+            rows = m0 + tl.arange(0, BM)
+            rmask = rows < end
+            acc = tl.zeros([BM, BN], tl.float32)
+            for k0 in range(0, INTER, BK):
+                kb = k0 // BK
+                a = AD.load([m0, k0])
+                w = WD.load([wrow, k0])
+                sa = tl.load(AS + rows.to(tl.int64) * NKB + kb, mask=rmask, other=0.0)
+                sb = tl.load(ws + (cols // BK) * NKB + kb, mask=cmask, other=0.0)
+                acc += tl.dot(a, w.T) * (sa[:, None] * sb[None, :])
+            dest = tl.load(ORDER + rows, mask=rmask, other=0).to(tl.int64)
+            tl.store(OUT + dest[:, None] * D + cols[None, :], acc.to(OUT.dtype.element_ty),
+                     mask=rmask[:, None] & cmask[None, :])
+
+    @triton.jit
     def _moe_combine(Y, ROW, WT, SHARED, OUT, D, K: tl.constexpr, BD: tl.constexpr, HAS_ROW: tl.constexpr,
                      HAS_SHARED: tl.constexpr):
         t = tl.program_id(0).to(tl.int64)
@@ -311,8 +403,11 @@ def fused_experts(x: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor, w2: tor
         if tuple(w13_scale.shape) != (e, 2 * sbi, nkd) or tuple(w2_scale.shape) != (e, nkd, nki):
             raise ValueError(f"fused_experts: scales {tuple(w13_scale.shape)}, {tuple(w2_scale.shape)} for w13 "
                              f"{tuple(w13.shape)}, w2 {tuple(w2.shape)}")
-        bm, warps, stages, down_bn, down_warps = fp8_tiles(n, e)
         xq, xs = quantize_groups(x)
+        if tma_form(x, n, e, d, i):
+            _fp8_experts_tma(xq, xs, src, order, offs, w13, w2, w13_scale, w2_scale, out)
+            return out
+        bm, warps, stages, down_bn, down_warps = fp8_tiles(n, e)
         act = torch.empty(n, i, dtype=FP8_DTYPE, device=dev)
         act_s = torch.empty(n, nki, dtype=torch.float32, device=dev)
         _moe_gate_up[(nki, row_tiles(n, e, bm))](
@@ -335,6 +430,43 @@ def fused_experts(x: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor, w2: tor
         act, act, order, offs, w2, w2, out, d, i, 0, 0, e,
         EP=ep, BM=bm, BN=BLOCK_N, BK=bk, PREC=prec, FP8=False, num_warps=NUM_WARPS, num_stages=stages)
     return out
+
+
+def tma_form(x: torch.Tensor, n: int, e: int, d: int, i: int) -> bool:
+    """Whether the FP8 experts take their TMA-fed form: prefill sizes, Hopper or later, rows TMA can address."""
+    return (HAS_TMA and n >= FP8_TMA_MIN_ROWS * e and d % 16 == 0 and i % 16 == 0
+            and _has_tma(x.device.index or 0))
+
+
+@functools.cache
+def _has_tma(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
+def _fp8_experts_tma(xq: torch.Tensor, xs: torch.Tensor, src: torch.Tensor, order: torch.Tensor,
+                     offs: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, w13_scale: torch.Tensor,
+                     w2_scale: torch.Tensor, out: torch.Tensor) -> None:
+    """The FP8 experts' prefill form (see FP8_TMA_MIN_ROWS): quantized tokens ``xq`` / ``xs`` gathered into
+    expert order, then the TMA-fed gate-up and down kernels, writing ``out`` [T, K, D]."""
+    e, two_i, d = w13.shape
+    i, n, g = two_i // 2, src.numel(), FP8_GROUP
+    ep = triton.next_power_of_2(e)
+    sbi, nkd, nki = -(-i // g), -(-d // g), -(-i // g)
+    gbm, gwarps, gstages, dbm, dbn, dwarps, dstages = FP8_TMA_TILES
+    # Rows past offs[E] (skipped choices' places) hold no token: clamped, they gather a real one nobody reads.
+    tok = src.clamp(0, xq.shape[0] - 1)
+    rows = xq.view(torch.uint8).index_select(0, tok).view(FP8_DTYPE)  # e4m3 has no index kernels of its own
+    rows_s = xs.index_select(0, tok)
+    act = torch.empty(n, i, dtype=FP8_DTYPE, device=xq.device)
+    act_s = torch.empty(n, nki, dtype=torch.float32, device=xq.device)
+    _moe_gate_up_tma[(nki, row_tiles(n, e, gbm))](
+        TensorDescriptor.from_tensor(rows, [gbm, g]), rows_s, offs,
+        TensorDescriptor.from_tensor(w13.view(e * two_i, d), [g, g]), w13_scale, act, act_s, d, i, nkd, sbi, e,
+        EP=ep, BM=gbm, BK=g, num_warps=gwarps, num_stages=gstages)
+    _moe_down_tma[(triton.cdiv(d, dbn), row_tiles(n, e, dbm))](
+        TensorDescriptor.from_tensor(act, [dbm, g]), act_s, order, offs,
+        TensorDescriptor.from_tensor(w2.view(e * d, i), [dbn, g]), w2_scale, out, d, i, nki, nkd, e,
+        EP=ep, BM=dbm, BN=dbn, BK=g, num_warps=dwarps, num_stages=dstages)
 
 
 def _auto_block_m(n: int, e: int) -> int:

@@ -93,21 +93,34 @@ def _experts_reference(x: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor, w2
     return out.view(t, k, -1)
 
 
+@pytest.mark.parametrize("tma_rows", [None, 0.0, float("inf")], ids=["default", "tma-form", "fused-form"])
 @pytest.mark.parametrize("shape", EXPERTS, ids=["v2-lite", "v3"])
-def test_fp8_experts_match_the_dequantized_bf16_experts(shape: tuple[int, int, int, int]) -> None:
+def test_fp8_experts_match_the_dequantized_bf16_experts(shape: tuple[int, int, int, int], tma_rows: float | None,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both forms of the FP8 experts (fused; TMA-fed, prefill sizes on Hopper) at every size, and the engine's
+    choice between them."""
+    if tma_rows is not None:
+        monkeypatch.setattr(moe_kernels, "FP8_TMA_MIN_ROWS", tma_rows)
+    if tma_rows == 0.0 and not moe_kernels.tma_form(torch.empty(1, device="cuda"), 1, 1, 16, 16):
+        pytest.skip("no TMA form here (Triton without host tensor descriptors, or before Hopper)")
     e, d, i, top = shape
     g = torch.Generator(device="cuda").manual_seed(e)
     w13q, w13s, w2q, w2s, w13d, w2d = _experts(e, d, i, g)
-    for t in (1, 64, 300, 2000):  # 2000 tokens: above MAX_ROWS rows, where bf16 takes the grouped GEMM
+    for t in (1, 64, 300, 2000, 4096):  # from 2000 tokens: above MAX_ROWS rows, where bf16 takes the grouped GEMM
         x = torch.randn(t, d, device="cuda", generator=g).to(torch.bfloat16)
         ids = torch.rand(t, e, device="cuda", generator=g).argsort(dim=1)[:, :top].contiguous()
         got = moe_kernels.fused_experts(x, ids, w13q, w2q, w13s, w2s)
         err = _rel(got, _experts_reference(x, ids, w13d, w2d))
-        print(f"experts {shape} T={t}: vs dequantized bf16 {err:.2e}")
+        print(f"experts {shape} T={t} tma_rows={tma_rows}: vs dequantized bf16 {err:.2e}")
         assert got.shape == (t, top, d) and err < 5e-2, (t, err)
         if t == 64:
             replayed = _replayed(lambda x, ids=ids: moe_kernels.fused_experts(x, ids, w13q, w2q, w13s, w2s), x)
             assert torch.equal(replayed, got)
+        if t == 2000:  # choices past the experts (expert parallelism's graphs) skipped, the rest as before
+            skip = torch.rand(t, top, device="cuda", generator=g) < 0.5
+            got = moe_kernels.fused_experts(x, torch.where(skip, e, ids), w13q, w2q, w13s, w2s)
+            ref = _experts_reference(x, ids, w13d, w2d)
+            assert _rel(got[~skip], ref[~skip]) < 5e-2
 
 
 def _first_diff(a: list[int], b: list[int]) -> int:
