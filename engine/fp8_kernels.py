@@ -39,6 +39,13 @@ _TILES = ((16, 32, 4, 4), (32, 64, 4, 4), (64, 64, 4, 4), (128, 128, 8, 3))
 if HAS_TRITON:
 
     @triton.jit
+    def quantize_rows(x):  # noqa: ANN201  (a Triton function: it returns tensors typed by the JIT)
+        # x [R, G] fp32, one group a row -> (x / s clamped to e4m3's range, still fp32; s [R]): each row's largest
+        # magnitude maps to 448 (an all-zero row gets a finite scale). The fused MoE's gate-up epilogues use it too.
+        s = tl.maximum(tl.max(tl.abs(x), 1), 1e-10) / 448.0
+        return tl.clamp(x / s[:, None], -448.0, 448.0), s
+
+    @triton.jit
     def _quantize_groups(X, Q, S, M, K, s_x, NG, ROWS: tl.constexpr, G: tl.constexpr):
         # program (row block, group): ROWS rows x one group of G channels
         rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
@@ -47,8 +54,7 @@ if HAS_TRITON:
         rmask = rows < M
         m = rmask[:, None] & (cols < K)[None, :]
         x = tl.load(X + rows[:, None].to(tl.int64) * s_x + cols[None, :], mask=m, other=0.0).to(tl.float32)
-        s = tl.maximum(tl.max(tl.abs(x), 1), 1e-10) / 448.0
-        q = tl.clamp(x / s[:, None], -448.0, 448.0)
+        q, s = quantize_rows(x)
         tl.store(Q + rows[:, None].to(tl.int64) * K + cols[None, :], q.to(Q.dtype.element_ty), mask=m)
         tl.store(S + rows * NG + g, s, mask=rmask)
 

@@ -96,8 +96,21 @@ ROUTE_SPLIT_ROWS = 512
 ROUTE_CHUNK = 128
 
 if HAS_TRITON:
+    from engine.fp8_kernels import quantize_rows
+
     # Weight scales floored in the rescaled FP8 sums, which divide by them (an all-zero block).
     _MIN_WS = tl.constexpr(1e-12)
+
+    @triton.jit
+    def _silu_store(gate, up, rows, rmask, cols, cmask, tile, OUT, OUTS, INTER, NG, QUANT: tl.constexpr):
+        # The gate-up epilogue: silu(gate) * up in fp32 written to OUT [N, INTER]; QUANT: the tile's columns are
+        # one group of 128, each row's group quantized here, its scale to OUTS [N, NG] at column ``tile``.
+        h = gate / (1.0 + tl.exp(-gate)) * up
+        omask = rmask[:, None] & cmask[None, :]
+        if QUANT:
+            h, s = quantize_rows(tl.where(omask, h, 0.0))
+            tl.store(OUTS + rows.to(tl.int64) * NG + tile, s, mask=rmask)
+        tl.store(OUT + rows[:, None].to(tl.int64) * INTER + cols[None, :], h.to(OUT.dtype.element_ty), mask=omask)
 
     @triton.jit
     def _moe_route(IDS, OFFS, SRC, ORDER, N, E: tl.constexpr, EP: tl.constexpr, K: tl.constexpr,
@@ -227,14 +240,7 @@ if HAS_TRITON:
                 else:
                     gate = tl.dot(a, wg, acc=gate, input_precision=PREC)
                     up = tl.dot(a, wu, acc=up, input_precision=PREC)
-            h = gate / (1.0 + tl.exp(-gate)) * up
-            omask = rmask[:, None] & cmask[None, :]
-            if FP8:  # this tile's columns are one group of 128: quantize each row's group here
-                h = tl.where(omask, h, 0.0)
-                s = tl.maximum(tl.max(tl.abs(h), 1), 1e-10) / 448.0
-                tl.store(OUTS + rows.to(tl.int64) * tl.cdiv(INTER, BN) + tile, s, mask=rmask)
-                h = tl.clamp(h / s[:, None], -448.0, 448.0)
-            tl.store(OUT + rows[:, None].to(tl.int64) * INTER + cols[None, :], h.to(OUT.dtype.element_ty), mask=omask)
+            _silu_store(gate, up, rows, rmask, cols, cmask, tile, OUT, OUTS, INTER, tl.cdiv(INTER, BN), FP8)
 
     @triton.jit
     def _moe_down(A, AS, ORDER, OFFS, W, WS, OUT, D, INTER, NKB, SBD, E,
@@ -307,13 +313,7 @@ if HAS_TRITON:
                 su_ = su
             gate *= (sa_ * sg_)[:, None]
             up *= (sa_ * su_)[:, None]
-            h = gate / (1.0 + tl.exp(-gate)) * up
-            omask = rmask[:, None] & cmask[None, :]
-            h = tl.where(omask, h, 0.0)
-            s = tl.maximum(tl.max(tl.abs(h), 1), 1e-10) / 448.0
-            tl.store(OUTS + rows.to(tl.int64) * tl.cdiv(INTER, BK) + tile, s, mask=rmask)
-            h = tl.clamp(h / s[:, None], -448.0, 448.0)
-            tl.store(OUT + rows[:, None].to(tl.int64) * INTER + cols[None, :], h.to(OUT.dtype.element_ty), mask=omask)
+            _silu_store(gate, up, rows, rmask, cols, cmask, tile, OUT, OUTS, INTER, tl.cdiv(INTER, BK), True)
 
     @triton.jit
     def _moe_down_tma(AD, AS, ORDER, OFFS, WD, WS, OUT, D, INTER, NKB, SBD, E,
