@@ -111,7 +111,7 @@ def dense(preset: str, rows: list[int], res: dict) -> None:
 KNOBS = ("FP8_BLOCK_M", "FP8_WARPS", "FP8_STAGES", "FP8_DOWN_BN", "FP8_DOWN_WARPS")
 DEFAULT = (None,) * len(KNOBS)
 FP8_TILES = [DEFAULT] + [(bm, w, st, dbn, dw) for bm in (16, 32, 64, 128) for w in (4, 8) for st in (3, 4)
-                         for dbn, dw in ((64, 4), (128, 8)) if dbn == 64 or bm >= 64]
+                         for dbn, dw in ((64, 4), (128, 4), (128, 8)) if dbn == 64 or bm >= 64 or dw == 4]
 
 
 def set_tiles(cfg: tuple) -> None:

@@ -102,6 +102,14 @@ if HAS_TRITON:
     _MIN_WS = tl.constexpr(1e-12)
 
     @triton.jit
+    def _step_scales(XS, rmask, WS1, WS2, kb):
+        # One K step's FP8 scales: the rows' activation scales XS[:, kb] ([BM]; 0 for masked rows) and the two
+        # weight blocks' WS1[kb], WS2[kb]. The kernels load step k + 1's while step k's dots run and carry them:
+        # loaded where they are used, the scales are plain global loads the pipeliner does not stage, and every
+        # step waited for them before its dots (one global latency a step, 2026-12-07 in docs/benchmarks.md).
+        return tl.load(XS + kb, mask=rmask, other=0.0), tl.load(WS1 + kb), tl.load(WS2 + kb)
+
+    @triton.jit
     def _silu_store(gate, up, rows, rmask, cols, cmask, tile, OUT, OUTS, INTER, NG, QUANT: tl.constexpr):
         # The gate-up epilogue: silu(gate) * up in fp32 written to OUT [N, INTER]; QUANT: the tile's columns are
         # one group of 128, each row's group quantized here, its scale to OUTS [N, NG] at column ``tile``.
@@ -211,6 +219,7 @@ if HAS_TRITON:
         # FP8: X e4m3 with per-token scales XS [T, NKB] (one per BK = 128 channels), W e4m3 with block scales
         # WS [E, 2 * SBI, NKB] (gate_proj's SBI row blocks, then up_proj's); the output is quantized per row
         # over its BN = 128 columns (one group) into OUT e4m3 and OUTS [N, cdiv(INTER, 128)].
+        tl.static_assert(not FP8 or BN == BK)  # FP8: the tile's columns are one weight block and one group
         tile = tl.program_id(0)
         e, start, end = _row_tile(OFFS, tl.program_id(1), E, EP, BM)
         cols = tile * BN + tl.arange(0, BN)
@@ -223,6 +232,8 @@ if HAS_TRITON:
             tok = tl.load(SRC + rows, mask=rmask, other=0).to(tl.int64)
             gate = tl.zeros([BM, BN], tl.float32)
             up = tl.zeros([BM, BN], tl.float32)
+            if FP8:  # the first step's scales; each step loads the next one's (see _step_scales)
+                sa, sg, su = _step_scales(XS + tok * NKB, rmask, ws + tile * NKB, ws + (SBI + tile) * NKB, 0)
             for k0 in range(0, D, BK):
                 ks = k0 + tl.arange(0, BK)
                 kmask = ks < D
@@ -231,12 +242,11 @@ if HAS_TRITON:
                 wg = tl.load(w + cols[None, :].to(tl.int64) * D + ks[:, None], mask=wmask, other=0.0)  # [BK, BN]
                 wu = tl.load(w + (cols[None, :] + INTER).to(tl.int64) * D + ks[:, None], mask=wmask, other=0.0)
                 if FP8:
-                    kb = k0 // BK
-                    sa = tl.load(XS + tok * NKB + kb, mask=rmask, other=0.0)
-                    sg = tl.load(ws + (cols // BK) * NKB + kb, mask=cmask, other=0.0)
-                    su = tl.load(ws + (SBI + cols // BK) * NKB + kb, mask=cmask, other=0.0)
-                    gate += tl.dot(a, wg) * (sa[:, None] * sg[None, :])
-                    up += tl.dot(a, wu) * (sa[:, None] * su[None, :])
+                    sa_n, sg_n, su_n = _step_scales(XS + tok * NKB, rmask, ws + tile * NKB, ws + (SBI + tile) * NKB,
+                                                    tl.minimum(k0 // BK + 1, NKB - 1))
+                    gate += tl.dot(a, wg) * (sa * sg)[:, None]
+                    up += tl.dot(a, wu) * (sa * su)[:, None]
+                    sa, sg, su = sa_n, sg_n, su_n
                 else:
                     gate = tl.dot(a, wg, acc=gate, input_precision=PREC)
                     up = tl.dot(a, wu, acc=up, input_precision=PREC)
@@ -247,15 +257,19 @@ if HAS_TRITON:
                   EP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr,
                   FP8: tl.constexpr):
         # FP8: A e4m3 with row scales AS [N, NKB] (NKB = cdiv(INTER, 128)), W e4m3 with WS [E, SBD, NKB]
+        tl.static_assert(not FP8 or BN <= BK)
         cols = tl.program_id(0) * BN + tl.arange(0, BN)
         e, start, end = _row_tile(OFFS, tl.program_id(1), E, EP, BM)
         cmask = cols < D
         w = W + e.to(tl.int64) * (D * INTER)  # expert e: [D, INTER]
-        ws = WS + e.to(tl.int64) * (SBD * NKB)
+        # FP8: the tile's columns lie in one weight block (BN <= BK, tiles aligned): one scale a step
+        wsb = WS + e.to(tl.int64) * (SBD * NKB) + (tl.program_id(0) * BN // BK) * NKB
         for m0 in range(start, end, BM):  # one tile, or none
             rows = m0 + tl.arange(0, BM)
             rmask = rows < end
             acc = tl.zeros([BM, BN], tl.float32)
+            if FP8:  # the first step's scales; each step loads the next one's (see _step_scales)
+                sa, sb, _ = _step_scales(AS + rows.to(tl.int64) * NKB, rmask, wsb, wsb, 0)
             for k0 in range(0, INTER, BK):
                 ks = k0 + tl.arange(0, BK)
                 kmask = ks < INTER
@@ -264,10 +278,10 @@ if HAS_TRITON:
                 wd = tl.load(w + cols[None, :].to(tl.int64) * INTER + ks[:, None], mask=kmask[:, None] & cmask[None, :],
                              other=0.0)
                 if FP8:
-                    kb = k0 // BK
-                    sa = tl.load(AS + rows.to(tl.int64) * NKB + kb, mask=rmask, other=0.0)
-                    sb = tl.load(ws + (cols // BK) * NKB + kb, mask=cmask, other=0.0)
-                    acc += tl.dot(a, wd) * (sa[:, None] * sb[None, :])
+                    sa_n, sb_n, _ = _step_scales(AS + rows.to(tl.int64) * NKB, rmask, wsb, wsb,
+                                                 tl.minimum(k0 // BK + 1, NKB - 1))
+                    acc += tl.dot(a, wd) * (sa * sb)[:, None]
+                    sa, sb = sa_n, sb_n
                 else:
                     acc = tl.dot(a, wd, acc=acc, input_precision=PREC)
             dest = tl.load(ORDER + rows, mask=rmask, other=0).to(tl.int64)
@@ -297,20 +311,22 @@ if HAS_TRITON:
             sa_ = tl.full([BM], 1.0, tl.float32)
             sg_ = 1.0
             su_ = 1.0
+            xs = XS + rows.to(tl.int64) * NKB
+            sa, sg, su = _step_scales(xs, rmask, ws + tile * NKB, ws + (SBI + tile) * NKB, 0)
             for k0 in range(0, D, BK):
-                kb = k0 // BK
                 a = XD.load([m0, k0])
                 wg = WD.load([wrow, k0])
                 wu = WD.load([wrow + INTER, k0])
-                sa = tl.load(XS + rows.to(tl.int64) * NKB + kb, mask=rmask, other=1.0)
-                sg = tl.maximum(tl.load(ws + tile * NKB + kb), _MIN_WS)
-                su = tl.maximum(tl.load(ws + (SBI + tile) * NKB + kb), _MIN_WS)
+                sa_n, sg_n, su_n = _step_scales(xs, rmask, ws + tile * NKB, ws + (SBI + tile) * NKB,
+                                                tl.minimum(k0 // BK + 1, NKB - 1))
+                sa = tl.where(rmask, sa, 1.0)
+                sg = tl.maximum(sg, _MIN_WS)
+                su = tl.maximum(su, _MIN_WS)
                 ra = sa_ / sa
                 gate = tl.dot(a, wg.T, acc=gate * (ra * (sg_ / sg))[:, None])
                 up = tl.dot(a, wu.T, acc=up * (ra * (su_ / su))[:, None])
-                sa_ = sa
-                sg_ = sg
-                su_ = su
+                sa_, sg_, su_ = sa, sg, su
+                sa, sg, su = sa_n, sg_n, su_n
             gate *= (sa_ * sg_)[:, None]
             up *= (sa_ * su_)[:, None]
             _silu_store(gate, up, rows, rmask, cols, cmask, tile, OUT, OUTS, INTER, tl.cdiv(INTER, BK), True)
@@ -323,19 +339,20 @@ if HAS_TRITON:
         cols = tl.program_id(0) * BN + tl.arange(0, BN)
         e, start, end = _row_tile(OFFS, tl.program_id(1), E, EP, BM)
         cmask = cols < D
-        ws = WS + e.to(tl.int64) * (SBD * NKB)
+        wsb = WS + e.to(tl.int64) * (SBD * NKB) + (tl.program_id(0) * BN // BK) * NKB  # one block (BN <= BK)
         wrow = e * D + tl.program_id(0) * BN
         for m0 in range(start, end, BM):  # one tile, or none
             rows = m0 + tl.arange(0, BM)
             rmask = rows < end
             acc = tl.zeros([BM, BN], tl.float32)
+            sa, sb, _ = _step_scales(AS + rows.to(tl.int64) * NKB, rmask, wsb, wsb, 0)
             for k0 in range(0, INTER, BK):
-                kb = k0 // BK
                 a = AD.load([m0, k0])
                 w = WD.load([wrow, k0])
-                sa = tl.load(AS + rows.to(tl.int64) * NKB + kb, mask=rmask, other=0.0)
-                sb = tl.load(ws + (cols // BK) * NKB + kb, mask=cmask, other=0.0)
-                acc += tl.dot(a, w.T) * (sa[:, None] * sb[None, :])
+                sa_n, sb_n, _ = _step_scales(AS + rows.to(tl.int64) * NKB, rmask, wsb, wsb,
+                                             tl.minimum(k0 // BK + 1, NKB - 1))
+                acc += tl.dot(a, w.T) * (sa * sb)[:, None]
+                sa, sb = sa_n, sb_n
             dest = tl.load(ORDER + rows, mask=rmask, other=0).to(tl.int64)
             tl.store(OUT + dest[:, None] * D + cols[None, :], acc.to(OUT.dtype.element_ty),
                      mask=rmask[:, None] & cmask[None, :])
