@@ -19,8 +19,9 @@ For ``T`` tokens choosing ``K`` experts each (``N = T*K`` rows):
    ``combine`` reads it for the weighted sum over choices.
 
 Block-FP8 experts run these kernels at every size, and from ``FP8_TMA_MIN_ROWS`` rows an expert on Hopper
-(prefill) a second pair, ``_moe_gate_up_tma`` and ``_moe_down_tma``: the quantized rows are gathered into
-expert order first, so both operands of every product arrive as TMA tiles.
+(prefill) a second pair, ``_moe_gate_up_tma`` and ``_moe_down_tma``: every weight tile arrives through TMA (a
+host tensor descriptor over all experts' weights), the gate-up's input rows by ``cp.async`` through ``src``
+and the down's (already in expert order) through TMA too.
 
 4. ``_moe_combine``: program (token, column chunk) sums the token's K expert rows, each times its router
    weight, in fp32, plus the shared experts' output, and rounds once: the weighted sum and the add in
@@ -82,9 +83,9 @@ FP8_WARPS: int | None = None
 FP8_STAGES: int | None = None
 FP8_DOWN_BN: int | None = None
 FP8_DOWN_WARPS: int | None = None
-# FP8 experts at prefill sizes (from this many (token, choice) rows an expert on average, on Hopper): each expert's
-# rows gathered first, so both operands come in as TMA tiles with no pointer tensors in registers, which leaves
-# room for 128-row gate-up tiles. (gate-up rows, warps, stages; down rows, columns, warps, stages); a sweep on an
+# FP8 experts at prefill sizes (from this many (token, choice) rows an expert on average, on Hopper): weight tiles
+# come in through TMA (no pointer tensors of theirs in registers), which leaves room for 128-row gate-up tiles.
+# (gate-up rows, warps, stages; down rows, columns, warps, stages); a sweep on an
 # H100 (docs/benchmarks.md, 2026-12-06 fourth session): 1.29x / 1.34x the fused form at 4,096 / 16,384 tokens.
 FP8_TMA_MIN_ROWS = 64.0
 FP8_TMA_TILES = (128, 8, 4, 64, 128, 4, 4)
@@ -106,7 +107,7 @@ if HAS_TRITON:
         # One K step's FP8 scales: the rows' activation scales XS[:, kb] ([BM]; 0 for masked rows) and the two
         # weight blocks' WS1[kb], WS2[kb]. The kernels load step k + 1's while step k's dots run and carry them:
         # loaded where they are used, the scales are plain global loads the pipeliner does not stage, and every
-        # step waited for them before its dots (one global latency a step, 2026-12-07 in docs/benchmarks.md).
+        # step waited for them before its dots (one global latency a step; docs/benchmarks.md).
         return tl.load(XS + kb, mask=rmask, other=0.0), tl.load(WS1 + kb), tl.load(WS2 + kb)
 
     @triton.jit
@@ -289,11 +290,12 @@ if HAS_TRITON:
                      mask=rmask[:, None] & cmask[None, :])
 
     @triton.jit
-    def _moe_gate_up_tma(XD, XS, OFFS, WD, WS, OUT, OUTS, D, INTER, NKB, SBI, E,
+    def _moe_gate_up_tma(X, XS, SRC, OFFS, WD, WS, OUT, OUTS, s_x, D, INTER, NKB, SBI, E,
                          EP: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
-        # _moe_gate_up's FP8 form on rows already gathered per expert: XD a descriptor of the e4m3 rows [N, D]
-        # (XS their scales [N, NKB]), WD one of all experts' w13 as [E * 2I, D]; tiles of BK = 128 columns (one
-        # weight block, one output group). Rows past the tile's expert are read and never written.
+        # _moe_gate_up's FP8 form with WD a descriptor of all experts' w13 as [E * 2I, D]: the e4m3 rows X [T, D]
+        # (scales XS [T, NKB]) are read through SRC as in _moe_gate_up; tiles of BK = 128 columns (one weight
+        # block, one output group). (Gathering the rows into expert order first, for a TMA descriptor of
+        # them too, measured no faster and held a copy of every (token, choice) row.)
         tile = tl.program_id(0)
         e, start, end = _row_tile(OFFS, tl.program_id(1), E, EP, BM)
         cols = tile * BK + tl.arange(0, BK)
@@ -311,10 +313,12 @@ if HAS_TRITON:
             sa_ = tl.full([BM], 1.0, tl.float32)
             sg_ = 1.0
             su_ = 1.0
-            xs = XS + rows.to(tl.int64) * NKB
+            tok = tl.load(SRC + rows, mask=rmask, other=0).to(tl.int64)
+            xs = XS + tok * NKB
             sa, sg, su = _step_scales(xs, rmask, ws + tile * NKB, ws + (SBI + tile) * NKB, 0)
             for k0 in range(0, D, BK):
-                a = XD.load([m0, k0])
+                ks = k0 + tl.arange(0, BK)
+                a = tl.load(X + tok[:, None] * s_x + ks[None, :], mask=rmask[:, None] & (ks < D)[None, :], other=0.0)
                 wg = WD.load([wrow, k0])
                 wu = WD.load([wrow + INTER, k0])
                 sa_n, sg_n, su_n = _step_scales(xs, rmask, ws + tile * NKB, ws + (SBI + tile) * NKB,
@@ -463,22 +467,18 @@ def _has_tma(device_index: int) -> bool:
 def _fp8_experts_tma(xq: torch.Tensor, xs: torch.Tensor, src: torch.Tensor, order: torch.Tensor,
                      offs: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, w13_scale: torch.Tensor,
                      w2_scale: torch.Tensor, out: torch.Tensor) -> None:
-    """The FP8 experts' prefill form (see FP8_TMA_MIN_ROWS): quantized tokens ``xq`` / ``xs`` gathered into
-    expert order, then the TMA-fed gate-up and down kernels, writing ``out`` [T, K, D]."""
+    """The FP8 experts' prefill form (see FP8_TMA_MIN_ROWS): the quantized tokens ``xq`` / ``xs`` through the
+    TMA-fed gate-up and down kernels, writing ``out`` [T, K, D]."""
     e, two_i, d = w13.shape
     i, n, g = two_i // 2, src.numel(), FP8_GROUP
     ep = triton.next_power_of_2(e)
     sbi, nkd, nki = -(-i // g), -(-d // g), -(-i // g)
     gbm, gwarps, gstages, dbm, dbn, dwarps, dstages = FP8_TMA_TILES
-    # Rows past offs[E] (skipped choices' places) hold no token: clamped, they gather a real one nobody reads.
-    tok = src.clamp(0, xq.shape[0] - 1)
-    rows = xq.view(torch.uint8).index_select(0, tok).view(FP8_DTYPE)  # e4m3 has no index kernels of its own
-    rows_s = xs.index_select(0, tok)
     act = torch.empty(n, i, dtype=FP8_DTYPE, device=xq.device)
     act_s = torch.empty(n, nki, dtype=torch.float32, device=xq.device)
     _moe_gate_up_tma[(nki, row_tiles(n, e, gbm))](
-        TensorDescriptor.from_tensor(rows, [gbm, g]), rows_s, offs,
-        TensorDescriptor.from_tensor(w13.view(e * two_i, d), [g, g]), w13_scale, act, act_s, d, i, nkd, sbi, e,
+        xq, xs, src, offs, TensorDescriptor.from_tensor(w13.view(e * two_i, d), [g, g]), w13_scale, act, act_s,
+        xq.stride(0), d, i, nkd, sbi, e,
         EP=ep, BM=gbm, BK=g, num_warps=gwarps, num_stages=gstages)
     _moe_down_tma[(triton.cdiv(d, dbn), row_tiles(n, e, dbm))](
         TensorDescriptor.from_tensor(act, [dbm, g]), act_s, order, offs,
