@@ -59,9 +59,18 @@ if HAS_TRITON:
         tl.store(S + rows * NG + g, s, mask=rmask)
 
     @triton.jit
+    def step_scales(XS, rmask, WS1, WS2, kb):  # noqa: ANN201  (a Triton function, as quantize_rows)
+        # One K step's FP8 scales: the rows' activation scales XS[:, kb] ([BM]; 0 for masked rows) and the two
+        # weight blocks' WS1[kb], WS2[kb]. The kernels load step k + 1's while step k's dots run and carry them:
+        # loaded where they are used, the scales are plain global loads the pipeliner does not stage, and every
+        # step waited for them before its dots (one global latency a step; docs/benchmarks.md).
+        return tl.load(XS + kb, mask=rmask, other=0.0), tl.load(WS1 + kb), tl.load(WS2 + kb)
+
+    @triton.jit
     def _gemm(A, AS, B, BS, C, M, N, K, NKB, s_a, s_c,
               BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr):
         # C [M, N] = A [M, K] (row scales per K block, AS [M, NKB]) x B [N, K]^T (block scales BS [N/BK, NKB])
+        tl.static_assert(BN <= BK)
         pid = tl.program_id(0)
         grid_m = tl.cdiv(M, BM)
         grid_n = tl.cdiv(N, BN)
@@ -75,6 +84,8 @@ if HAS_TRITON:
         rmask = rows < M
         cmask = cols < N
         acc = tl.zeros([BM, BN], tl.float32)
+        bs = BS + (pid_n * BN // BK) * NKB  # the tile's columns lie in one weight block (BN <= BK)
+        sa, sb, _ = step_scales(AS + rows * NKB, rmask, bs, bs, 0)
         for kb in range(0, NKB):
             ks = kb * BK + tl.arange(0, BK)
             kmask = ks < K
@@ -82,9 +93,9 @@ if HAS_TRITON:
                         other=0.0)
             b = tl.load(B + cols[None, :].to(tl.int64) * K + ks[:, None], mask=kmask[:, None] & cmask[None, :],
                         other=0.0)  # [BK, BN]
-            sa = tl.load(AS + rows * NKB + kb, mask=rmask, other=0.0)
-            sb = tl.load(BS + (cols // BK) * NKB + kb, mask=cmask, other=0.0)
-            acc += tl.dot(a, b) * (sa[:, None] * sb[None, :])
+            sa_n, sb_n, _ = step_scales(AS + rows * NKB, rmask, bs, bs, tl.minimum(kb + 1, NKB - 1))
+            acc += tl.dot(a, b) * (sa * sb)[:, None]
+            sa, sb = sa_n, sb_n
         tl.store(C + rows[:, None].to(tl.int64) * s_c + cols[None, :], acc.to(C.dtype.element_ty),
                  mask=rmask[:, None] & cmask[None, :])
 

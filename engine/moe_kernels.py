@@ -97,18 +97,10 @@ ROUTE_SPLIT_ROWS = 512
 ROUTE_CHUNK = 128
 
 if HAS_TRITON:
-    from engine.fp8_kernels import quantize_rows
+    from engine.fp8_kernels import quantize_rows, step_scales
 
     # Weight scales floored in the rescaled FP8 sums, which divide by them (an all-zero block).
     _MIN_WS = tl.constexpr(1e-12)
-
-    @triton.jit
-    def _step_scales(XS, rmask, WS1, WS2, kb):
-        # One K step's FP8 scales: the rows' activation scales XS[:, kb] ([BM]; 0 for masked rows) and the two
-        # weight blocks' WS1[kb], WS2[kb]. The kernels load step k + 1's while step k's dots run and carry them:
-        # loaded where they are used, the scales are plain global loads the pipeliner does not stage, and every
-        # step waited for them before its dots (one global latency a step; docs/benchmarks.md).
-        return tl.load(XS + kb, mask=rmask, other=0.0), tl.load(WS1 + kb), tl.load(WS2 + kb)
 
     @triton.jit
     def _silu_store(gate, up, rows, rmask, cols, cmask, tile, OUT, OUTS, INTER, NG, QUANT: tl.constexpr):
@@ -233,8 +225,8 @@ if HAS_TRITON:
             tok = tl.load(SRC + rows, mask=rmask, other=0).to(tl.int64)
             gate = tl.zeros([BM, BN], tl.float32)
             up = tl.zeros([BM, BN], tl.float32)
-            if FP8:  # the first step's scales; each step loads the next one's (see _step_scales)
-                sa, sg, su = _step_scales(XS + tok * NKB, rmask, ws + tile * NKB, ws + (SBI + tile) * NKB, 0)
+            if FP8:  # the first step's scales; each step loads the next one's (see fp8_kernels.step_scales)
+                sa, sg, su = step_scales(XS + tok * NKB, rmask, ws + tile * NKB, ws + (SBI + tile) * NKB, 0)
             for k0 in range(0, D, BK):
                 ks = k0 + tl.arange(0, BK)
                 kmask = ks < D
@@ -243,7 +235,7 @@ if HAS_TRITON:
                 wg = tl.load(w + cols[None, :].to(tl.int64) * D + ks[:, None], mask=wmask, other=0.0)  # [BK, BN]
                 wu = tl.load(w + (cols[None, :] + INTER).to(tl.int64) * D + ks[:, None], mask=wmask, other=0.0)
                 if FP8:
-                    sa_n, sg_n, su_n = _step_scales(XS + tok * NKB, rmask, ws + tile * NKB, ws + (SBI + tile) * NKB,
+                    sa_n, sg_n, su_n = step_scales(XS + tok * NKB, rmask, ws + tile * NKB, ws + (SBI + tile) * NKB,
                                                     tl.minimum(k0 // BK + 1, NKB - 1))
                     gate += tl.dot(a, wg) * (sa * sg)[:, None]
                     up += tl.dot(a, wu) * (sa * su)[:, None]
@@ -269,8 +261,8 @@ if HAS_TRITON:
             rows = m0 + tl.arange(0, BM)
             rmask = rows < end
             acc = tl.zeros([BM, BN], tl.float32)
-            if FP8:  # the first step's scales; each step loads the next one's (see _step_scales)
-                sa, sb, _ = _step_scales(AS + rows.to(tl.int64) * NKB, rmask, wsb, wsb, 0)
+            if FP8:  # the first step's scales; each step loads the next one's (see fp8_kernels.step_scales)
+                sa, sb, _ = step_scales(AS + rows.to(tl.int64) * NKB, rmask, wsb, wsb, 0)
             for k0 in range(0, INTER, BK):
                 ks = k0 + tl.arange(0, BK)
                 kmask = ks < INTER
@@ -279,7 +271,7 @@ if HAS_TRITON:
                 wd = tl.load(w + cols[None, :].to(tl.int64) * INTER + ks[:, None], mask=kmask[:, None] & cmask[None, :],
                              other=0.0)
                 if FP8:
-                    sa_n, sb_n, _ = _step_scales(AS + rows.to(tl.int64) * NKB, rmask, wsb, wsb,
+                    sa_n, sb_n, _ = step_scales(AS + rows.to(tl.int64) * NKB, rmask, wsb, wsb,
                                                  tl.minimum(k0 // BK + 1, NKB - 1))
                     acc += tl.dot(a, wd) * (sa * sb)[:, None]
                     sa, sb = sa_n, sb_n
@@ -315,13 +307,13 @@ if HAS_TRITON:
             su_ = 1.0
             tok = tl.load(SRC + rows, mask=rmask, other=0).to(tl.int64)
             xs = XS + tok * NKB
-            sa, sg, su = _step_scales(xs, rmask, ws + tile * NKB, ws + (SBI + tile) * NKB, 0)
+            sa, sg, su = step_scales(xs, rmask, ws + tile * NKB, ws + (SBI + tile) * NKB, 0)
             for k0 in range(0, D, BK):
                 ks = k0 + tl.arange(0, BK)
                 a = tl.load(X + tok[:, None] * s_x + ks[None, :], mask=rmask[:, None] & (ks < D)[None, :], other=0.0)
                 wg = WD.load([wrow, k0])
                 wu = WD.load([wrow + INTER, k0])
-                sa_n, sg_n, su_n = _step_scales(xs, rmask, ws + tile * NKB, ws + (SBI + tile) * NKB,
+                sa_n, sg_n, su_n = step_scales(xs, rmask, ws + tile * NKB, ws + (SBI + tile) * NKB,
                                                 tl.minimum(k0 // BK + 1, NKB - 1))
                 sa = tl.where(rmask, sa, 1.0)
                 sg = tl.maximum(sg, _MIN_WS)
@@ -349,11 +341,11 @@ if HAS_TRITON:
             rows = m0 + tl.arange(0, BM)
             rmask = rows < end
             acc = tl.zeros([BM, BN], tl.float32)
-            sa, sb, _ = _step_scales(AS + rows.to(tl.int64) * NKB, rmask, wsb, wsb, 0)
+            sa, sb, _ = step_scales(AS + rows.to(tl.int64) * NKB, rmask, wsb, wsb, 0)
             for k0 in range(0, INTER, BK):
                 a = AD.load([m0, k0])
                 w = WD.load([wrow, k0])
-                sa_n, sb_n, _ = _step_scales(AS + rows.to(tl.int64) * NKB, rmask, wsb, wsb,
+                sa_n, sb_n, _ = step_scales(AS + rows.to(tl.int64) * NKB, rmask, wsb, wsb,
                                              tl.minimum(k0 // BK + 1, NKB - 1))
                 acc += tl.dot(a, w.T) * (sa * sb)[:, None]
                 sa, sb = sa_n, sb_n
