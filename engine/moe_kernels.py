@@ -332,6 +332,7 @@ if HAS_TRITON:
                       EP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
         # _moe_down's FP8 form with AD a descriptor of the gate-up's e4m3 rows [N, INTER], WD one of all
         # experts' w2 as [E * D, INTER]; here the product-then-scale form is the faster one (64-row tiles).
+        tl.static_assert(BN <= BK)  # the tile's columns lie in one weight block: one weight scale a step
         cols = tl.program_id(0) * BN + tl.arange(0, BN)
         e, start, end = _row_tile(OFFS, tl.program_id(1), E, EP, BM)
         cmask = cols < D
