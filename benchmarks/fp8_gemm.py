@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -114,9 +115,51 @@ FP8_TILES = [DEFAULT] + [(bm, w, st, dbn, dw) for bm in (16, 32, 64, 128) for w 
                          for dbn, dw in ((64, 4), (128, 4), (128, 8)) if dbn == 64 or bm >= 64 or dw == 4]
 
 
+# The TMA form's tiles tried by --sweep where it applies (moe_kernels.FP8_TMA_TILES): gate-up (rows, warps, stages),
+# then down (rows, columns, warps, stages) with the best gate-up
+TMA_GATE_UP = ((128, 8, 4), (128, 8, 3), (64, 4, 2), (64, 4, 3), (64, 8, 3), (64, 8, 4))
+TMA_DOWN = ((64, 128, 4, 4), (64, 128, 4, 3), (128, 128, 8, 3), (128, 128, 8, 4), (64, 64, 4, 4))
+
+
 def set_tiles(cfg: tuple) -> None:
     for knob, value in zip(KNOBS, cfg, strict=True):
         setattr(moe_kernels, knob, value)
+
+
+def sweep_fused(t: int, timed: Callable[[], float]) -> dict[tuple, float]:
+    """µs of the fused form at each tile of FP8_TILES."""
+    tried = {}
+    for cfg in FP8_TILES[1:]:
+        set_tiles(cfg)
+        try:
+            tried[cfg] = timed()
+        except Exception as exc:  # a tile that does not fit shared memory or registers
+            print(f"  T={t} tile {cfg}: {type(exc).__name__}")
+    set_tiles(DEFAULT)
+    return tried
+
+
+def sweep_tma(t: int, timed: Callable[[], float]) -> dict[tuple, float]:
+    """µs of the TMA form: each gate-up tile of TMA_GATE_UP with the table's down tile, then each down tile of
+    TMA_DOWN with the fastest gate-up."""
+    table = moe_kernels.FP8_TMA_TILES
+    tried: dict[tuple, float] = {}
+
+    def run(tiles: tuple) -> None:
+        moe_kernels.FP8_TMA_TILES = tiles
+        try:
+            tried[tiles] = timed()
+        except Exception as exc:  # a tile that does not fit shared memory or registers
+            print(f"  T={t} TMA tiles {tiles}: {type(exc).__name__}")
+        finally:
+            moe_kernels.FP8_TMA_TILES = table
+
+    for gate_up in TMA_GATE_UP:
+        run(gate_up + table[3:])
+    best = min(tried, key=tried.__getitem__, default=table)
+    for down in TMA_DOWN:
+        run(best[:3] + down)
+    return tried
 
 
 def experts(preset: str, tokens: list[int], res: dict, sweep: bool) -> None:
@@ -152,20 +195,20 @@ def experts(preset: str, tokens: list[int], res: dict, sweep: bool) -> None:
         err = float((fp8(0).float() - ref).abs().max() / ref.abs().max())
         iters = 20 if t > 1024 else 200
         base = time_graph(lambda: [bf16(j) for j in range(layers)], iters=iters) / layers
-        tried = {}
-        for cfg in FP8_TILES if sweep else [DEFAULT]:
-            set_tiles(cfg)
-            try:
-                tried[cfg] = time_graph(lambda: [fp8(j) for j in range(layers)], iters=iters) / layers
-            except Exception as exc:  # a tile that does not fit shared memory or registers
-                print(f"  T={t} tile {cfg}: {type(exc).__name__}")
-        set_tiles(DEFAULT)
+        tma = moe_kernels.tma_form(x, t * top, e, d, i)
+
+        def timed(fp8: Callable[[int], torch.Tensor] = fp8, iters: int = iters) -> float:
+            return time_graph(lambda: [fp8(j) for j in range(layers)], iters=iters) / layers
+
+        tried: dict[tuple, float] = {DEFAULT: timed()}
+        if sweep:  # the tiles of the form these tokens take
+            tried.update(sweep_tma(t, timed) if tma else sweep_fused(t, timed))
         best = min(tried, key=tried.__getitem__)
         ours = tried[DEFAULT]
         flops = 2 * t * top * 3 * d * i
         row = {"bf16_us": round(base, 1), "fp8_us": round(ours, 1), "fp8_vs_bf16": round(base / ours, 3),
                "tiles": list(moe_kernels.fp8_tiles(t * top, e)),
-               "fp8_form": "tma" if moe_kernels.tma_form(x, t * top, e, d, i) else "fused",
+               "fp8_form": "tma" if tma else "fused",
                "fp8_err": round(err, 4), "fp8_tflops": round(flops / (ours * 1e-6) / 1e12, 1),
                "bf16_path": "fused" if moe_kernels.supported(x, ids.numel()) else "grouped_mm"}
         if sweep:
@@ -183,7 +226,9 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 64, 256, 1024, 4096, 16384])
     ap.add_argument("--skip-dense", action="store_true")
     ap.add_argument("--skip-experts", action="store_true")
-    ap.add_argument("--sweep", action="store_true", help="the FP8 experts at every tile of FP8_TILES (best reported)")
+    ap.add_argument("--sweep", action="store_true",
+                    help="the FP8 experts at other tiles (best reported): FP8_TILES for the fused form, TMA_GATE_UP "
+                         "and TMA_DOWN where the TMA form serves")
     ap.add_argument("--tma-min-rows", type=float, nargs="+", default=None,
                     help="the FP8 experts once per value of moe_kernels.FP8_TMA_MIN_ROWS (0: the TMA form at every "
                          "size, inf: the fused form at every size); default: the engine's")
