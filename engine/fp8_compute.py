@@ -4,10 +4,11 @@
 ``use_fp8_compute(model)`` turns a freshly built (meta) model's MoE layers into that form: the stacked
 experts in e4m3 with their scale stacks (``MoE.hold_fp8``), so the loader copies the stored bytes. Every
 other FP8 weight (attention's projections, dense MLPs, shared experts) is dequantized at load into the
-model's dtype and runs on cuBLAS: on an H200 at V2-Lite's shapes bf16 cuBLAS beat both our W8A8 Triton GEMM
-(``engine.fp8_kernels.gemm``) and torch's block-scaled ``_scaled_mm`` at every batch size
-(``benchmarks/fp8_gemm.py``, docs/benchmarks.md), and those linears are a small share of an MoE model's
-bytes. ``kv_b_proj`` would be dequantized anyway: the absorbed MLA path multiplies by its halves. Off CUDA
+model's dtype and runs on cuBLAS: at V2-Lite's shapes bf16 cuBLAS beats our W8A8 Triton GEMM
+(``engine.fp8_kernels.gemm``) at every batch size, and torch's block-scaled ``_scaled_mm`` at decode sizes (it
+wins on some shapes only at prefill sizes, and refuses some shapes); at decode sizes these GEMMs are bound by
+latency, not bytes (``benchmarks/fp8_gemm.py``, docs/benchmarks.md). Those linears are a small share of an MoE
+model's bytes. ``kv_b_proj`` would be dequantized anyway: the absorbed MLA path multiplies by its halves. Off CUDA
 (the CPU engine) every FP8 weight is dequantized at load.
 """
 
