@@ -218,15 +218,17 @@ if HAS_TRITON:
         cols = tile * BN + tl.arange(0, BN)
         cmask = cols < INTER
         w = W + e.to(tl.int64) * (2 * INTER * D)  # expert e: [2I, D], gate rows then up rows
-        ws = WS + e.to(tl.int64) * (2 * SBI * NKB)
+        wsg = WS + e.to(tl.int64) * (2 * SBI * NKB) + tile * NKB  # FP8: the tile's gate block's scales
+        wsu = wsg + SBI * NKB  # and its up block's
         for m0 in range(start, end, BM):  # one tile, or none
             rows = m0 + tl.arange(0, BM)
             rmask = rows < end
             tok = tl.load(SRC + rows, mask=rmask, other=0).to(tl.int64)
+            xs = XS + tok * NKB
             gate = tl.zeros([BM, BN], tl.float32)
             up = tl.zeros([BM, BN], tl.float32)
             if FP8:  # the first step's scales; each step loads the next one's (see fp8_kernels.step_scales)
-                sa, sg, su = step_scales(XS + tok * NKB, rmask, ws + tile * NKB, ws + (SBI + tile) * NKB, 0)
+                sa, sg, su = step_scales(xs, rmask, wsg, wsu, 0)
             for k0 in range(0, D, BK):
                 ks = k0 + tl.arange(0, BK)
                 kmask = ks < D
@@ -235,8 +237,7 @@ if HAS_TRITON:
                 wg = tl.load(w + cols[None, :].to(tl.int64) * D + ks[:, None], mask=wmask, other=0.0)  # [BK, BN]
                 wu = tl.load(w + (cols[None, :] + INTER).to(tl.int64) * D + ks[:, None], mask=wmask, other=0.0)
                 if FP8:
-                    sa_n, sg_n, su_n = step_scales(XS + tok * NKB, rmask, ws + tile * NKB, ws + (SBI + tile) * NKB,
-                                                    tl.minimum(k0 // BK + 1, NKB - 1))
+                    sa_n, sg_n, su_n = step_scales(xs, rmask, wsg, wsu, tl.minimum(k0 // BK + 1, NKB - 1))
                     gate += tl.dot(a, wg) * (sa * sg)[:, None]
                     up += tl.dot(a, wu) * (sa * su)[:, None]
                     sa, sg, su = sa_n, sg_n, su_n
@@ -261,8 +262,9 @@ if HAS_TRITON:
             rows = m0 + tl.arange(0, BM)
             rmask = rows < end
             acc = tl.zeros([BM, BN], tl.float32)
+            as_ = AS + rows.to(tl.int64) * NKB
             if FP8:  # the first step's scales; each step loads the next one's (see fp8_kernels.step_scales)
-                sa, sb, _ = step_scales(AS + rows.to(tl.int64) * NKB, rmask, wsb, wsb, 0)
+                sa, sb, _ = step_scales(as_, rmask, wsb, wsb, 0)
             for k0 in range(0, INTER, BK):
                 ks = k0 + tl.arange(0, BK)
                 kmask = ks < INTER
@@ -271,8 +273,7 @@ if HAS_TRITON:
                 wd = tl.load(w + cols[None, :].to(tl.int64) * INTER + ks[:, None], mask=kmask[:, None] & cmask[None, :],
                              other=0.0)
                 if FP8:
-                    sa_n, sb_n, _ = step_scales(AS + rows.to(tl.int64) * NKB, rmask, wsb, wsb,
-                                                 tl.minimum(k0 // BK + 1, NKB - 1))
+                    sa_n, sb_n, _ = step_scales(as_, rmask, wsb, wsb, tl.minimum(k0 // BK + 1, NKB - 1))
                     acc += tl.dot(a, wd) * (sa * sb)[:, None]
                     sa, sb = sa_n, sb_n
                 else:
@@ -292,7 +293,8 @@ if HAS_TRITON:
         e, start, end = _row_tile(OFFS, tl.program_id(1), E, EP, BM)
         cols = tile * BK + tl.arange(0, BK)
         cmask = cols < INTER
-        ws = WS + e.to(tl.int64) * (2 * SBI * NKB)
+        wsg = WS + e.to(tl.int64) * (2 * SBI * NKB) + tile * NKB  # the tile's gate block's scales
+        wsu = wsg + SBI * NKB  # and its up block's
         wrow = e * (2 * INTER) + tile * BK
         for m0 in range(start, end, BM):  # one tile, or none
             rows = m0 + tl.arange(0, BM)
@@ -307,14 +309,13 @@ if HAS_TRITON:
             su_ = 1.0
             tok = tl.load(SRC + rows, mask=rmask, other=0).to(tl.int64)
             xs = XS + tok * NKB
-            sa, sg, su = step_scales(xs, rmask, ws + tile * NKB, ws + (SBI + tile) * NKB, 0)
+            sa, sg, su = step_scales(xs, rmask, wsg, wsu, 0)
             for k0 in range(0, D, BK):
                 ks = k0 + tl.arange(0, BK)
                 a = tl.load(X + tok[:, None] * s_x + ks[None, :], mask=rmask[:, None] & (ks < D)[None, :], other=0.0)
                 wg = WD.load([wrow, k0])
                 wu = WD.load([wrow + INTER, k0])
-                sa_n, sg_n, su_n = step_scales(xs, rmask, ws + tile * NKB, ws + (SBI + tile) * NKB,
-                                                tl.minimum(k0 // BK + 1, NKB - 1))
+                sa_n, sg_n, su_n = step_scales(xs, rmask, wsg, wsu, tl.minimum(k0 // BK + 1, NKB - 1))
                 sa = tl.where(rmask, sa, 1.0)
                 sg = tl.maximum(sg, _MIN_WS)
                 su = tl.maximum(su, _MIN_WS)
@@ -342,12 +343,12 @@ if HAS_TRITON:
             rows = m0 + tl.arange(0, BM)
             rmask = rows < end
             acc = tl.zeros([BM, BN], tl.float32)
-            sa, sb, _ = step_scales(AS + rows.to(tl.int64) * NKB, rmask, wsb, wsb, 0)
+            as_ = AS + rows.to(tl.int64) * NKB
+            sa, sb, _ = step_scales(as_, rmask, wsb, wsb, 0)
             for k0 in range(0, INTER, BK):
                 a = AD.load([m0, k0])
                 w = WD.load([wrow, k0])
-                sa_n, sb_n, _ = step_scales(AS + rows.to(tl.int64) * NKB, rmask, wsb, wsb,
-                                             tl.minimum(k0 // BK + 1, NKB - 1))
+                sa_n, sb_n, _ = step_scales(as_, rmask, wsb, wsb, tl.minimum(k0 // BK + 1, NKB - 1))
                 acc += tl.dot(a, w.T) * (sa * sb)[:, None]
                 sa, sb = sa_n, sb_n
             dest = tl.load(ORDER + rows, mask=rmask, other=0).to(tl.int64)
