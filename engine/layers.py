@@ -15,7 +15,7 @@ from torch import nn
 
 from engine import moe_kernels, norm_kernels
 from engine.config import ModelConfig
-from engine.fp8 import FP8_DTYPE, scale_shape
+from engine.fp8 import BLOCK, FP8_DTYPE, scale_shape
 from engine.parallel.expert_parallel import ExpertParallel
 
 
@@ -112,6 +112,8 @@ class MoE(nn.Module):
         self.w13 = nn.Parameter(torch.empty(e, 2 * i, h))  # per expert: cat(gate_proj, up_proj)
         self.w2 = nn.Parameter(torch.empty(e, h, i))  # per expert: down_proj
         self.shared_experts = MLP(h, i * cfg.n_shared_experts) if cfg.n_shared_experts else None
+        self.routed = e  # the stack's first ``routed`` entries are the experts the router picks
+        self.shared_slots = 0  # then this many hold the shared experts (block FP8: ``hold_fp8``)
         self.w13_scale_inv: nn.Parameter | None
         self.w2_scale_inv: nn.Parameter | None
         self.register_parameter("w13_scale_inv", None)  # block FP8 experts only (hold_fp8)
@@ -121,10 +123,23 @@ class MoE(nn.Module):
         """Hold the routed experts in block FP8: w13 / w2 in e4m3 and each expert's ``weight_scale_inv``
         stacked the same way (``w13_scale_inv`` [E, 2 * cdiv(I, 128), cdiv(D, 128)]: gate_proj's blocks, then
         up_proj's; ``w2_scale_inv`` [E, cdiv(D, 128), cdiv(I, 128)]), run by the fused W8A8 kernels. Under
-        expert parallelism E is this rank's share."""
+        expert parallelism E is this rank's share.
+
+        The shared experts (an MLP of ``n_shared_experts * I`` columns) join the stack as that many more
+        experts of I columns each, which every token chooses with weight 1: the same kernels read them in
+        FP8 in the same launches, where a separate bf16 MLP read twice the bytes in three more GEMMs (the
+        gain per layer and step: docs/benchmarks.md). Splitting the
+        MLP's columns is exact (silu(gate) * up is per column and the down projection sums over them), and
+        so are its scales where each slot's columns fill whole 128-blocks or lie in one (I a multiple or a
+        divisor of 128). Under expert parallelism the shared MLP stays separate (every rank runs it, the
+        stack is a shard)."""
         e, two_i, d = self.w13.shape
         i = two_i // 2
         dev = self.w13.device
+        if self.shared_experts is not None and self.ep is None and (i % BLOCK[0] == 0 or BLOCK[0] % i == 0):
+            self.shared_slots = self.shared_experts.gate_proj.out_features // i
+            self.shared_experts = None
+            e += self.shared_slots
         gi, gd = scale_shape((i, d))
         self.w13 = nn.Parameter(torch.empty(e, two_i, d, dtype=FP8_DTYPE, device=dev), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(e, d, i, dtype=FP8_DTYPE, device=dev), requires_grad=False)
@@ -143,9 +158,10 @@ class MoE(nn.Module):
             return x.clone()
         weights, ids = self.gate(x)  # [T, K]
         shared = self.shared_experts(x) if self.shared_experts is not None else None
-        if self.w13_scale_inv is not None:  # block FP8: the fused W8A8 kernels at every size
-            per_token = moe_kernels.fused_experts(x, ids, self.w13, self.w2, self.w13_scale_inv, self.w2_scale_inv)
-            return moe_kernels.combine(per_token, weights, shared=shared)
+        if self.w13_scale_inv is not None:  # block FP8: the fused W8A8 kernels at every size (shared slots too)
+            per_token = moe_kernels.fused_experts(x, ids, self.w13, self.w2, self.w13_scale_inv, self.w2_scale_inv,
+                                                  shared=self.shared_slots)
+            return moe_kernels.combine(per_token, weights, shared=shared, slots=self.shared_slots)
         if moe_kernels.supported(x, ids.numel()):  # decode sizes on CUDA: route + two fused GEMMs
             per_token = moe_kernels.fused_experts(x, ids, self.w13, self.w2)  # [T, K, D]
             return moe_kernels.combine(per_token, weights, shared=shared)
@@ -165,6 +181,10 @@ class MoE(nn.Module):
         per_choice = torch.empty_like(out).index_copy_(0, order, out).view(-1, k, out.shape[-1])
         routed = torch.bmm(weights.unsqueeze(1).to(out.dtype), per_choice).squeeze(1)
         return routed + shared if shared is not None else routed
+
+    def routed_params(self) -> int:
+        """Parameters of the routed experts held here (the shared experts' slots not counted)."""
+        return (self.w13.numel() + self.w2.numel()) // self.w13.shape[0] * self.routed
 
     def _forward_ep(self, x: torch.Tensor, counts: list[int], static: bool = False) -> torch.Tensor:
         """Dispatch every rank's routed rows, run this rank's experts on the choices that picked them, and

@@ -166,7 +166,7 @@ class DeepseekForCausalLM(nn.Module):
 
     def routed_expert_params(self) -> int:
         """Parameters of the routed experts this model holds (1/EP of them under expert parallelism)."""
-        return sum(p.numel() for n, p in self.named_parameters() if n.endswith((".mlp.w13", ".mlp.w2")))
+        return sum(m.routed_params() for m in self.modules() if isinstance(m, MoE))
 
     def expert_collectives(self, ep_counts: list[int]) -> None:
         """An eager step without rows on one member of an EP group (``engine.parallel.expert_parallel.ExpertGroup``):

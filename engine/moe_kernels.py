@@ -85,10 +85,11 @@ FP8_DOWN_BN: int | None = None
 FP8_DOWN_WARPS: int | None = None
 # FP8 experts at prefill sizes (from this many (token, choice) rows an expert on average, on Hopper): weight tiles
 # come in through TMA (no pointer tensors of theirs in registers), which leaves room for 128-row gate-up tiles.
-# (gate-up rows, warps, stages; down rows, columns, warps, stages); a sweep on an
-# H100 (docs/benchmarks.md, 2026-12-06 fourth session): 1.29x / 1.34x the fused form at 4,096 / 16,384 tokens.
+# (gate-up rows, warps, stages; down rows, columns, warps, stages); sweeps on an H100 (docs/benchmarks.md, 2026-12-06
+# fourth session: 1.29x / 1.34x the fused form at 4,096 / 16,384 tokens; sixth: 3 gate-up stages, once the scales
+# were loaded a step ahead, 1.03x / 1.05x over 4).
 FP8_TMA_MIN_ROWS = 64.0
-FP8_TMA_TILES = (128, 8, 4, 64, 128, 4, 4)
+FP8_TMA_TILES = (128, 8, 3, 64, 128, 4, 4)
 MAX_ROWS = 4096  # above this many (token, choice) rows the caller's grouped GEMM is the better tool
 # From this many (token, choice) rows routing runs as three kernels over chunks of rows (count per chunk,
 # offsets, place) instead of one program walking all rows twice; 0: always one program. One MoE layer on
@@ -114,7 +115,7 @@ if HAS_TRITON:
         tl.store(OUT + rows[:, None].to(tl.int64) * INTER + cols[None, :], h.to(OUT.dtype.element_ty), mask=omask)
 
     @triton.jit
-    def _moe_route(IDS, OFFS, SRC, ORDER, N, E: tl.constexpr, EP: tl.constexpr, K: tl.constexpr,
+    def _moe_route(IDS, OFFS, SRC, ORDER, N, S, E: tl.constexpr, EP: tl.constexpr, K: tl.constexpr,
                    CHUNK: tl.constexpr):
         experts = tl.arange(0, EP)
         counts = tl.zeros([EP], tl.int32)
@@ -126,6 +127,7 @@ if HAS_TRITON:
         starts = ends - counts
         tl.store(OFFS + 1 + experts, ends, mask=experts < E)
         tl.store(OFFS + experts, 0, mask=experts == 0)
+        _shared_offsets(OFFS, tl.sum(tl.where(experts < E, counts, 0), 0), N // K, S, E)
         seen = tl.zeros([EP], tl.int32)
         for c in range(0, tl.cdiv(N, CHUNK)):  # pass 2: each row's place among its expert's rows, in order
             i = c * CHUNK + tl.arange(0, CHUNK)
@@ -136,8 +138,24 @@ if HAS_TRITON:
             row = tl.sum(hot * (starts[None, :] + before), 1)
             m = m & (e < EP)  # an id past the one-hot's columns (a skipped choice) has no row
             tl.store(SRC + row, i // K, mask=m)
-            tl.store(ORDER + row, i, mask=m)
+            tl.store(ORDER + row, i + (i // K) * S, mask=m)  # (token, choice) of K + S choices a token
             seen += tl.sum(hot, 0)
+
+    @triton.jit
+    def _shared_offsets(OFFS, routed_rows, T, S, E):
+        # the S shared experts after the E routed: every token's row, T rows each
+        for j in range(0, S):
+            tl.store(OFFS + E + 1 + j, routed_rows + (j + 1) * T)
+
+    @triton.jit
+    def _moe_shared_rows(OFFS, SRC, ORDER, T, K: tl.constexpr, S: tl.constexpr, E, BLOCK: tl.constexpr):
+        # program (token block, j): shared expert j's rows, one a token in token order, after the routed rows
+        j = tl.program_id(1)
+        t = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        m = t < T
+        row = tl.load(OFFS + E) + j * T + t
+        tl.store(SRC + row, t, mask=m)
+        tl.store(ORDER + row, t * (K + S) + K + j, mask=m)
 
     @triton.jit
     def _moe_count(IDS, COUNTS, N, EP: tl.constexpr, CHUNK: tl.constexpr):
@@ -149,7 +167,7 @@ if HAS_TRITON:
         tl.store(COUNTS + p * EP + experts, tl.sum((e[:, None] == experts[None, :]).to(tl.int32), 0))
 
     @triton.jit
-    def _moe_offsets(COUNTS, BASE, OFFS, P, E, EP: tl.constexpr, CT: tl.constexpr):
+    def _moe_offsets(COUNTS, BASE, OFFS, P, E, T, S, EP: tl.constexpr, CT: tl.constexpr):
         # one program: expert e's rows start at OFFS[e]; chunk p's rows of expert e at BASE[p, e] (earlier chunks'
         # rows of e first). Chunks in tiles of CT ([CT, EP] counts at a time), over a loop bounded at run time:
         # the experts' totals first, then each tile's offsets after the tiles before it. (No shape in a
@@ -165,6 +183,7 @@ if HAS_TRITON:
         ends = tl.cumsum(totals, 0)
         tl.store(OFFS + 1 + experts, ends, mask=experts < E)
         tl.store(OFFS + experts, ends * 0, mask=experts == 0)  # offs[0] = 0
+        _shared_offsets(OFFS, tl.sum(tl.where(experts < E, totals, 0), 0), T, S, E)
         running = ends - totals
         for c0 in range(0, P, CT):
             chunks = c0 + tile
@@ -175,7 +194,7 @@ if HAS_TRITON:
             running += tl.sum(counts, 0)
 
     @triton.jit
-    def _moe_place(IDS, BASE, SRC, ORDER, N, K: tl.constexpr, EP: tl.constexpr, CHUNK: tl.constexpr):
+    def _moe_place(IDS, BASE, SRC, ORDER, N, S, K: tl.constexpr, EP: tl.constexpr, CHUNK: tl.constexpr):
         # program p: each of its rows' place among its expert's rows, in row order (as _moe_route)
         p = tl.program_id(0)
         experts = tl.arange(0, EP)
@@ -187,7 +206,7 @@ if HAS_TRITON:
         row = tl.sum(hot * (base[None, :] + tl.cumsum(hot, 0) - hot), 1)
         m = m & (e < EP)  # a skipped choice (id past the columns) has no row
         tl.store(SRC + row, i // K, mask=m)
-        tl.store(ORDER + row, i, mask=m)
+        tl.store(ORDER + row, i + (i // K) * S, mask=m)
 
     @triton.jit
     def _row_tile(OFFS, b, E, EP: tl.constexpr, BM: tl.constexpr):
@@ -357,7 +376,8 @@ if HAS_TRITON:
 
     @triton.jit
     def _moe_combine(Y, ROW, WT, SHARED, OUT, D, K: tl.constexpr, BD: tl.constexpr, HAS_ROW: tl.constexpr,
-                     HAS_SHARED: tl.constexpr):
+                     HAS_SHARED: tl.constexpr, SLOTS: tl.constexpr):
+        # SLOTS: each token's Y row holds K + SLOTS outputs, the last SLOTS the shared experts' (weight 1)
         t = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BD + tl.arange(0, BD)
         cmask = cols < D
@@ -366,9 +386,11 @@ if HAS_TRITON:
             if HAS_ROW:
                 r = tl.load(ROW + t * K + j).to(tl.int64)
             else:
-                r = t * K + j
+                r = t * (K + SLOTS) + j
             w = tl.load(WT + t * K + j).to(tl.float32)
             acc += w * tl.load(Y + r * D + cols, mask=cmask, other=0.0).to(tl.float32)
+        for j in tl.static_range(SLOTS):
+            acc += tl.load(Y + (t * (K + SLOTS) + K + j) * D + cols, mask=cmask, other=0.0).to(tl.float32)
         if HAS_SHARED:
             acc += tl.load(SHARED + t * D + cols, mask=cmask, other=0.0).to(tl.float32)
         tl.store(OUT + t * D + cols, acc.to(OUT.dtype.element_ty), mask=cmask)
@@ -391,10 +413,13 @@ def supported(x: torch.Tensor, num_rows: int) -> bool:
 
 
 def fused_experts(x: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                  w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None) -> torch.Tensor:
+                  w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
+                  shared: int = 0) -> torch.Tensor:
     """x [T, D], expert ids [T, K], w13 [E, 2I, D] (gate rows, then up rows), w2 [E, D, I]
     -> each (token, choice)'s expert output [T, K, D] in x's dtype (unweighted); a choice of id ``>= E`` is
-    skipped, its slot left unwritten.
+    skipped, its slot left unwritten. With ``shared`` (S), the stack's last S experts are ones every token
+    chooses besides its K (the shared experts: ``engine.layers.MoE.hold_fp8``): ids name the first E - S, and
+    the output is [T, K + S, D], the shared experts' outputs last.
 
     Block-FP8 experts (W8A8): w13 and w2 in e4m3 with their ``weight_scale_inv`` stacks, ``w13_scale``
     [E, 2 * cdiv(I, 128), cdiv(D, 128)] (gate_proj's blocks, then up_proj's) and ``w2_scale``
@@ -403,13 +428,13 @@ def fused_experts(x: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor, w2: tor
     t, k = ids.shape
     e, two_i, d = w13.shape
     i = two_i // 2
-    n = t * k
+    n = t * (k + shared)
     if x.stride(-1) != 1 or not w13.is_contiguous() or not w2.is_contiguous() or w2.shape != (e, d, i):
         raise ValueError(f"fused_experts: x {tuple(x.shape)}, w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)}")
     dev = x.device
-    offs, src, order = route(ids, e)
+    offs, src, order = route(ids, e - shared, shared)
     ep = triton.next_power_of_2(e)
-    out = torch.empty(t, k, d, dtype=x.dtype, device=dev)
+    out = torch.empty(t, k + shared, d, dtype=x.dtype, device=dev)
     if w13.dtype == FP8_DTYPE:
         if w13_scale is None or w2_scale is None:
             raise ValueError("fused_experts: FP8 experts need their weight_scale_inv stacks")
@@ -498,16 +523,18 @@ def fp8_tiles(n: int, e: int) -> tuple[int, int, int, int, int]:
             FP8_DOWN_WARPS or down_warps)
 
 
-def route(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Expert ids [T, K] -> (offs [E+1], src [T*K], order [T*K]) int32: expert e's rows are
-    ``offs[e]:offs[e+1]``, in (token, choice) order; row r is token ``src[r]``'s choice ``order[r] % K``. Choices
-    of ids ``>= E`` get no row of ``[0, offs[E])``."""
+def route(ids: torch.Tensor, num_experts: int, shared: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Expert ids [T, K] -> (offs [E+S+1], src [T*(K+S)], order [T*(K+S)]) int32 for E routed experts and
+    ``shared`` (S) experts after them that every token chooses too, as its choices K..K+S-1: expert e's rows are
+    ``offs[e]:offs[e+1]``, in token order; row r is token ``src[r]``'s choice ``order[r] % (K+S)``. Choices of
+    ids ``>= E`` get no row of ``[0, offs[E])``. (The shared rows are laid out, not counted: a one-hot of E + S
+    columns would round up to the next power of two, and the offsets' scan grows with its square.)"""
     t, k = ids.shape
     n = t * k
     dev = ids.device
-    offs = torch.empty(num_experts + 1, dtype=torch.int32, device=dev)
-    src = torch.empty(n, dtype=torch.int32, device=dev)
-    order = torch.empty(n, dtype=torch.int32, device=dev)
+    offs = torch.empty(num_experts + shared + 1, dtype=torch.int32, device=dev)
+    src = torch.empty(t * (k + shared), dtype=torch.int32, device=dev)
+    order = torch.empty(t * (k + shared), dtype=torch.int32, device=dev)
     ep = triton.next_power_of_2(num_experts)
     flat = ids.reshape(-1)
     if ROUTE_SPLIT_ROWS and n >= ROUTE_SPLIT_ROWS:
@@ -516,12 +543,15 @@ def route(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tens
         counts = torch.empty(chunks, ep, dtype=torch.int32, device=dev)
         base = torch.empty(chunks, ep, dtype=torch.int32, device=dev)
         _moe_count[(chunks,)](flat, counts, n, EP=ep, CHUNK=chunk, num_warps=4)
-        _moe_offsets[(1,)](counts, base, offs, chunks, num_experts, EP=ep, CT=max(1, 4096 // ep),
+        _moe_offsets[(1,)](counts, base, offs, chunks, num_experts, t, shared, EP=ep, CT=max(1, 4096 // ep),
                            num_warps=4)  # [CT, EP] tiles of at most 4,096 counts: their scans fit shared memory
-        _moe_place[(chunks,)](flat, base, src, order, n, K=k, EP=ep, CHUNK=chunk, num_warps=4)
+        _moe_place[(chunks,)](flat, base, src, order, n, shared, K=k, EP=ep, CHUNK=chunk, num_warps=4)
     else:
-        _moe_route[(1,)](flat, offs, src, order, n, E=num_experts, EP=ep, K=k,
+        _moe_route[(1,)](flat, offs, src, order, n, shared, E=num_experts, EP=ep, K=k,
                          CHUNK=max(16, min(256, 8192 // ep)), num_warps=4)
+    if shared and t:
+        _moe_shared_rows[(triton.cdiv(t, 1024), shared)](offs, src, order, t, K=k, S=shared, E=num_experts,
+                                                         BLOCK=1024, num_warps=4)
     return offs, src, order
 
 
@@ -531,17 +561,19 @@ def usable(x: torch.Tensor) -> bool:
 
 
 def combine(y: torch.Tensor, weights: torch.Tensor, row_of: torch.Tensor | None = None,
-            shared: torch.Tensor | None = None) -> torch.Tensor:
+            shared: torch.Tensor | None = None, slots: int = 0) -> torch.Tensor:
     """Each token's weighted sum of its K expert outputs, plus ``shared`` -> [T, D] in y's dtype.
 
     ``weights`` [T, K] (any float dtype; used in fp32). ``y`` [N, D] holds the expert outputs: row
     ``row_of[t * K + j]`` is token t's choice j (``row_of`` [T*K] int), or without ``row_of`` y is in
-    (token, choice) order ([T, K, D] or [T*K, D]). ``shared`` [T, D] (contiguous) is added before the
-    one rounding."""
+    (token, choice) order ([T, K, D] or [T*K, D]; with ``slots``, [T, K + slots, D]: each token's last
+    ``slots`` outputs, the shared experts' of ``fused_experts(shared=...)``, added with weight 1). ``shared``
+    [T, D] (contiguous) is added before the one rounding."""
     t, k = weights.shape
     d = y.shape[-1]
     y = y.reshape(-1, d)
-    if y.stride(-1) != 1 or y.stride(0) != d or y.shape[0] < t * k or not (shared is None or shared.is_contiguous()):
+    if (y.stride(-1) != 1 or y.stride(0) != d or y.shape[0] < t * (k + slots)
+            or not (shared is None or shared.is_contiguous()) or (slots and row_of is not None)):
         raise ValueError(f"combine: y {tuple(y.shape)}, weights {tuple(weights.shape)}")
     out = torch.empty(t, d, dtype=y.dtype, device=y.device)
     if t == 0:
@@ -550,7 +582,7 @@ def combine(y: torch.Tensor, weights: torch.Tensor, row_of: torch.Tensor | None 
     wt = weights.contiguous()
     _moe_combine[(t, triton.cdiv(d, bd))](
         y, row_of if row_of is not None else wt, wt, shared if shared is not None else out, out, d,
-        K=k, BD=bd, HAS_ROW=row_of is not None, HAS_SHARED=shared is not None, num_warps=4)
+        K=k, BD=bd, HAS_ROW=row_of is not None, HAS_SHARED=shared is not None, SLOTS=slots, num_warps=4)
     return out
 
 

@@ -24,7 +24,15 @@ import torch
 from safetensors import safe_open
 
 from engine.config import ModelConfig
-from engine.fp8 import FP8_DTYPE, SCALE_SUFFIX, Fp8Config, dequantize_blocks, is_quantized_linear, quantize_blocks
+from engine.fp8 import (
+    BLOCK,
+    FP8_DTYPE,
+    SCALE_SUFFIX,
+    Fp8Config,
+    dequantize_blocks,
+    is_quantized_linear,
+    quantize_blocks,
+)
 from engine.fp8_compute import runs_fp8, use_fp8_compute
 from engine.kv_format import KVFormat
 from engine.model import DeepseekForCausalLM
@@ -32,8 +40,10 @@ from engine.parallel.expert_parallel import ExpertShard
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.*)$")
 _EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight(_scale_inv)?$")
+_SHARED = re.compile(r"^mlp\.shared_experts\.(gate_proj|up_proj|down_proj)\.weight(_scale_inv)?$")
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 _FUSED = "fused"  # transformers-5's stacked expert tensor [E, ...]: under EP, this rank's rows of it
+_SLOTS = "shared:"  # + the projection: a shared expert MLP's tensor split over the stack's shared slots
 
 
 @contextmanager
@@ -104,7 +114,16 @@ def _target(model: DeepseekForCausalLM, name: str) -> tuple[str, int | None, str
             if local is None:
                 return None
             expert = local
+        elif expert >= getattr(model.get_submodule(f"{prefix}.mlp"), "routed", expert + 1):
+            raise ValueError(f"tensor {name!r}: expert {expert} out of range (n_routed_experts="
+                             f"{model.cfg.n_routed_experts})")  # (the stack's shared slots follow the routed)
         return f"{prefix}.mlp.{param}", expert, part
+    sh = _SHARED.match(rest)
+    if sh is not None:
+        moe = model.get_submodule(f"{prefix}.mlp")
+        if getattr(moe, "shared_slots", 0):  # block FP8: the shared experts are slots of the stack (MoE.hold_fp8)
+            param = ("w2" if sh.group(1) == "down_proj" else "w13") + (sh.group(2) or "")
+            return f"{prefix}.mlp.{param}", moe.routed, _SLOTS + sh.group(1)
     if rest == "mlp.experts.gate_up_proj":
         return f"{prefix}.mlp.w13", None, _FUSED
     if rest == "mlp.experts.down_proj":
@@ -137,6 +156,15 @@ def load_weights(model: DeepseekForCausalLM, model_dir: str | Path) -> None:
                 part = None
                 if model.experts is not None:
                     t = t[model.experts.start : model.experts.stop]
+            if part is not None and part.startswith(_SLOTS):
+                assert expert is not None
+                part = part[len(_SLOTS):]
+                weight = params[pname.removesuffix(SCALE_SUFFIX)]
+                cols = weight.shape[-1] if part == "down_proj" else weight.shape[1] // 2
+                for j, piece in enumerate(_slot_pieces(t, weight.shape[0] - expert, cols, part, name)):
+                    _copy(params[pname], piece, name, expert + j, part)
+                    filled.add((pname, expert + j, part))
+                continue
             _copy(params[pname], t, name, expert, part)
             filled.add((pname, expert, part))
     if model.cfg.tie_word_embeddings and "lm_head.weight" in params and "model.embed_tokens.weight" in params:
@@ -188,6 +216,24 @@ def _check_scale_owner(scale_name: str, where: Mapping[str, tuple[Path, Any]]) -
         raise ValueError(f"tensor {scale_name!r} scales {weight!r}, which is {dtype}, not FP8 (e4m3)")
 
 
+def _slot_pieces(t: torch.Tensor, slots: int, cols: int, part: str, name: str) -> list[torch.Tensor]:
+    """A shared expert MLP's weight (or its scales) split into its ``slots`` experts of ``cols`` columns each:
+    gate_proj's and up_proj's rows, down_proj's columns. A slot's scales are the blocks that hold its columns
+    (whole blocks each, or one block several slots share: ``MoE.hold_fp8`` holds only such shapes)."""
+    dim = 1 if part == "down_proj" else 0
+    if name.endswith(SCALE_SUFFIX):
+        first = [(j * cols + c) // BLOCK[0] for j in range(slots) for c in range(0, cols, BLOCK[0])]
+        rows = torch.tensor(first, dtype=torch.long).view(slots, -1)
+        if int(rows.max()) >= t.shape[dim]:
+            raise ValueError(f"tensor {name!r} has shape {tuple(t.shape)}: too few blocks for {slots} shared "
+                             f"experts of {cols} columns")
+        return [t.index_select(dim, r) for r in rows]
+    if t.shape[dim] != slots * cols:
+        raise ValueError(f"tensor {name!r} has shape {tuple(t.shape)}; the config implies {slots * cols} columns "
+                         f"along dimension {dim} ({slots} shared experts of {cols})")
+    return list(t.chunk(slots, dim))
+
+
 def _copy(param: torch.Tensor, t: torch.Tensor, name: str, expert: int | None, part: str | None) -> None:
     if expert is None:
         dst = param
@@ -217,7 +263,9 @@ def _check_complete(
             if not absent:
                 continue
             layer = pname.split(".mlp.")[0].rsplit(".", 1)[1]  # model.layers.{i}.mlp.w13 / mtp.{i}.mlp.w13
-            missing += [f"model.layers.{layer}.mlp.experts.{e}.{pt}.weight{scale}" for e, pt in absent]
+            routed = model.get_submodule(pname.rsplit(".", 1)[0]).routed  # then the shared experts' slots
+            missing += sorted({f"model.layers.{layer}.mlp." + (f"experts.{e}" if e < routed else "shared_experts")
+                               + f".{pt}.weight{scale}" for e, pt in absent})
         else:
             missing.append(pname)
     if missing:

@@ -123,6 +123,33 @@ def test_fp8_experts_match_the_dequantized_bf16_experts(shape: tuple[int, int, i
             assert _rel(got[~skip], ref[~skip]) < 5e-2
 
 
+def test_fp8_moe_layers_with_shared_slots_match_the_dequantized_layers(fp8_model) -> None:
+    """Each MoE layer of the FP8 checkpoint held on the GPU (routed experts and the shared experts' slots in
+    FP8: ``MoE.hold_fp8``) against the dequantized twin's bf16 layer (a separate shared MLP), eager and from a
+    CUDA graph, from 1 to 300 tokens (the fused and the TMA-fed forms)."""
+    from engine.config import ModelConfig
+    from engine.layers import MoE
+    from engine.weights import build_empty_model, load_weights
+
+    fp8, twin = fp8_model
+    dev = torch.device("cuda")
+    held = build_empty_model(ModelConfig.from_pretrained(fp8), torch.bfloat16, dev)
+    load_weights(held, fp8)
+    ref = build_empty_model(ModelConfig.from_pretrained(twin), torch.bfloat16, dev)
+    load_weights(ref, twin)
+    g = torch.Generator(device="cuda").manual_seed(3)
+    for i, layer in held.model.layers.items():
+        moe = layer.mlp
+        if not isinstance(moe, MoE):
+            continue
+        assert moe.shared_slots == held.cfg.n_shared_experts and moe.shared_experts is None
+        for t in (1, 64, 300):
+            x = torch.randn(t, held.cfg.hidden_size, device="cuda", generator=g).to(torch.bfloat16)
+            want = ref.model.layers[i].mlp(x)
+            assert _rel(moe(x), want) < 5e-2
+            assert _rel(_replayed(lambda v, moe=moe: moe(v, static=True), x), want) < 5e-2
+
+
 def _first_diff(a: list[int], b: list[int]) -> int:
     return next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 

@@ -216,6 +216,37 @@ def check_route_split(device: str, cases: tuple[tuple[int, int, int], ...] = ((1
         moe_kernels.ROUTE_SPLIT_ROWS = saved
 
 
+def check_shared_slots(device: str, dtype: torch.dtype, cases: tuple[tuple[int, int, int, int], ...] = (
+        (1, 6, 64, 2), (100, 6, 64, 2), (700, 8, 256, 1), (37, 2, 8, 2)), d: int = 64, inter: int = 32) -> None:
+    """Shared experts as the stack's last S experts, chosen by every token (``fused_experts(shared=S)``): the
+    routing lays their rows out exactly where routing the ids with S more columns (E..E+S-1) counts them, through
+    one program and through chunks; the outputs and ``combine(slots=S)`` equal those of the widened ids."""
+    g = torch.Generator().manual_seed(9)
+    saved = moe_kernels.ROUTE_SPLIT_ROWS
+    try:
+        for t, k, e, s in cases:
+            ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)]).to(device)
+            wide = torch.cat([ids, torch.arange(e, e + s, device=device).expand(t, s)], 1).contiguous()
+            for split in (0, 1):
+                moe_kernels.ROUTE_SPLIT_ROWS = split
+                for name, a, b in zip(("offs", "src", "order"), moe_kernels.route(wide, e + s),
+                                      moe_kernels.route(ids, e, s)):
+                    assert torch.equal(a, b), f"T={t} K={k} E={e} S={s} split={split}: {name} differs"
+            if t * (k + s) > 1000:
+                continue  # (the kernels' sizes below: the interpreter is slow)
+            x = torch.randn(t, d, generator=g).to(device=device, dtype=dtype)
+            w13 = (torch.randn(e + s, 2 * inter, d, generator=g) / d**0.5).to(device=device, dtype=dtype)
+            w2 = (torch.randn(e + s, d, inter, generator=g) / inter**0.5).to(device=device, dtype=dtype)
+            out = moe_kernels.fused_experts(x, ids, w13, w2, shared=s)
+            assert out.shape == (t, k + s, d)
+            assert torch.equal(out, moe_kernels.fused_experts(x, wide, w13, w2))
+            w = torch.rand(t, k, generator=g).to(device)
+            w_wide = torch.cat([w, torch.ones(t, s, device=device)], 1)
+            assert torch.equal(moe_kernels.combine(out, w, slots=s), moe_kernels.combine(out, w_wide))
+    finally:
+        moe_kernels.ROUTE_SPLIT_ROWS = saved
+
+
 def check_combine(device: str, dtype: torch.dtype, t: int = 37, k: int = 6, d: int = 200) -> None:
     g = torch.Generator().manual_seed(3)
     y = torch.randn(t * k, d, generator=g).to(device=device, dtype=dtype)
@@ -280,6 +311,11 @@ def test_routing_over_chunks_equals_one_program(monkeypatch: pytest.MonkeyPatch)
     check_route_split("cuda")
     monkeypatch.setattr(moe_kernels, "ROUTE_SPLIT_ROWS", 256)  # the fused experts through it, 1,800 rows
     check_experts("cuda", torch.bfloat16, 300, 6, 64, 2048, 1408)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_shared_slots_route_and_sum_as_widened_ids(dtype: torch.dtype) -> None:
+    check_shared_slots("cuda", dtype)
 
 
 def test_fused_experts_crowded_and_fp32() -> None:
@@ -386,6 +422,7 @@ if __name__ == "__main__":  # TRITON_INTERPRET=1: the same checks on CPU, small 
             print(dt, c, check_experts("cpu", dt, *c))
         check_combine("cpu", dt, t=5, k=3, d=40)
         check_route_split("cpu", ((1, 6, 64), (50, 6, 64), (40, 2, 8)))
+        check_shared_slots("cpu", dt, ((1, 6, 64, 2), (50, 6, 64, 2), (40, 2, 8, 2), (90, 6, 16, 1)), d=64, inter=32)
         check_experts_skipped("cpu", dt, t=9, k=3, d=64, inter=40)
         check_silu_mul("cpu", dt, n=7, inter=50)
         check_experts("cpu", dt, 40, 3, 8, 64, 32, crowd=True)
