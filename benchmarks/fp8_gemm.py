@@ -6,7 +6,10 @@ one H200, replayed from CUDA graphs:
   the two FP8 columns differ only in the GEMM) where this torch has it;
 - routed experts: the engine's bf16 path (fused Triton MoE up to ``MAX_ROWS`` rows, grouped GEMM above)
   vs the FP8 experts (``engine.moe_kernels.fused_experts`` with scales: the fused kernels, or from
-  ``FP8_TMA_MIN_ROWS`` rows an expert their TMA-fed form; ``--tma-min-rows 0 inf`` times both forms).
+  ``FP8_TMA_MIN_ROWS`` rows an expert their TMA-fed form; ``--tma-min-rows 0 inf`` times both forms);
+- the MoE layer's experts with its shared ones (``layer_us``): bf16 (the shared MLP's three GEMMs beside the
+  routed experts), FP8 routed experts with that bf16 MLP, and FP8 with the shared experts as slots of the
+  stack (the engine's FP8 form), each with its ``combine``.
 
   python benchmarks/fp8_gemm.py                 # V2-Lite and V3 shapes
   python benchmarks/fp8_gemm.py --preset v2-lite --rows 1 64 256
@@ -41,7 +44,7 @@ DENSE = {
            ("shared_gate", 2048, 7168), ("shared_down", 7168, 2048), ("dense_gate", 18432, 7168),
            ("dense_down", 7168, 18432)],
 }
-EXPERTS = {"v2-lite": (64, 2048, 1408, 6), "v3": (256, 7168, 2048, 8)}
+EXPERTS = {"v2-lite": (64, 2048, 1408, 6, 2), "v3": (256, 7168, 2048, 8, 1)}  # + n_shared_experts
 
 
 # Layouts of the two scale tensors torch._scaled_mm might take for 1x128 x 128x128 block scaling (torch's
@@ -165,35 +168,54 @@ def sweep_tma(t: int, timed: Callable[[], float]) -> dict[tuple, float]:
 
 
 def experts(preset: str, tokens: list[int], res: dict, sweep: bool) -> None:
-    e, d, i, top = EXPERTS[preset]
+    """The routed experts alone (bf16 / FP8 columns), and the whole MoE layer's experts with its shared ones:
+    bf16 (the shared MLP as three GEMMs beside the routed experts), FP8 routed with that bf16 MLP, and FP8 with
+    the shared experts as slots of the stack (``fused_experts(shared=S)``, the engine's FP8 form), each
+    with its ``combine``."""
+    e, d, i, top, sh = EXPERTS[preset]
     g = torch.Generator(device="cuda").manual_seed(1)
     layers = 4 if preset == "v2-lite" else 1  # cycled so a call does not find its weights in L2
     w13q, w13s, w2q, w2s, w13d, w2d = [], [], [], [], [], []
-    for _ in range(layers):
-        a = [quantize_blocks(torch.randn(i, d, device="cuda", generator=g) / d**0.5) for _ in range(2 * e)]
-        w13q.append(torch.stack([torch.cat([a[2 * j][0], a[2 * j + 1][0]]) for j in range(e)]))
-        w13s.append(torch.stack([torch.cat([a[2 * j][1], a[2 * j + 1][1]]) for j in range(e)]))
-        b = [quantize_blocks(torch.randn(d, i, device="cuda", generator=g) / i**0.5) for _ in range(e)]
+    for _ in range(layers):  # e routed experts, then the sh shared experts' slots
+        a = [quantize_blocks(torch.randn(i, d, device="cuda", generator=g) / d**0.5) for _ in range(2 * (e + sh))]
+        w13q.append(torch.stack([torch.cat([a[2 * j][0], a[2 * j + 1][0]]) for j in range(e + sh)]))
+        w13s.append(torch.stack([torch.cat([a[2 * j][1], a[2 * j + 1][1]]) for j in range(e + sh)]))
+        b = [quantize_blocks(torch.randn(d, i, device="cuda", generator=g) / i**0.5) for _ in range(e + sh)]
         w2q.append(torch.stack([q for q, _ in b]))
         w2s.append(torch.stack([s for _, s in b]))
         w13d.append(torch.stack([torch.cat([dequantize_blocks(*a[2 * j], dtype=torch.bfloat16),
                                             dequantize_blocks(*a[2 * j + 1], dtype=torch.bfloat16)])
-                                 for j in range(e)]))
+                                 for j in range(e + sh)]))
         w2d.append(torch.stack([dequantize_blocks(q, s, dtype=torch.bfloat16) for q, s in b]))
         del a, b
+    # the bf16 shared MLP as the engine's MLP holds it (gate_proj, up_proj, down_proj), from the same weights
+    mlp = [(torch.cat([w[e + j, :i] for j in range(sh)]), torch.cat([w[e + j, i:] for j in range(sh)]),
+            torch.cat([w2[e + j] for j in range(sh)], dim=1)) for w, w2 in zip(w13d, w2d)]
     for t in tokens:
         x = torch.randn(t, d, device="cuda", generator=g).to(torch.bfloat16)
         ids = torch.rand(t, e, device="cuda", generator=g).argsort(dim=1)[:, :top].contiguous()
 
         def bf16(j: int, x: torch.Tensor = x, ids: torch.Tensor = ids) -> torch.Tensor:
             if moe_kernels.supported(x, ids.numel()):
-                return moe_kernels.fused_experts(x, ids, w13d[j], w2d[j])
-            return grouped(x, ids, w13d[j], w2d[j])
+                return moe_kernels.fused_experts(x, ids, w13d[j][:e], w2d[j][:e])
+            return grouped(x, ids, w13d[j][:e], w2d[j][:e])
 
         def fp8(j: int, x: torch.Tensor = x, ids: torch.Tensor = ids) -> torch.Tensor:
-            return moe_kernels.fused_experts(x, ids, w13q[j], w2q[j], w13s[j], w2s[j])
+            return moe_kernels.fused_experts(x, ids, w13q[j][:e], w2q[j][:e], w13s[j][:e], w2s[j][:e])
 
-        ref = grouped(x, ids, w13d[0], w2d[0]).float()
+        def shared_mlp(j: int, x: torch.Tensor = x) -> torch.Tensor:
+            gate, up, down = mlp[j]
+            return F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)
+
+        wt = torch.rand(t, top, device="cuda", generator=g)
+        layer = {  # the MoE layer's experts, each form with its combine
+            "bf16": lambda j, wt=wt, b=bf16, m=shared_mlp: moe_kernels.combine(b(j), wt, shared=m(j)),
+            "fp8_bf16_shared": lambda j, wt=wt, f=fp8, m=shared_mlp: moe_kernels.combine(f(j), wt, shared=m(j)),
+            "fp8_shared_slots": lambda j, wt=wt, x=x, ids=ids: moe_kernels.combine(
+                moe_kernels.fused_experts(x, ids, w13q[j], w2q[j], w13s[j], w2s[j], shared=sh), wt, slots=sh),
+        }
+
+        ref = grouped(x, ids, w13d[0][:e], w2d[0][:e]).float()
         err = float((fp8(0).float() - ref).abs().max() / ref.abs().max())
         iters = 20 if t > 1024 else 200
         base = time_graph(lambda: [bf16(j) for j in range(layers)], iters=iters) / layers
@@ -213,6 +235,14 @@ def experts(preset: str, tokens: list[int], res: dict, sweep: bool) -> None:
                "fp8_form": "tma" if tma else "fused",
                "fp8_err": round(err, 4), "fp8_tflops": round(flops / (ours * 1e-6) / 1e12, 1),
                "bf16_path": "fused" if moe_kernels.supported(x, ids.numel()) else "grouped_mm"}
+        lay = {name: time_graph(lambda fn=fn: [fn(j) for j in range(layers)], iters=iters) / layers
+               for name, fn in layer.items()}
+        want = layer["bf16"](0).float()
+        row["layer_us"] = {name: round(us, 1) for name, us in lay.items()}
+        row["layer_slots_vs_bf16_shared"] = round(lay["fp8_bf16_shared"] / lay["fp8_shared_slots"], 3)
+        row["layer_fp8_vs_bf16"] = round(lay["bf16"] / lay["fp8_shared_slots"], 3)
+        row["layer_fp8_err"] = round(float((layer["fp8_shared_slots"](0).float() - want).abs().max()
+                                           / want.abs().max()), 4)
         if sweep:
             print(f"  T={t} sweep (us): " + ", ".join(f"{list(c)}: {us:.1f}" for c, us in tried.items()))
             row["best_tile"], row["best_us"] = list(best), round(tried[best], 1)
