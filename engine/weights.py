@@ -35,6 +35,7 @@ from engine.fp8 import (
 )
 from engine.fp8_compute import runs_fp8, use_fp8_compute
 from engine.kv_format import KVFormat
+from engine.layers import MoE
 from engine.model import DeepseekForCausalLM
 from engine.parallel.expert_parallel import ExpertShard
 
@@ -114,14 +115,14 @@ def _target(model: DeepseekForCausalLM, name: str) -> tuple[str, int | None, str
             if local is None:
                 return None
             expert = local
-        elif expert >= getattr(model.get_submodule(f"{prefix}.mlp"), "routed", expert + 1):
+        elif (moe := _moe(model, f"{prefix}.mlp")) is not None and expert >= moe.routed:
             raise ValueError(f"tensor {name!r}: expert {expert} out of range (n_routed_experts="
                              f"{model.cfg.n_routed_experts})")  # (the stack's shared slots follow the routed)
         return f"{prefix}.mlp.{param}", expert, part
     sh = _SHARED.match(rest)
     if sh is not None:
-        moe = model.get_submodule(f"{prefix}.mlp")
-        if getattr(moe, "shared_slots", 0):  # block FP8: the shared experts are slots of the stack (MoE.hold_fp8)
+        moe = _moe(model, f"{prefix}.mlp")
+        if moe is not None and moe.shared_slots:  # block FP8: the shared experts are slots of the stack (hold_fp8)
             param = ("w2" if sh.group(1) == "down_proj" else "w13") + (sh.group(2) or "")
             return f"{prefix}.mlp.{param}", moe.routed, _SLOTS + sh.group(1)
     if rest == "mlp.experts.gate_up_proj":
@@ -129,6 +130,11 @@ def _target(model: DeepseekForCausalLM, name: str) -> tuple[str, int | None, str
     if rest == "mlp.experts.down_proj":
         return f"{prefix}.mlp.w2", None, _FUSED
     return f"{prefix}.{rest}", None, None
+
+
+def _moe(model: DeepseekForCausalLM, name: str) -> MoE | None:
+    module = model.get_submodule(name)
+    return module if isinstance(module, MoE) else None
 
 
 def load_weights(model: DeepseekForCausalLM, model_dir: str | Path) -> None:
@@ -263,7 +269,8 @@ def _check_complete(
             if not absent:
                 continue
             layer = pname.split(".mlp.")[0].rsplit(".", 1)[1]  # model.layers.{i}.mlp.w13 / mtp.{i}.mlp.w13
-            routed = model.get_submodule(pname.rsplit(".", 1)[0]).routed  # then the shared experts' slots
+            moe = _moe(model, pname.rsplit(".", 1)[0])
+            routed = moe.routed if moe is not None else p.shape[0]  # then the shared experts' slots
             missing += sorted({f"model.layers.{layer}.mlp." + (f"experts.{e}" if e < routed else "shared_experts")
                                + f".{pt}.weight{scale}" for e, pt in absent})
         else:
