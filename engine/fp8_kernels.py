@@ -152,17 +152,22 @@ def linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> torch.Ten
     return gemm(q, s, w, w_scale, x.dtype)
 
 
+def reference_groups(x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] as the kernels see it after quantizing it per row and group of 128 channels (``quantize_rows``),
+    dequantized, in fp32 torch (for tests)."""
+    m, k = x.shape
+    ng = -(-k // GROUP)
+    pad = torch.zeros(m, ng * GROUP, dtype=torch.float32, device=x.device)
+    pad[:, :k] = x.float()
+    g = pad.view(m, ng, GROUP)
+    s = g.abs().amax(-1).clamp(min=_MIN_AMAX) / FP8_MAX
+    xq = (g / s[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).float() * s[..., None]
+    return xq.view(m, -1)[:, :k]
+
+
 def reference_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
     """What ``linear`` computes, in fp32 torch (for tests): both operands dequantized after the same
     quantization of the activations."""
     from engine.fp8 import dequantize_blocks
 
-    m, k = x.shape
-    xf = x.float()
-    ng = -(-k // GROUP)
-    pad = torch.zeros(m, ng * GROUP, dtype=torch.float32, device=x.device)
-    pad[:, :k] = xf
-    g = pad.view(m, ng, GROUP)
-    s = g.abs().amax(-1).clamp(min=_MIN_AMAX) / FP8_MAX
-    xq = (g / s[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).float() * s[..., None]
-    return xq.view(m, -1)[:, :k] @ dequantize_blocks(w, w_scale).T
+    return reference_groups(x) @ dequantize_blocks(w, w_scale).T

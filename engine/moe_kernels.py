@@ -598,6 +598,31 @@ def silu_mul(h: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def fused_experts_reference_fp8(x: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                               w13_scale: torch.Tensor, w2_scale: torch.Tensor) -> torch.Tensor:
+    """What the block-FP8 ``fused_experts`` computes, in fp32 torch (for tests): the tokens quantized per 128-channel
+    group, each (token, choice)'s gate-up product with its expert's dequantized weights, ``silu(gate) * up``
+    quantized per group as the gate-up kernel writes it, and the down product -> [T, K, D] fp32; a skipped
+    choice's slot (id ``>= E``) is 0."""
+    from engine.fp8 import dequantize_blocks
+    from engine.fp8_kernels import reference_groups
+
+    t, k = ids.shape
+    i = w13.shape[1] // 2
+    xq = reference_groups(x)
+    out = torch.zeros(t * k, x.shape[1], dtype=torch.float32, device=x.device)
+    flat = ids.flatten()
+    for e in flat.unique().tolist():
+        if e >= w13.shape[0]:
+            continue
+        rows = (flat == e).nonzero().squeeze(1)
+        w = torch.cat([dequantize_blocks(h, s) for h, s in zip(w13[e].chunk(2), w13_scale[e].chunk(2))])
+        h = xq[rows // k] @ w.T
+        act = torch.nn.functional.silu(h[:, :i]) * h[:, i:]
+        out[rows] = reference_groups(act) @ dequantize_blocks(w2[e], w2_scale[e]).T
+    return out.view(t, k, -1)
+
+
 def fused_experts_reference(x: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
     """The same result by a loop over (token, choice) in fp32 (for tests); a skipped choice's slot is 0."""
     t, k = ids.shape
