@@ -4,8 +4,8 @@ blocks).
 
 ``use_fp8_compute(model)`` turns a freshly built (meta) model's MoE layers into that form: the stacked
 experts in e4m3 with their scale stacks, the shared experts as more slots of the stack (``MoE.hold_fp8``), so
-the loader copies the stored bytes. Every other FP8 weight (attention's projections, dense MLPs; the shared
-experts under expert parallelism) is dequantized at load into the model's dtype and runs on cuBLAS: at
+the loader copies the stored bytes. Every other FP8 weight (attention's projections, dense MLPs) is
+dequantized at load into the model's dtype and runs on cuBLAS: at
 V2-Lite's shapes bf16 cuBLAS beats our W8A8 Triton GEMM (``engine.fp8_kernels.gemm``) at every batch size, and
 torch's block-scaled ``_scaled_mm`` at decode sizes (it wins on some shapes only at prefill sizes, and refuses
 some shapes); at decode sizes these GEMMs are bound by latency, not bytes (``benchmarks/fp8_gemm.py``,

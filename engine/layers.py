@@ -131,12 +131,12 @@ class MoE(nn.Module):
         gain per layer and step: docs/benchmarks.md). Splitting the
         MLP's columns is exact (silu(gate) * up is per column and the down projection sums over them), and
         so are its scales where each slot's columns fill whole 128-blocks or lie in one (I a multiple or a
-        divisor of 128). Under expert parallelism the shared MLP stays separate (every rank runs it, the
-        stack is a shard)."""
+        divisor of 128). Under expert parallelism the slots follow this rank's shard of the routed experts, and
+        each rank runs them on its own rows (``_shared_sums``), so every topology computes them alike."""
         e, two_i, d = self.w13.shape
         i = two_i // 2
         dev = self.w13.device
-        if self.shared_experts is not None and self.ep is None and (i % BLOCK[0] == 0 or BLOCK[0] % i == 0):
+        if self.shared_experts is not None and (i % BLOCK[0] == 0 or BLOCK[0] % i == 0):
             self.shared_slots = self.shared_experts.gate_proj.out_features // i
             self.shared_experts = None
             e += self.shared_slots
@@ -182,6 +182,26 @@ class MoE(nn.Module):
         routed = torch.bmm(weights.unsqueeze(1).to(out.dtype), per_choice).squeeze(1)
         return routed + shared if shared is not None else routed
 
+    def _routed(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """(w13, w2, their scales) of the routed experts alone: the stack less its shared slots (a choice of
+        ``routed``, expert parallelism's id for another rank's expert, is then skipped, not a shared slot)."""
+        r = self.routed
+        s13, s2 = self.w13_scale_inv, self.w2_scale_inv
+        return (self.w13[:r], self.w2[:r], s13[:r] if s13 is not None else None,
+                s2[:r] if s2 is not None else None)
+
+    def _shared_sums(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The shared experts' sum on rows x [T, D] (expert parallelism: this rank's own rows), by their MLP or,
+        held in block FP8, by their slots of the stack alone; None without shared experts or rows."""
+        if self.shared_experts is not None:
+            return self.shared_experts(x) if x.shape[0] else None
+        if not self.shared_slots or not x.shape[0]:
+            return None
+        none = x.new_empty(x.shape[0], 0, dtype=torch.long)
+        y = moe_kernels.fused_experts(x, none, self.w13, self.w2, self.w13_scale_inv, self.w2_scale_inv,
+                                      shared=self.shared_slots)
+        return moe_kernels.combine(y, none.float(), slots=self.shared_slots)
+
     def routed_params(self) -> int:
         """Parameters of the routed experts held here (the shared experts' slots not counted)."""
         return (self.w13.numel() + self.w2.numel()) // self.w13.shape[0] * self.routed
@@ -196,7 +216,7 @@ class MoE(nn.Module):
             raise RuntimeError(f"EP rank {ep.shard.rank} has {x.shape[0]} rows, the step's counts say "
                                f"{counts[ep.shard.rank]}")
         weights, ids = self.gate(x)  # [T, K]
-        shared = self.shared_experts(x) if self.shared_experts is not None and x.shape[0] else None
+        shared = self._shared_sums(x)
         xs_all, ids_all, w_all = ep.comm.dispatch(x, ids, weights, counts)  # padded rows choose nothing real
         if static:
             routed = ep.comm.combine(self._local_sums(xs_all, ids_all, w_all), counts)
@@ -205,12 +225,11 @@ class MoE(nn.Module):
         pos, local = ep.expert_rows(ids_all)
         order = torch.argsort(local, stable=True)
         pos, local = pos[order], local[order]
-        per_expert = local.new_zeros(self.w13.shape[0]).index_add_(0, local, torch.ones_like(local))
+        per_expert = local.new_zeros(self.routed).index_add_(0, local, torch.ones_like(local))
         rows = pos // k
         xs = xs_all[rows]  # grouped by local expert
         if self.w13_scale_inv is not None:  # block FP8: the fused W8A8 kernels, one choice per gathered row
-            out = moe_kernels.fused_experts(xs, local.unsqueeze(1), self.w13, self.w2, self.w13_scale_inv,
-                                            self.w2_scale_inv)[:, 0] if len(local) else xs
+            out = moe_kernels.fused_experts(xs, local.unsqueeze(1), *self._routed())[:, 0] if len(local) else xs
         elif _use_grouped_mm(xs):
             out = self._experts_grouped(xs, per_expert)
         else:
@@ -228,8 +247,7 @@ class MoE(nn.Module):
         assert self.ep is not None
         local, mine = self.ep.local_choices(ids)  # [N, K]
         if moe_kernels.usable(xs):
-            per_choice = moe_kernels.fused_experts(xs, local, self.w13, self.w2, self.w13_scale_inv,
-                                                   self.w2_scale_inv)  # [N, K, D]
+            per_choice = moe_kernels.fused_experts(xs, local, *self._routed())  # [N, K, D]
         else:  # (CPU: graph steps run eagerly in tests)
             per_choice = self._experts_by_choice(xs, local).view(*local.shape, -1)
         per_choice.masked_fill_(~mine.unsqueeze(-1), 0)  # the skipped choices' slots were never written
@@ -240,7 +258,7 @@ class MoE(nn.Module):
     def _experts_by_choice(self, xs: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
         """The torch form of ``_local_sums``' experts: rows xs [N, D], local expert ids [N, K] (``E``: skipped)
         -> [N * K, D] in (row, choice) order, skipped slots unwritten."""
-        e, k = self.w13.shape[0], local.shape[1]
+        e, k = self.routed, local.shape[1]
         flat = local.flatten()
         order = torch.argsort(flat, stable=True)  # by expert, the skipped last
         per_expert = flat.new_zeros(e + 1).index_add_(0, flat, torch.ones_like(flat))[:e]

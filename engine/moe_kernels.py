@@ -537,7 +537,10 @@ def route(ids: torch.Tensor, num_experts: int, shared: int = 0) -> tuple[torch.T
     order = torch.empty(t * (k + shared), dtype=torch.int32, device=dev)
     ep = triton.next_power_of_2(num_experts)
     flat = ids.reshape(-1)
-    if ROUTE_SPLIT_ROWS and n >= ROUTE_SPLIT_ROWS:
+    if k == 0:  # the shared experts alone (expert parallelism: each rank's own rows)
+        offs[: num_experts + 1].zero_()
+        torch.mul(torch.arange(1, shared + 1, dtype=torch.int32, device=dev), t, out=offs[num_experts + 1 :])
+    elif ROUTE_SPLIT_ROWS and n >= ROUTE_SPLIT_ROWS:
         chunk = max(16, min(ROUTE_CHUNK, 8192 // ep))  # a [chunk, EP] one-hot tile per program
         chunks = triton.cdiv(n, chunk)
         counts = torch.empty(chunks, ep, dtype=torch.int32, device=dev)
@@ -579,7 +582,7 @@ def combine(y: torch.Tensor, weights: torch.Tensor, row_of: torch.Tensor | None 
     if t == 0:
         return out
     bd = min(1024, triton.next_power_of_2(d))
-    wt = weights.contiguous()
+    wt = weights.contiguous() if k else out  # (no choices besides the slots: never read)
     _moe_combine[(t, triton.cdiv(d, bd))](
         y, row_of if row_of is not None else wt, wt, shared if shared is not None else out, out, d,
         K=k, BD=bd, HAS_ROW=row_of is not None, HAS_SHARED=shared is not None, SLOTS=slots, num_warps=4)

@@ -162,6 +162,12 @@ def load_weights(model: DeepseekForCausalLM, model_dir: str | Path) -> None:
                 part = None
                 if model.experts is not None:
                     t = t[model.experts.start : model.experts.stop]
+                moe = _moe(model, pname.rsplit(".", 1)[0])
+                if moe is not None and moe.shared_slots:  # the routed experts' rows of the stack, by expert
+                    parts = ("down_proj",) if ".w2" in pname else ("gate_proj", "up_proj")
+                    _copy(params[pname][: moe.routed], t, name, None, None)
+                    filled.update((pname, e, pt) for e in range(moe.routed) for pt in parts)
+                    continue
             if part is not None and part.startswith(_SLOTS):
                 assert expert is not None
                 part = part[len(_SLOTS):]
@@ -230,9 +236,9 @@ def _slot_pieces(t: torch.Tensor, slots: int, cols: int, part: str, name: str) -
     if name.endswith(SCALE_SUFFIX):
         first = [(j * cols + c) // BLOCK[0] for j in range(slots) for c in range(0, cols, BLOCK[0])]
         rows = torch.tensor(first, dtype=torch.long).view(slots, -1)
-        if int(rows.max()) >= t.shape[dim]:
-            raise ValueError(f"tensor {name!r} has shape {tuple(t.shape)}: too few blocks for {slots} shared "
-                             f"experts of {cols} columns")
+        if t.shape[dim] != -(-slots * cols // BLOCK[0]):
+            raise ValueError(f"tensor {name!r} has shape {tuple(t.shape)}: not the blocks of {slots} shared "
+                             f"experts of {cols} columns along dimension {dim}")
         return [t.index_select(dim, r) for r in rows]
     if t.shape[dim] != slots * cols:
         raise ValueError(f"tensor {name!r} has shape {tuple(t.shape)}; the config implies {slots * cols} columns "
@@ -271,8 +277,9 @@ def _check_complete(
             layer = pname.split(".mlp.")[0].rsplit(".", 1)[1]  # model.layers.{i}.mlp.w13 / mtp.{i}.mlp.w13
             moe = _moe(model, pname.rsplit(".", 1)[0])
             routed = moe.routed if moe is not None else p.shape[0]  # then the shared experts' slots
-            missing += sorted({f"model.layers.{layer}.mlp." + (f"experts.{e}" if e < routed else "shared_experts")
-                               + f".{pt}.weight{scale}" for e, pt in absent})
+            missing += list(dict.fromkeys(  # (each shared tensor once, in the experts' order)
+                f"model.layers.{layer}.mlp." + (f"experts.{e}" if e < routed else "shared_experts")
+                + f".{pt}.weight{scale}" for e, pt in absent))
         else:
             missing.append(pname)
     if missing:

@@ -153,6 +153,51 @@ def test_fp8_moe_layers_with_shared_slots_match_the_dequantized_layers(fp8_model
             assert _rel(_replayed(lambda v, moe=moe: moe(v, static=True), x), want) < 5e-2
 
 
+class _OneRank:
+    """Rank 0 of an EP pair whose peer has no rows, in one process: dispatch gives back this rank's rows and
+    combine its partial sums."""
+
+    def dispatch(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, counts: list[int]) -> tuple:
+        return x, ids, w
+
+    def combine(self, out: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        return out
+
+
+def test_fp8_shared_slots_under_expert_parallelism(fp8_model) -> None:
+    """An FP8 MoE layer holding half the routed experts (EP rank 0 of 2) and the shared slots, eager and in
+    graph form (every choice passed, other ranks' skipped), equals the same kernels over its stack with the
+    other rank's choices weighted 0: the shared experts run on the rank's own rows, in FP8, as without EP."""
+    from engine.config import ModelConfig
+    from engine.layers import MoE
+    from engine.parallel.expert_parallel import ExpertParallel, ExpertShard
+
+    cfg = ModelConfig.from_pretrained(fp8_model[0])
+    e, s, i, d = cfg.n_routed_experts, cfg.n_shared_experts, cfg.moe_intermediate_size, cfg.hidden_size
+    with torch.device("meta"):
+        moe = MoE(cfg, ExpertParallel(ExpertShard(0, 2, e), _OneRank()))
+        moe.hold_fp8()
+    moe = moe.to_empty(device="cuda").requires_grad_(False)
+    assert (moe.routed, moe.shared_slots, moe.w13.shape[0]) == (e // 2, s, e // 2 + s)
+    g = torch.Generator(device="cuda").manual_seed(4)
+    moe.gate.weight.normal_(generator=g)
+    for j in range(moe.w13.shape[0]):
+        for h in range(2):
+            q, sc = quantize_blocks(torch.randn(i, d, device="cuda", generator=g) / d**0.5)
+            moe.w13[j, h * i:(h + 1) * i] = q
+            moe.w13_scale_inv[j].chunk(2)[h].copy_(sc)
+        moe.w2[j], moe.w2_scale_inv[j] = quantize_blocks(torch.randn(d, i, device="cuda", generator=g) / i**0.5)
+    for t in (1, 13, 300):
+        x = torch.randn(t, d, device="cuda", generator=g)
+        w, ids = moe.gate(x)
+        mine = ids < moe.routed
+        want = moe_kernels.combine(moe_kernels.fused_experts(
+            x, torch.where(mine, ids, 0), moe.w13, moe.w2, moe.w13_scale_inv, moe.w2_scale_inv, shared=s),
+            torch.where(mine, w, 0.0), slots=s)
+        for static in (False, True):
+            assert _rel(moe(x, ep_counts=[t, 0], static=static), want) < 1e-4, (t, static)
+
+
 def _first_diff(a: list[int], b: list[int]) -> int:
     return next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 

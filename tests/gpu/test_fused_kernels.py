@@ -217,10 +217,12 @@ def check_route_split(device: str, cases: tuple[tuple[int, int, int], ...] = ((1
 
 
 def check_shared_slots(device: str, dtype: torch.dtype, cases: tuple[tuple[int, int, int, int], ...] = (
-        (1, 6, 64, 2), (100, 6, 64, 2), (700, 8, 256, 1), (37, 2, 8, 2)), d: int = 64, inter: int = 32) -> None:
+        (1, 6, 64, 2), (100, 6, 64, 2), (700, 8, 256, 1), (37, 2, 8, 2), (33, 0, 8, 2)), d: int = 64,
+        inter: int = 32) -> None:
     """Shared experts as the stack's last S experts, chosen by every token (``fused_experts(shared=S)``): the
     routing lays their rows out exactly where routing the ids with S more columns (E..E+S-1) counts them, through
-    one program and through chunks; the outputs and ``combine(slots=S)`` equal those of the widened ids."""
+    one program and through chunks; the outputs and ``combine(slots=S)`` equal those of the widened ids. K = 0:
+    the shared experts alone (``MoE._shared_sums`` under expert parallelism)."""
     g = torch.Generator().manual_seed(9)
     saved = moe_kernels.ROUTE_SPLIT_ROWS
     try:
@@ -422,7 +424,8 @@ if __name__ == "__main__":  # TRITON_INTERPRET=1: the same checks on CPU, small 
             print(dt, c, check_experts("cpu", dt, *c))
         check_combine("cpu", dt, t=5, k=3, d=40)
         check_route_split("cpu", ((1, 6, 64), (50, 6, 64), (40, 2, 8)))
-        check_shared_slots("cpu", dt, ((1, 6, 64, 2), (50, 6, 64, 2), (40, 2, 8, 2), (90, 6, 16, 1)), d=64, inter=32)
+        check_shared_slots("cpu", dt, ((1, 6, 64, 2), (50, 6, 64, 2), (40, 2, 8, 2), (90, 6, 16, 1), (9, 0, 8, 2)),
+                           d=64, inter=32)
         check_experts_skipped("cpu", dt, t=9, k=3, d=64, inter=40)
         check_silu_mul("cpu", dt, n=7, inter=50)
         check_experts("cpu", dt, 40, 3, 8, 64, 32, crowd=True)

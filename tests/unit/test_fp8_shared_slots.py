@@ -113,6 +113,8 @@ def test_slot_pieces_split_weights_and_scales_by_block(cols: int) -> None:
         assert torch.equal(dequantize_blocks(pq, ps), dequantize_blocks(down_q, down_s)[:, j * cols : (j + 1) * cols])
     with pytest.raises(ValueError, match="3 shared experts of"):
         _slot_pieces(q[:-1], 3, cols, "gate_proj", "x.weight")
+    with pytest.raises(ValueError, match="not the blocks of 3 shared experts"):
+        _slot_pieces(torch.cat([sc, sc[:1]]), 3, cols, "gate_proj", "x.weight" + SCALE_SUFFIX)
 
 
 def test_a_missing_shared_tensor_is_named(fp8_model, tmp_path: Path) -> None:
