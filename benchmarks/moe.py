@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine import moe_kernels  # noqa: E402
+from engine import moe_kernels, moe_routing  # noqa: E402
 
 
 def grouped(x: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
@@ -69,10 +69,10 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--inter", type=int, default=1408)
     ap.add_argument("--sweep", action="store_true")
-    ap.add_argument("--route-split-rows", type=int, default=moe_kernels.ROUTE_SPLIT_ROWS,
-                    help="moe_kernels.ROUTE_SPLIT_ROWS: route over chunks of rows from this many rows (0: never)")
+    ap.add_argument("--route-split-rows", type=int, default=moe_routing.ROUTE_SPLIT_ROWS,
+                    help="moe_routing.ROUTE_SPLIT_ROWS: route over chunks of rows from this many rows (0: never)")
     args = ap.parse_args()
-    moe_kernels.ROUTE_SPLIT_ROWS = args.route_split_rows
+    moe_routing.ROUTE_SPLIT_ROWS = args.route_split_rows
     e, d, i = args.experts, args.hidden, args.inter
     g = torch.Generator(device="cuda").manual_seed(0)
     # several layers' weights, cycled, so a call does not find its weights in L2 from the previous one

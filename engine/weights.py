@@ -132,6 +132,11 @@ def _target(model: DeepseekForCausalLM, name: str) -> tuple[str, int | None, str
     return f"{prefix}.{rest}", None, None
 
 
+def _expert_parts(pname: str) -> tuple[str, ...]:
+    """The checkpoint's projections an expert stack parameter (w13 / w2, or their scales) holds."""
+    return ("down_proj",) if pname.endswith((".w2", ".w2" + SCALE_SUFFIX)) else ("gate_proj", "up_proj")
+
+
 def _moe(model: DeepseekForCausalLM, name: str) -> MoE | None:
     module = model.get_submodule(name)
     return module if isinstance(module, MoE) else None
@@ -164,9 +169,8 @@ def load_weights(model: DeepseekForCausalLM, model_dir: str | Path) -> None:
                     t = t[model.experts.start : model.experts.stop]
                 moe = _moe(model, pname.rsplit(".", 1)[0])
                 if moe is not None and moe.shared_slots:  # the routed experts' rows of the stack, by expert
-                    parts = ("down_proj",) if ".w2" in pname else ("gate_proj", "up_proj")
                     _copy(params[pname][: moe.routed], t, name, None, None)
-                    filled.update((pname, e, pt) for e in range(moe.routed) for pt in parts)
+                    filled.update((pname, e, pt) for e in range(moe.routed) for pt in _expert_parts(pname))
                     continue
             if part is not None and part.startswith(_SLOTS):
                 assert expert is not None
@@ -270,8 +274,7 @@ def _check_complete(
             continue
         if pname.endswith((".w13", ".w2", ".w13" + SCALE_SUFFIX, ".w2" + SCALE_SUFFIX)):
             scale = SCALE_SUFFIX if pname.endswith(SCALE_SUFFIX) else ""
-            parts = ("down_proj",) if pname.endswith((".w2", ".w2" + SCALE_SUFFIX)) else ("gate_proj", "up_proj")
-            absent = [(e, pt) for e in range(p.shape[0]) for pt in parts if (pname, e, pt) not in filled]
+            absent = [(e, pt) for e in range(p.shape[0]) for pt in _expert_parts(pname) if (pname, e, pt) not in filled]
             if not absent:
                 continue
             layer = pname.split(".mlp.")[0].rsplit(".", 1)[1]  # model.layers.{i}.mlp.w13 / mtp.{i}.mlp.w13

@@ -27,7 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from engine import moe_kernels, norm_kernels  # noqa: E402
+from engine import moe_kernels, moe_routing, norm_kernels  # noqa: E402
 from engine.config import RopeConfig  # noqa: E402
 from engine.kv_format import KVFormat  # noqa: E402
 from engine.layers import RMSNorm  # noqa: E402
@@ -172,7 +172,7 @@ def check_experts_skipped(device: str, dtype: torch.dtype, t: int = 33, k: int =
     skipped: every other slot equals the reference and the routing counts only them, with E a power of two
     (the id has no column) and not, through one routing program and through chunks."""
     g = torch.Generator().manual_seed(8)
-    saved = moe_kernels.ROUTE_SPLIT_ROWS
+    saved = moe_routing.ROUTE_SPLIT_ROWS
     try:
         for e in (8, 6):
             x = torch.randn(t, d, generator=g).to(device=device, dtype=dtype)
@@ -185,14 +185,14 @@ def check_experts_skipped(device: str, dtype: torch.dtype, t: int = 33, k: int =
             ref = moe_kernels.fused_experts_reference(x, ids, w13, w2)
             kept = ~skip.to(device)
             for split in (0, 1):
-                moe_kernels.ROUTE_SPLIT_ROWS = split
-                offs = moe_kernels.route(ids, e)[0]
+                moe_routing.ROUTE_SPLIT_ROWS = split
+                offs = moe_routing.route(ids, e)[0]
                 assert int(offs[-1]) == int(kept.sum()), f"E={e}: {int(offs[-1])} rows routed"
                 out = moe_kernels.fused_experts(x, ids, w13, w2)
                 err = rel_err(out[kept], ref[kept])
                 assert err <= (2.0**-6 if dtype != torch.float32 else 1e-5), f"E={e} split={split}: {err:.3g}"
     finally:
-        moe_kernels.ROUTE_SPLIT_ROWS = saved
+        moe_routing.ROUTE_SPLIT_ROWS = saved
 
 
 def check_route_split(device: str, cases: tuple[tuple[int, int, int], ...] = ((1, 6, 64), (300, 6, 64), (700, 8, 256),
@@ -200,20 +200,20 @@ def check_route_split(device: str, cases: tuple[tuple[int, int, int], ...] = ((1
     """Routing over chunks of rows (three kernels) places every row where the one-program routing does (the
     last case: 750 chunks, the offsets' loop over many tiles of them)."""
     g = torch.Generator().manual_seed(6)
-    saved = moe_kernels.ROUTE_SPLIT_ROWS
+    saved = moe_routing.ROUTE_SPLIT_ROWS
     try:
         for t, k, e in cases:
             ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)]).to(device)
-            moe_kernels.ROUTE_SPLIT_ROWS = 0
-            want = moe_kernels.route(ids, e)
-            moe_kernels.ROUTE_SPLIT_ROWS = 1
-            got = moe_kernels.route(ids, e)
+            moe_routing.ROUTE_SPLIT_ROWS = 0
+            want = moe_routing.route(ids, e)
+            moe_routing.ROUTE_SPLIT_ROWS = 1
+            got = moe_routing.route(ids, e)
             for name, a, b in zip(("offs", "src", "order"), want, got):
                 assert torch.equal(a, b), f"T={t} K={k} E={e}: {name} differs"
             counts = torch.bincount(ids.flatten(), minlength=e).cpu()
             assert torch.equal(want[0].cpu().diff(), counts.to(torch.int32)), "offs: rows per expert"
     finally:
-        moe_kernels.ROUTE_SPLIT_ROWS = saved
+        moe_routing.ROUTE_SPLIT_ROWS = saved
 
 
 def check_shared_slots(device: str, dtype: torch.dtype, cases: tuple[tuple[int, int, int, int], ...] = (
@@ -224,15 +224,15 @@ def check_shared_slots(device: str, dtype: torch.dtype, cases: tuple[tuple[int, 
     one program and through chunks; the outputs and ``combine(slots=S)`` equal those of the widened ids. K = 0:
     the shared experts alone (``MoE._shared_sums`` under expert parallelism)."""
     g = torch.Generator().manual_seed(9)
-    saved = moe_kernels.ROUTE_SPLIT_ROWS
+    saved = moe_routing.ROUTE_SPLIT_ROWS
     try:
         for t, k, e, s in cases:
             ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)]).to(device)
             wide = torch.cat([ids, torch.arange(e, e + s, device=device).expand(t, s)], 1).contiguous()
             for split in (0, 1):
-                moe_kernels.ROUTE_SPLIT_ROWS = split
-                for name, a, b in zip(("offs", "src", "order"), moe_kernels.route(wide, e + s),
-                                      moe_kernels.route(ids, e, s)):
+                moe_routing.ROUTE_SPLIT_ROWS = split
+                for name, a, b in zip(("offs", "src", "order"), moe_routing.route(wide, e + s),
+                                      moe_routing.route(ids, e, s)):
                     assert torch.equal(a, b), f"T={t} K={k} E={e} S={s} split={split}: {name} differs"
             if t * (k + s) > 1000:
                 continue  # (the kernels' sizes below: the interpreter is slow)
@@ -246,7 +246,7 @@ def check_shared_slots(device: str, dtype: torch.dtype, cases: tuple[tuple[int, 
             w_wide = torch.cat([w, torch.ones(t, s, device=device)], 1)
             assert torch.equal(moe_kernels.combine(out, w, slots=s), moe_kernels.combine(out, w_wide))
     finally:
-        moe_kernels.ROUTE_SPLIT_ROWS = saved
+        moe_routing.ROUTE_SPLIT_ROWS = saved
 
 
 def check_combine(device: str, dtype: torch.dtype, t: int = 37, k: int = 6, d: int = 200) -> None:
@@ -311,7 +311,7 @@ def test_combine_and_silu_mul(dtype: torch.dtype) -> None:
 
 def test_routing_over_chunks_equals_one_program(monkeypatch: pytest.MonkeyPatch) -> None:
     check_route_split("cuda")
-    monkeypatch.setattr(moe_kernels, "ROUTE_SPLIT_ROWS", 256)  # the fused experts through it, 1,800 rows
+    monkeypatch.setattr(moe_routing, "ROUTE_SPLIT_ROWS", 256)  # the fused experts through it, 1,800 rows
     check_experts("cuda", torch.bfloat16, 300, 6, 64, 2048, 1408)
 
 
