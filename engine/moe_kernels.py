@@ -90,6 +90,11 @@ FP8_DOWN_WARPS: int | None = None
 # were loaded a step ahead, 1.03x / 1.05x over 4).
 FP8_TMA_MIN_ROWS = 64.0
 FP8_TMA_TILES = (128, 8, 3, 64, 128, 4, 4)
+# The TMA gate-up keeps its sums in the tensor cores' accumulator from block to block; Hopper's FP8 MMA adds into it
+# in reduced precision, so over a whole row (2,048 to 7,168 channels) the sums drift. Promoted, each 128-block's
+# product is summed apart and added in fp32, as every other form of ours (and DeepSeek's recipe) does: 2.7-4x
+# closer to fp32 sums, ~2% of a 4k prefill (docs/benchmarks.md, 2026-12-06 seventh session).
+FP8_TMA_PROMOTE = True
 MAX_ROWS = 4096  # above this many (token, choice) rows the caller's grouped GEMM is the better tool
 
 if HAS_TRITON:
@@ -204,7 +209,7 @@ if HAS_TRITON:
 
     @triton.jit
     def _moe_gate_up_tma(X, XS, SRC, OFFS, WD, WS, OUT, OUTS, s_x, D, INTER, NKB, SBI, E,
-                         EP: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
+                         EP: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, PROMOTE: tl.constexpr):
         # _moe_gate_up's FP8 form with WD a descriptor of all experts' w13 as [E * 2I, D]: the e4m3 rows X [T, D]
         # (scales XS [T, NKB]) are read through SRC as in _moe_gate_up; tiles of BK = 128 columns (one weight
         # block, one output group). (Gathering the rows into expert order first, for a TMA descriptor of
@@ -240,8 +245,12 @@ if HAS_TRITON:
                 sg = tl.maximum(sg, _MIN_WS)
                 su = tl.maximum(su, _MIN_WS)
                 ra = sa_ / sa
-                gate = tl.dot(a, wg.T, acc=gate * (ra * (sg_ / sg))[:, None])
-                up = tl.dot(a, wu.T, acc=up * (ra * (su_ / su))[:, None])
+                if PROMOTE:  # each block's product summed apart, then added in fp32 (see FP8_TMA_PROMOTE)
+                    gate = tl.dot(a, wg.T, acc=gate * (ra * (sg_ / sg))[:, None], max_num_imprecise_acc=BK)
+                    up = tl.dot(a, wu.T, acc=up * (ra * (su_ / su))[:, None], max_num_imprecise_acc=BK)
+                else:
+                    gate = tl.dot(a, wg.T, acc=gate * (ra * (sg_ / sg))[:, None])
+                    up = tl.dot(a, wu.T, acc=up * (ra * (su_ / su))[:, None])
                 sa_, sg_, su_ = sa, sg, su
                 sa, sg, su = sa_n, sg_n, su_n
             gate *= (sa_ * sg_)[:, None]
@@ -399,7 +408,7 @@ def _fp8_experts_tma(xq: torch.Tensor, xs: torch.Tensor, src: torch.Tensor, orde
     _moe_gate_up_tma[(nki, row_tiles(n, e, gbm))](
         xq, xs, src, offs, TensorDescriptor.from_tensor(w13.view(e * two_i, d), [g, g]), w13_scale, act, act_s,
         xq.stride(0), d, i, nkd, sbi, e,
-        EP=ep, BM=gbm, BK=g, num_warps=gwarps, num_stages=gstages)
+        EP=ep, BM=gbm, BK=g, PROMOTE=FP8_TMA_PROMOTE, num_warps=gwarps, num_stages=gstages)
     _moe_down_tma[(triton.cdiv(d, dbn), row_tiles(n, e, dbm))](
         TensorDescriptor.from_tensor(act, [dbm, g]), act_s, order, offs,
         TensorDescriptor.from_tensor(w2.view(e * d, i), [dbn, g]), w2_scale, out, d, i, nki, nkd, e,

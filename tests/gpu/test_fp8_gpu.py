@@ -115,7 +115,10 @@ def test_fp8_experts_match_the_dequantized_bf16_experts(shape: tuple[int, int, i
         exact = _rel(got, moe_kernels.fused_experts_reference_fp8(x, ids, w13q, w2q, w13s, w2s)) if t <= 300 else 0.0
         print(f"experts {shape} T={t} tma_rows={tma_rows}: vs dequantized bf16 {err:.2e}, vs same-arithmetic fp32 "
               f"{exact:.2e}")
-        assert got.shape == (t, top, d) and err < 5e-2 and exact < 1e-2, (t, err, exact)
+        # Against the same arithmetic: the tensor cores' FP8 sums are not fp32's (wgmma sums each 128-block's
+        # products in reduced precision before the fp32 add), and where a hidden activation lies at an e4m3
+        # rounding boundary it rounds the other way: 0.26-1.31% measured (H100), the mma.sync tiles lowest.
+        assert got.shape == (t, top, d) and err < 5e-2 and exact < 2e-2, (t, err, exact)
         if t == 64:
             replayed = _replayed(lambda x, ids=ids: moe_kernels.fused_experts(x, ids, w13q, w2q, w13s, w2s), x)
             assert torch.equal(replayed, got)
@@ -195,7 +198,12 @@ def test_fp8_shared_slots_under_expert_parallelism(fp8_model) -> None:
             x, torch.where(mine, ids, 0), moe.w13, moe.w2, moe.w13_scale_inv, moe.w2_scale_inv, shared=s),
             torch.where(mine, w, 0.0), slots=s)
         for static in (False, True):
-            assert _rel(moe(x, ep_counts=[t, 0], static=static), want) < 1e-4, (t, static)
+            # Not bit for bit: the EP rank's launches see other row counts, so other tiles (and MMA instructions)
+            # sum the same products in another order, and where a hidden activation lies at an e4m3 rounding
+            # boundary it rounds the other way (4e-3 measured on an H200); leaving the slots out errs by ~0.5.
+            err = _rel(moe(x, ep_counts=[t, 0], static=static), want)
+            print(f"EP rank 0, {t} tokens, static {static}: {err:.2e}")
+            assert err < 1e-2, (t, static)
 
 
 def _first_diff(a: list[int], b: list[int]) -> int:

@@ -366,9 +366,13 @@ def test_moe_graph_path_under_ep_is_capturable_and_equals_eager() -> None:
                 p.data.normal_(0, 0.05)
             moe = moe.to(device="cuda", dtype=torch.bfloat16)
             moe.gate.float()
-            if fp8:  # e4m3 experts, their block scales 1 (the weights are small)
-                w13, w2 = moe.w13.data, moe.w2.data
+            if fp8:  # e4m3 experts, their block scales 1 (the weights are small); the shared MLP into its slots
+                sh, s = moe.shared_experts, cfg.n_shared_experts
+                w13 = torch.cat([moe.w13.data, torch.stack([torch.cat([g, u]) for g, u in zip(
+                    sh.gate_proj.weight.chunk(s), sh.up_proj.weight.chunk(s))])])
+                w2 = torch.cat([moe.w2.data, torch.stack(sh.down_proj.weight.chunk(s, dim=1))])
                 moe.hold_fp8()
+                assert moe.shared_slots == s
                 moe.w13.data.copy_(w13.to(moe.w13.dtype))
                 moe.w2.data.copy_(w2.to(moe.w2.dtype))
                 moe.w13_scale_inv.data.fill_(1.0)
