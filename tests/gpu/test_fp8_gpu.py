@@ -112,14 +112,15 @@ def test_fp8_experts_match_the_dequantized_bf16_experts(shape: tuple[int, int, i
         ids = torch.rand(t, e, device="cuda", generator=g).argsort(dim=1)[:, :top].contiguous()
         got = moe_kernels.fused_experts(x, ids, w13q, w2q, w13s, w2s)
         err = _rel(got, _experts_reference(x, ids, w13d, w2d))
-        exact = _rel(got, moe_kernels.fused_experts_reference_fp8(x, ids, w13q, w2q, w13s, w2s)) if t <= 300 else 0.0
+        same = moe_kernels.fused_experts_reference_fp8(x, ids, w13q, w2q, w13s, w2s) if t <= 300 else got.float()
+        exact = float((got.float() - same).norm() / same.norm())
         print(f"experts {shape} T={t} tma_rows={tma_rows}: vs dequantized bf16 {err:.2e}, vs same-arithmetic fp32 "
               f"{exact:.2e}")
-        # Against the same arithmetic: the tensor cores' FP8 sums are not fp32's (wgmma sums each 128-block's
-        # products in reduced precision before the fp32 add), and where a hidden activation lies at an e4m3
-        # rounding boundary it rounds the other way: 0.26-1.31% measured (H100; the largest element's error, which
-        # grows with the elements: as norms 0.17-0.38%, docs/benchmarks.md), the mma.sync tiles lowest.
-        assert got.shape == (t, top, d) and err < 5e-2 and exact < 2e-2, (t, err, exact)
+        # Against the same arithmetic (as a norm): the tensor cores' FP8 sums are not fp32's (wgmma sums each
+        # 128-block's products in reduced precision before the fp32 add), and where a hidden activation lies at an
+        # e4m3 rounding boundary it rounds the other way: 0.17-0.38% measured (H100); sums that drift over the
+        # whole row instead of being promoted per block (FP8_TMA_PROMOTE off) err by 1.0-1.5%.
+        assert got.shape == (t, top, d) and err < 5e-2 and exact < 6e-3, (t, err, exact)
         if t == 64:
             replayed = _replayed(lambda x, ids=ids: moe_kernels.fused_experts(x, ids, w13q, w2q, w13s, w2s), x)
             assert torch.equal(replayed, got)
