@@ -212,7 +212,8 @@ def main() -> None:
     modes = args.decode_modes or (["graph", "eager", "eager-torch"] if dev.type == "cuda" else ["eager-torch"])
     for b in args.decode_batches:
         by_mode = {}
-        step_bytes = decode_step_bytes(cfg, b, args.decode_prompt + args.decode_steps // 2, kv_row_bytes=kv_row)
+        step_bytes = decode_step_bytes(cfg, b, args.decode_prompt + args.decode_steps // 2, kv_row_bytes=kv_row,
+                                       expert_elem=1 if args.quantization == "fp8" else None)
         roof_ms = step_bytes / (H200_HBM_TB_S * 1e12) * 1e3
         res[f"decode_b{b}_roofline_ms"] = round(roof_ms, 3)
         for m in modes:

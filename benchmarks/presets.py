@@ -52,13 +52,16 @@ H200_HBM_TB_S = 4.8  # HBM3e bandwidth (datasheet), the memory-roofline denomina
 
 
 def decode_step_bytes(cfg: ModelConfig, batch: int, context: int, elem: int = 2,
-                      kv_row_bytes: int | None = None) -> float:
+                      kv_row_bytes: int | None = None, expert_elem: float | None = None) -> float:
     """Bytes one decode step must read at least: every weight it uses once (routed experts: the expected
     number of distinct experts that ``batch`` tokens choose uniformly, E(1 - (1 - K/E)^B)), plus each
     row's latent cache (``context`` tokens x (kv_lora_rank + rope) per layer). Embedding rows, norms and
     activations are left out (small). ``kv_row_bytes``: one cached token's row per layer (default: the
-    latent in ``elem``-byte values; an FP8 cache's, engine.kv_format)."""
+    latent in ``elem``-byte values; an FP8 cache's, engine.kv_format). ``expert_elem``: bytes per routed and shared
+    expert weight (default ``elem``; a block-FP8 checkpoint's experts: 1, their scales 4 bytes per 128 x 128 block
+    left out, as the engine keeps its other FP8 weights dequantized)."""
     row = cfg.kv_cache_dim * elem if kv_row_bytes is None else kv_row_bytes
+    ex = elem if expert_elem is None else expert_elem
     h, nh = cfg.hidden_size, cfg.num_attention_heads
     if cfg.q_lora_rank is None:
         q = h * nh * cfg.qk_head_dim
@@ -72,7 +75,7 @@ def decode_step_bytes(cfg: ModelConfig, batch: int, context: int, elem: int = 2,
         if cfg.is_moe_layer(i):
             e, k = cfg.n_routed_experts or 0, cfg.num_experts_per_tok
             used = e * (1 - (1 - k / e) ** batch)
-            total += (used + cfg.n_shared_experts) * 3 * h * cfg.moe_intermediate_size * elem + e * h * 4
+            total += (used + cfg.n_shared_experts) * 3 * h * cfg.moe_intermediate_size * ex + e * h * 4
         else:
             total += 3 * h * cfg.intermediate_size * elem
     return total + cfg.vocab_size * h * elem  # lm_head
