@@ -209,7 +209,7 @@ if HAS_TRITON:
 
     @triton.jit
     def _moe_gate_up_tma(X, XS, SRC, OFFS, WD, WS, OUT, OUTS, s_x, D, INTER, NKB, SBI, E,
-                         EP: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, PROMOTE: tl.constexpr):
+                         EP: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, IMPRECISE: tl.constexpr):
         # _moe_gate_up's FP8 form with WD a descriptor of all experts' w13 as [E * 2I, D]: the e4m3 rows X [T, D]
         # (scales XS [T, NKB]) are read through SRC as in _moe_gate_up; tiles of BK = 128 columns (one weight
         # block, one output group). (Gathering the rows into expert order first, for a TMA descriptor of
@@ -245,12 +245,9 @@ if HAS_TRITON:
                 sg = tl.maximum(sg, _MIN_WS)
                 su = tl.maximum(su, _MIN_WS)
                 ra = sa_ / sa
-                if PROMOTE:  # each block's product summed apart, then added in fp32 (see FP8_TMA_PROMOTE)
-                    gate = tl.dot(a, wg.T, acc=gate * (ra * (sg_ / sg))[:, None], max_num_imprecise_acc=BK)
-                    up = tl.dot(a, wu.T, acc=up * (ra * (su_ / su))[:, None], max_num_imprecise_acc=BK)
-                else:
-                    gate = tl.dot(a, wg.T, acc=gate * (ra * (sg_ / sg))[:, None])
-                    up = tl.dot(a, wu.T, acc=up * (ra * (su_ / su))[:, None])
+                # IMPRECISE = BK: each block's product summed apart, then added in fp32 (see FP8_TMA_PROMOTE)
+                gate = tl.dot(a, wg.T, acc=gate * (ra * (sg_ / sg))[:, None], max_num_imprecise_acc=IMPRECISE)
+                up = tl.dot(a, wu.T, acc=up * (ra * (su_ / su))[:, None], max_num_imprecise_acc=IMPRECISE)
                 sa_, sg_, su_ = sa, sg, su
                 sa, sg, su = sa_n, sg_n, su_n
             gate *= (sa_ * sg_)[:, None]
@@ -408,7 +405,7 @@ def _fp8_experts_tma(xq: torch.Tensor, xs: torch.Tensor, src: torch.Tensor, orde
     _moe_gate_up_tma[(nki, row_tiles(n, e, gbm))](
         xq, xs, src, offs, TensorDescriptor.from_tensor(w13.view(e * two_i, d), [g, g]), w13_scale, act, act_s,
         xq.stride(0), d, i, nkd, sbi, e,
-        EP=ep, BM=gbm, BK=g, PROMOTE=FP8_TMA_PROMOTE, num_warps=gwarps, num_stages=gstages)
+        EP=ep, BM=gbm, BK=g, IMPRECISE=g if FP8_TMA_PROMOTE else None, num_warps=gwarps, num_stages=gstages)
     _moe_down_tma[(triton.cdiv(d, dbn), row_tiles(n, e, dbm))](
         TensorDescriptor.from_tensor(act, [dbm, g]), act_s, order, offs,
         TensorDescriptor.from_tensor(w2.view(e * d, i), [dbn, g]), w2_scale, out, d, i, nki, nkd, e,
