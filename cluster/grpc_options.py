@@ -11,29 +11,26 @@ MESSAGE_LIMITS: tuple[tuple[str, int], ...] = (
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
 )
 
-# The proxy's channels to the nodes: notice a silently dead peer (no RST, e.g. a lost host) on long idle
-# calls (a long prefill). Pings only while a call is open. What closes a connection whose ping goes unanswered
-# is gRPC core's ping timeout ("grpc.http2.ping_timeout_ms", the error "Stream removed (ping timeout)"), not
-# the keepalive timeout: with grpcio 1.85 a stopped (SIGSTOP) server ends a client's stream ping_timeout_ms
-# after the ping, with keepalive_timeout_ms far shorter never firing. gRPC's default for it is 60 s, and CI's
-# 2 cores under a vLLM cluster (ten engine processes) have starved a node for ~2 minutes with its stream open:
-# the node's streams must outlive that. A dead node is still noticed within KEEPALIVE_TIME_MS +
-# PING_TIMEOUT_MS (150 s) on an open call; a request waiting for a token is bounded sooner by the proxy's own
-# timeouts, and health probes (with deadlines of their own) take a silent node out of routing meanwhile.
-KEEPALIVE_TIME_MS = 30_000
-KEEPALIVE_TIMEOUT_MS = 20_000  # (gRPC's default; the ping timeout below is what closes the connection)
-PING_TIMEOUT_MS = 120_000
+# No connection of ours is closed for a ping left unanswered. gRPC sends pings of its own on every connection
+# that receives data (flow control's BDP probes; keepalive pings too where they are on) and closes the
+# connection, with every call on it, when one goes unanswered for "grpc.http2.ping_timeout_ms" (gRPC's
+# default: 60 s; in grpcio 1.85 the keepalive timeout never fires, this is what does). A proxy's stream to a
+# node carries all of that node's requests, so one unanswered ping failed them all: CI lost a vLLM decode
+# stream to "ping timeout" with it at 20 s, at 60 s and (2026-12-06) at 120 s, the last within about two
+# minutes of the proxy's start while the node answered the other tests' requests. Liveness is the proxy's
+# own instead: every wait on a node has a deadline (prefill_timeout_s, token_timeout_s, the health probes'),
+# and a node whose heartbeat stops leaves routing after its TTL. Keepalive pings stay off (gRPC's default).
+NO_PING_TIMEOUT_MS = 2**31 - 1  # the largest gRPC takes (an int of milliseconds): about 24 days
 CHANNEL_OPTIONS: tuple[tuple[str, int], ...] = MESSAGE_LIMITS + (
-    ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
-    ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
-    ("grpc.http2.ping_timeout_ms", PING_TIMEOUT_MS),
-    ("grpc.keepalive_permit_without_calls", 0),
+    ("grpc.http2.ping_timeout_ms", NO_PING_TIMEOUT_MS),
 )
 
-# The nodes' servers accept those keepalive pings (every KEEPALIVE_TIME_MS) on calls that send nothing for
-# a while (a long prefill), instead of answering them with GOAWAY "too_many_pings": the interval they allow
-# must stay below the clients' ping time.
+# The nodes' servers: the same for the pings they send (a server whose ping went unanswered closed the
+# connection, and the proxy's calls on it failed with INTERNAL "Internal error from Core"). They accept a
+# client's keepalive pings (a client of another make may send them) instead of answering GOAWAY
+# "too_many_pings".
 SERVER_OPTIONS: tuple[tuple[str, int], ...] = MESSAGE_LIMITS + (
+    ("grpc.http2.ping_timeout_ms", NO_PING_TIMEOUT_MS),
     ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
     ("grpc.keepalive_permit_without_calls", 1),
 )

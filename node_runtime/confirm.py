@@ -15,7 +15,7 @@ import grpc
 
 from cluster import envs, tls
 from cluster.auth import call_metadata
-from cluster.grpc_options import MESSAGE_LIMITS
+from cluster.grpc_options import CHANNEL_OPTIONS
 from cluster.proto_gen import pdcluster_v1_pb2 as pb
 from cluster.proto_gen import pdcluster_v1_pb2_grpc as pb_grpc
 
@@ -39,7 +39,7 @@ class PrefillConfirmer:
                 if len(self._channels) >= MAX_CHANNELS:  # drop the oldest
                     old = next(iter(self._channels))
                     self._channels.pop(old)[0].close()
-                channel = tls.channel(address, options=MESSAGE_LIMITS)
+                channel = tls.channel(address, options=CHANNEL_OPTIONS)
                 entry = self._channels[address] = (channel, pb_grpc.PrefillServiceStub(channel))
         try:
             return entry[1].Release(pb.ReleaseRequest(request_id=request_id), timeout=TIMEOUT_S,
