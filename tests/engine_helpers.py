@@ -1,5 +1,6 @@
 """What tests ask of an engine that serving never does: a disaggregated admission in one call, the KV
-read back from the ranks that hold it, used blocks per PCP rank, the decode attention's form.
+read back from the ranks that hold it, used blocks per PCP rank, the decode attention's form, an expert
+parallel member alone in one process (``Alone``).
 
 Nodes admit a transferred request in two halves (``LLMEngine.begin_prefilled`` and
 ``admit_prefilled``: the pull runs between them while the engine keeps stepping); ``add_prefilled``
@@ -120,3 +121,16 @@ def abort_in_flight_and_finish(engine: LLMEngine, seqs: list[Sequence], max_toke
         engine.step()
     assert engine.num_used_blocks == 0 and seqs[0].finish_reason == "abort"
     assert all(len(q.output_token_ids) == max_tokens for q in seqs[1:])
+
+
+class Alone:
+    """An EP group's comm (``engine.parallel.expert_parallel.ExpertComm``) as one member with every row sees it:
+    dispatch and combine are the identity, so one process runs a member's share of a layer (the other
+    members' experts' choices are skipped, their partial sums absent)."""
+
+    def dispatch(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, counts: list[int]
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return x, ids, weights
+
+    def combine(self, out: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        return out

@@ -159,21 +159,12 @@ def test_fp8_moe_layers_with_shared_slots_match_the_dequantized_layers(fp8_model
             assert _rel(_replayed(lambda v, moe=moe: moe(v, static=True), x), want) < 5e-2
 
 
-class _OneRank:
-    """Rank 0 of an EP pair whose peer has no rows, in one process: dispatch gives back this rank's rows and
-    combine its partial sums."""
-
-    def dispatch(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, counts: list[int]) -> tuple:
-        return x, ids, w
-
-    def combine(self, out: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        return out
-
-
 def test_fp8_shared_slots_under_expert_parallelism(fp8_model) -> None:
     """An FP8 MoE layer holding half the routed experts (EP rank 0 of 2) and the shared slots, eager and in
     graph form (every choice passed, other ranks' skipped), equals the same kernels over its stack with the
     other rank's choices weighted 0: the shared experts run on the rank's own rows, in FP8, as without EP."""
+    from engine_helpers import Alone
+
     from engine.config import ModelConfig
     from engine.layers import MoE
     from engine.parallel.expert_parallel import ExpertParallel, ExpertShard
@@ -181,7 +172,7 @@ def test_fp8_shared_slots_under_expert_parallelism(fp8_model) -> None:
     cfg = ModelConfig.from_pretrained(fp8_model[0])
     e, s, i, d = cfg.n_routed_experts, cfg.n_shared_experts, cfg.moe_intermediate_size, cfg.hidden_size
     with torch.device("meta"):
-        moe = MoE(cfg, ExpertParallel(ExpertShard(0, 2, e), _OneRank()))
+        moe = MoE(cfg, ExpertParallel(ExpertShard(0, 2, e), Alone()))
         moe.hold_fp8()
     moe = moe.to_empty(device="cuda").requires_grad_(False)
     assert (moe.routed, moe.shared_slots, moe.w13.shape[0]) == (e // 2, s, e // 2 + s)

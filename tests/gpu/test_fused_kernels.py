@@ -26,6 +26,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script too: tests/engine_helpers.py
 
 from engine import moe_kernels, moe_routing, norm_kernels  # noqa: E402
 from engine.config import RopeConfig  # noqa: E402
@@ -340,16 +341,11 @@ def test_moe_graph_path_under_ep_is_capturable_and_equals_eager() -> None:
     ranks' skipped) equals its eager path (its own choices picked out on the host) and captures in a CUDA graph,
     whose replays on new inputs give the eager results; bf16 and block FP8 experts (the comm is the identity:
     this member's rows are the whole group's here, and the partial sums are its experts' alone)."""
+    from engine_helpers import Alone
+
     from engine.config import ModelConfig
     from engine.layers import MoE
     from engine.parallel.expert_parallel import ExpertParallel, ExpertShard
-
-    class Alone:  # an EP group's comm as seen from one member with every row
-        def dispatch(self, x, ids, weights, counts):  # noqa: ANN001, ANN202
-            return x, ids, weights
-
-        def combine(self, out, counts):  # noqa: ANN001, ANN202
-            return out
 
     cfg = ModelConfig.from_dict({
         "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "vocab_size": 1000,

@@ -14,21 +14,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from engine_helpers import Alone
 
 from engine.config import ModelConfig
 from engine.layers import MoE
 from engine.parallel.expert_parallel import ExpertParallel, ExpertShard
-
-
-class Alone:
-    """An EP group's comm as one member with every row sees it: dispatch and combine are the identity."""
-
-    def dispatch(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, counts: list[int]
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return x, ids, weights
-
-    def combine(self, out: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        return out
 
 
 @pytest.mark.parametrize("arch", ["v2_moe", "v3"])
