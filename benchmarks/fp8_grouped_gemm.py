@@ -12,7 +12,8 @@ Per shape (V2-Lite / V3 experts, uniformly random top-k routing, replayed from C
   the two GEMMs alone, without the glue around them, so ``ours_vs_dg_gemms`` bounds what adopting them can
   give;
 - each DeepGEMM product's error against the same product of the dequantized operands in fp32 (a norm over
-  the first experts' rows; a wrong layout shows here as an error near 1).
+  the first experts' rows). The operands' 128-groups and blocks have unequal magnitudes, so a scale read from
+  the wrong one shows as a large error.
 
   python benchmarks/fp8_grouped_gemm.py                       # V2-Lite and V3, 4k and 16k tokens
   python benchmarks/fp8_grouped_gemm.py --preset v3 --tokens 4096
@@ -88,10 +89,11 @@ def checked_product(q: torch.Tensor, s: torch.Tensor, wq: torch.Tensor, ws: torc
     return max(errs) if errs else float("nan")
 
 
-def timed(fn: Any) -> float:
-    """µs per call from CUDA graph replays; CUDA events over eager calls if the kernel does not capture."""
+def timed(fn: Any) -> tuple[float, str]:
+    """(µs per call, how): from CUDA graph replays ("graph"), or from CUDA events over eager calls ("eager",
+    host work included) if the kernel does not capture."""
     try:
-        return time_graph(fn, iters=20)
+        return time_graph(fn), "graph"
     except RuntimeError as e:
         print(f"no CUDA graph ({e}); timing eager calls", file=sys.stderr)
         torch.cuda.synchronize()
@@ -99,11 +101,23 @@ def timed(fn: Any) -> float:
             fn()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        for _ in range(20):
+        for _ in range(50):
             fn()
         end.record()
         torch.cuda.synchronize()
-        return start.elapsed_time(end) * 1e3 / 20
+        return start.elapsed_time(end) * 1e3 / 50, "eager"
+
+
+def spread(rows: int, cols: int, g: torch.Generator) -> torch.Tensor:
+    """[rows, cols]: a log-normal factor per row and group of 128 columns (an activation's 1 x 128 groups). Groups
+    and blocks of unequal magnitude make a scale read from the wrong one show in the error check; random data of
+    one magnitude would hide it."""
+    return torch.exp(torch.randn(rows, cols // 128, device="cuda", generator=g)).repeat_interleave(128, 1)
+
+
+def block_spread(n: int, k: int, g: torch.Generator) -> torch.Tensor:
+    """[n, k]: a log-normal factor per 128 x 128 block (a weight's)."""
+    return spread(n // 128, k, g).repeat_interleave(128, 0)
 
 
 def dg_scales(dg: Any, s: torch.Tensor) -> torch.Tensor:
@@ -118,22 +132,39 @@ def dg_gemm(dg: Any, q: torch.Tensor, sf: torch.Tensor, wq: torch.Tensor, ws: to
 
 def one_shape(dg: Any, preset: str, t: int, g: torch.Generator) -> dict:
     e, d, i, top = EXPERTS[preset]
-    gate_up = [quantize_blocks(torch.randn(2 * i, d, device="cuda", generator=g) / d**0.5) for _ in range(e)]
+    gate_up = [quantize_blocks(torch.randn(2 * i, d, device="cuda", generator=g) / d**0.5 * block_spread(2 * i, d, g))
+               for _ in range(e)]
     w13q, w13s = torch.stack([q for q, _ in gate_up]), torch.stack([s for _, s in gate_up])
     del gate_up
-    down = [quantize_blocks(torch.randn(d, i, device="cuda", generator=g) / i**0.5) for _ in range(e)]
+    down = [quantize_blocks(torch.randn(d, i, device="cuda", generator=g) / i**0.5 * block_spread(d, i, g))
+            for _ in range(e)]
     w2q, w2s = torch.stack([q for q, _ in down]), torch.stack([s for _, s in down])
     del down
-    x = torch.randn(t, d, device="cuda", generator=g).to(torch.bfloat16)
+    x = (torch.randn(t, d, device="cuda", generator=g) * spread(t, d, g)).to(torch.bfloat16)
     ids = torch.rand(t, e, device="cuda", generator=g).argsort(dim=1)[:, :top].contiguous()
     m = t * top
     flops_gate_up, flops_down = 2 * m * 2 * i * d, 2 * m * d * i
 
-    ours = timed(lambda: moe_kernels.fused_experts(x, ids, w13q, w2q, w13s, w2s))
-    row: dict[str, Any] = {"preset": preset, "tokens": t, "rows": m, "ours_us": round(ours, 1),
+    ours, how = timed(lambda: moe_kernels.fused_experts(x, ids, w13q, w2q, w13s, w2s))
+    row: dict[str, Any] = {"preset": preset, "tokens": t, "rows": m, "ours_us": round(ours, 1), "ours_timed": how,
                            "ours_tflops": round((flops_gate_up + flops_down) / ours / 1e6, 1)}
     if dg is None:
         return row
+    try:
+        row.update(deep_gemm_columns(dg, x, ids, w13q, w13s, w2q, w2s, ours))
+    except RuntimeError as err:  # its kernel's compile or a check of its inputs failed: say so in the row
+        row["dg_error"] = str(err)[:2000]
+    return row
+
+
+def deep_gemm_columns(dg: Any, x: torch.Tensor, ids: torch.Tensor, w13q: torch.Tensor, w13s: torch.Tensor,
+                      w2q: torch.Tensor, w2s: torch.Tensor, ours: float) -> dict[str, Any]:
+    """DeepGEMM's two GEMMs on ``one_shape``'s rows: times (real rows counted in the TFLOP/s; it also computes
+    the padding rows, ``padded_rows``), errors, and our whole experts' time over theirs."""
+    e, top, d, i = w13q.shape[0], ids.shape[1], x.shape[1], w2q.shape[2]
+    m = ids.numel()
+    flops_gate_up, flops_down = 2 * m * 2 * i * d, 2 * m * d * i
+    row: dict[str, Any] = {}
 
     rows, experts, _ = grouped_rows(ids, e, dg.get_mk_alignment_for_contiguous_layout())
     xs = torch.zeros(rows.numel(), d, dtype=torch.bfloat16, device="cuda")
@@ -151,9 +182,10 @@ def one_shape(dg: Any, preset: str, t: int, g: torch.Generator) -> dict:
     row["gate_up_err"] = round(checked_product(aq, asf, w13q, w13s, experts, h13), 5)
     row["down_err"] = round(checked_product(hq, hsf, w2q, w2s, experts, h2), 5)
 
-    t13 = timed(lambda: dg_gemm(dg, aq, asf_dg, w13q, w13s, h13, experts))
-    t2 = timed(lambda: dg_gemm(dg, hq, hsf_dg, w2q, w2s, h2, experts))
+    t13, how13 = timed(lambda: dg_gemm(dg, aq, asf_dg, w13q, w13s, h13, experts))
+    t2, how2 = timed(lambda: dg_gemm(dg, hq, hsf_dg, w2q, w2s, h2, experts))
     row.update({"padded_rows": rows.numel(), "dg_gate_up_us": round(t13, 1), "dg_down_us": round(t2, 1),
+                "dg_timed": how13 if how13 == how2 else f"{how13}/{how2}",
                 "dg_gate_up_tflops": round(flops_gate_up / t13 / 1e6, 1),
                 "dg_down_tflops": round(flops_down / t2 / 1e6, 1),
                 "ours_vs_dg_gemms": round(ours / (t13 + t2), 3)})
