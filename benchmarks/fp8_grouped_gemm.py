@@ -151,19 +151,19 @@ def one_shape(dg: Any, preset: str, t: int, g: torch.Generator) -> dict:
     if dg is None:
         return row
     try:
-        row.update(deep_gemm_columns(dg, x, ids, w13q, w13s, w2q, w2s, ours))
+        row.update(deep_gemm_columns(dg, x, ids, w13q, w13s, w2q, w2s, ours, (flops_gate_up, flops_down)))
     except RuntimeError as err:  # its kernel's compile or a check of its inputs failed: say so in the row
         row["dg_error"] = str(err)[:2000]
     return row
 
 
 def deep_gemm_columns(dg: Any, x: torch.Tensor, ids: torch.Tensor, w13q: torch.Tensor, w13s: torch.Tensor,
-                      w2q: torch.Tensor, w2s: torch.Tensor, ours: float) -> dict[str, Any]:
-    """DeepGEMM's two GEMMs on ``one_shape``'s rows: times (real rows counted in the TFLOP/s; it also computes
-    the padding rows, ``padded_rows``), errors, and our whole experts' time over theirs."""
+                      w2q: torch.Tensor, w2s: torch.Tensor, ours: float, flops: tuple[int, int]) -> dict[str, Any]:
+    """DeepGEMM's two GEMMs on ``one_shape``'s rows: times (``flops``, the two GEMMs' on the real rows, give the
+    TFLOP/s; it also computes the padding rows, ``padded_rows``), errors, and our whole experts' time over
+    theirs."""
     e, top, d, i = w13q.shape[0], ids.shape[1], x.shape[1], w2q.shape[2]
-    m = ids.numel()
-    flops_gate_up, flops_down = 2 * m * 2 * i * d, 2 * m * d * i
+    flops_gate_up, flops_down = flops
     row: dict[str, Any] = {}
 
     rows, experts, _ = grouped_rows(ids, e, dg.get_mk_alignment_for_contiguous_layout())
