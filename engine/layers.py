@@ -159,9 +159,8 @@ class MoE(nn.Module):
         weights, ids = self.gate(x)  # [T, K]
         shared = self.shared_experts(x) if self.shared_experts is not None else None
         if self.w13_scale_inv is not None:  # block FP8: the fused W8A8 kernels at every size (shared slots too)
-            per_token = moe_kernels.fused_experts(x, ids, self.w13, self.w2, self.w13_scale_inv, self.w2_scale_inv,
-                                                  shared=self.shared_slots)
-            return moe_kernels.combine(per_token, weights, shared=shared, slots=self.shared_slots)
+            return moe_kernels.experts_sum(x, ids, weights, self.w13, self.w2, self.w13_scale_inv,
+                                           self.w2_scale_inv, shared=self.shared_slots, shared_out=shared)
         if moe_kernels.supported(x, ids.numel()):  # decode sizes on CUDA: route + two fused GEMMs
             per_token = moe_kernels.fused_experts(x, ids, self.w13, self.w2)  # [T, K, D]
             return moe_kernels.combine(per_token, weights, shared=shared)
@@ -198,9 +197,8 @@ class MoE(nn.Module):
         if not self.shared_slots or not x.shape[0]:
             return None
         none = x.new_empty(x.shape[0], 0, dtype=torch.long)
-        y = moe_kernels.fused_experts(x, none, self.w13, self.w2, self.w13_scale_inv, self.w2_scale_inv,
-                                      shared=self.shared_slots)
-        return moe_kernels.combine(y, none.float(), slots=self.shared_slots)
+        return moe_kernels.experts_sum(x, none, none.float(), self.w13, self.w2, self.w13_scale_inv,
+                                       self.w2_scale_inv, shared=self.shared_slots)
 
     def routed_params(self) -> int:
         """Parameters of the routed experts held here (the shared experts' slots not counted)."""

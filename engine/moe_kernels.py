@@ -42,6 +42,7 @@ import functools
 
 import torch
 
+from engine import moe_deep_gemm
 from engine.fp8 import FP8_DTYPE
 from engine.fp8_kernels import GROUP as FP8_GROUP
 from engine.fp8_kernels import quantize_groups
@@ -288,16 +289,23 @@ if HAS_TRITON:
         t = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BD + tl.arange(0, BD)
         cmask = cols < D
+        # HAS_ROW: ROW [T, K + SLOTS] gives each output's row of Y, -1 for a skipped choice (read as 0)
         acc = tl.zeros([BD], tl.float32)
         for j in tl.static_range(K):
             if HAS_ROW:
-                r = tl.load(ROW + t * K + j).to(tl.int64)
+                r = tl.load(ROW + t * (K + SLOTS) + j).to(tl.int64)
+                rm = cmask & (r >= 0)
             else:
                 r = t * (K + SLOTS) + j
+                rm = cmask
             w = tl.load(WT + t * K + j).to(tl.float32)
-            acc += w * tl.load(Y + r * D + cols, mask=cmask, other=0.0).to(tl.float32)
+            acc += w * tl.load(Y + r * D + cols, mask=rm, other=0.0).to(tl.float32)
         for j in tl.static_range(SLOTS):
-            acc += tl.load(Y + (t * (K + SLOTS) + K + j) * D + cols, mask=cmask, other=0.0).to(tl.float32)
+            if HAS_ROW:
+                r = tl.load(ROW + t * (K + SLOTS) + K + j).to(tl.int64)
+            else:
+                r = t * (K + SLOTS) + K + j
+            acc += tl.load(Y + r * D + cols, mask=cmask, other=0.0).to(tl.float32)
         if HAS_SHARED:
             acc += tl.load(SHARED + t * D + cols, mask=cmask, other=0.0).to(tl.float32)
         tl.store(OUT + t * D + cols, acc.to(OUT.dtype.element_ty), mask=cmask)
@@ -379,6 +387,22 @@ def fused_experts(x: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor, w2: tor
     return out
 
 
+def experts_sum(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None, shared: int = 0,
+                shared_out: torch.Tensor | None = None) -> torch.Tensor:
+    """Each token's sum of its K experts' outputs times ``weights`` [T, K], plus the ``shared`` slots' outputs
+    and ``shared_out`` -> [T, D]: ``fused_experts`` (same arguments), then ``combine``. Block-FP8 experts at
+    prefill sizes on sm90 go through DeepGEMM's grouped GEMMs where it is installed (``engine.moe_deep_gemm``)."""
+    if w13_scale is not None and w2_scale is not None:
+        n = ids.shape[0] * (ids.shape[1] + shared)
+        got = moe_deep_gemm.experts(x, ids, w13, w2, w13_scale, w2_scale, shared) \
+            if moe_deep_gemm.usable(x, n, w13) else None
+        if got is not None:
+            return combine(got[0], weights, row_of=got[1], shared=shared_out, slots=shared)
+    per_token = fused_experts(x, ids, w13, w2, w13_scale, w2_scale, shared=shared)
+    return combine(per_token, weights, shared=shared_out, slots=shared)
+
+
 def tma_form(x: torch.Tensor, n: int, e: int, d: int, i: int) -> bool:
     """Whether the FP8 experts take their TMA-fed form: prefill sizes, Hopper or later, rows TMA can address."""
     return (HAS_TMA and n >= FP8_TMA_MIN_ROWS * e and d % 16 == 0 and i % 16 == 0
@@ -439,16 +463,17 @@ def combine(y: torch.Tensor, weights: torch.Tensor, row_of: torch.Tensor | None 
             shared: torch.Tensor | None = None, slots: int = 0) -> torch.Tensor:
     """Each token's weighted sum of its K expert outputs, plus ``shared`` -> [T, D] in y's dtype.
 
-    ``weights`` [T, K] (any float dtype; used in fp32). ``y`` [N, D] holds the expert outputs: row
-    ``row_of[t * K + j]`` is token t's choice j (``row_of`` [T*K] int), or without ``row_of`` y is in
-    (token, choice) order ([T, K, D] or [T*K, D]; with ``slots``, [T, K + slots, D]: each token's last
-    ``slots`` outputs, the shared experts' of ``fused_experts(shared=...)``, added with weight 1). ``shared``
-    [T, D] (contiguous) is added before the one rounding."""
+    ``weights`` [T, K] (any float dtype; used in fp32). ``y`` [N, D] holds the expert outputs in (token,
+    choice) order ([T, K, D] or [T*K, D]; with ``slots``, [T, K + slots, D]: each token's last ``slots``
+    outputs, the shared experts' of ``fused_experts(shared=...)``, added with weight 1), or anywhere with
+    ``row_of`` [T * (K + slots)] int: row ``row_of[t * (K + slots) + j]`` of y is token t's output j (-1: a
+    skipped choice, counted as 0). ``shared`` [T, D] (contiguous) is added before the one rounding."""
     t, k = weights.shape
     d = y.shape[-1]
     y = y.reshape(-1, d)
-    if (y.stride(-1) != 1 or y.stride(0) != d or y.shape[0] < t * (k + slots)
-            or not (shared is None or shared.is_contiguous()) or (slots and row_of is not None)):
+    rows_ok = y.shape[0] >= t * (k + slots) if row_of is None else row_of.numel() == t * (k + slots)
+    if (y.stride(-1) != 1 or y.stride(0) != d or not rows_ok
+            or not (shared is None or shared.is_contiguous())):
         raise ValueError(f"combine: y {tuple(y.shape)}, weights {tuple(weights.shape)}")
     out = torch.empty(t, d, dtype=y.dtype, device=y.device)
     if t == 0:

@@ -1,6 +1,6 @@
 """What tests ask of an engine that serving never does: a disaggregated admission in one call, the KV
 read back from the ranks that hold it, used blocks per PCP rank, the decode attention's form, an expert
-parallel member alone in one process (``Alone``).
+parallel member alone in one process (``Alone``), random block-FP8 experts (``fp8_experts``).
 
 Nodes admit a transferred request in two halves (``LLMEngine.begin_prefilled`` and
 ``admit_prefilled``: the pull runs between them while the engine keeps stepping); ``add_prefilled``
@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.fp8 import FP8_DTYPE, dequantize_blocks, quantize_blocks
 from engine.kv_format import KVFormat
 from engine.llm_engine import LLMEngine
 from engine.mla import MLAttention
@@ -134,3 +135,23 @@ class Alone:
 
     def combine(self, out: torch.Tensor, counts: list[int]) -> torch.Tensor:
         return out
+
+
+def fp8_experts(e: int, d: int, i: int, g: torch.Generator, device: str = "cuda") -> tuple[torch.Tensor, ...]:
+    """Random experts on ``device`` (``g``'s) in the checkpoint's FP8 form, stacked as the engine holds them
+    (w13q, w13s, w2q, w2s), and dequantized in bf16 (w13d, w2d)."""
+    w13q = torch.empty(e, 2 * i, d, dtype=FP8_DTYPE, device=device)
+    w13s = torch.empty(e, 2 * -(-i // 128), -(-d // 128), device=device)
+    w2q = torch.empty(e, d, i, dtype=FP8_DTYPE, device=device)
+    w2s = torch.empty(e, -(-d // 128), -(-i // 128), device=device)
+    w13d = torch.empty(e, 2 * i, d, dtype=torch.bfloat16, device=device)
+    w2d = torch.empty(e, d, i, dtype=torch.bfloat16, device=device)
+    for j in range(e):
+        for half, (q, s) in enumerate(quantize_blocks(torch.randn(i, d, device=device, generator=g) / d**0.5)
+                                      for _ in range(2)):
+            w13q[j, half * i:(half + 1) * i] = q
+            w13s[j].chunk(2)[half].copy_(s)
+            w13d[j, half * i:(half + 1) * i] = dequantize_blocks(q, s, dtype=torch.bfloat16)
+        q, s = quantize_blocks(torch.randn(d, i, device=device, generator=g) / i**0.5)
+        w2q[j], w2s[j], w2d[j] = q, s, dequantize_blocks(q, s, dtype=torch.bfloat16)
+    return w13q, w13s, w2q, w2s, w13d, w2d

@@ -14,6 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from engine_helpers import fp8_experts
 
 from engine import LLM, SamplingParams, fp8_kernels, moe_kernels
 from engine.fp8 import FP8_DTYPE, dequantize_blocks, quantize_blocks
@@ -63,25 +64,6 @@ def test_fp8_linear_matches_the_dequantized_bf16_product(n: int, k: int) -> None
             assert torch.equal(replayed, got)
 
 
-def _experts(e: int, d: int, i: int, g: torch.Generator) -> tuple[torch.Tensor, ...]:
-    """Random experts in the checkpoint's FP8 form, stacked as the engine holds them, and dequantized (bf16)."""
-    w13q = torch.empty(e, 2 * i, d, dtype=FP8_DTYPE, device="cuda")
-    w13s = torch.empty(e, 2 * -(-i // 128), -(-d // 128), device="cuda")
-    w2q = torch.empty(e, d, i, dtype=FP8_DTYPE, device="cuda")
-    w2s = torch.empty(e, -(-d // 128), -(-i // 128), device="cuda")
-    w13d = torch.empty(e, 2 * i, d, dtype=torch.bfloat16, device="cuda")
-    w2d = torch.empty(e, d, i, dtype=torch.bfloat16, device="cuda")
-    for j in range(e):
-        for half, (q, s) in enumerate(quantize_blocks(torch.randn(i, d, device="cuda", generator=g) / d**0.5)
-                                      for _ in range(2)):
-            w13q[j, half * i:(half + 1) * i] = q
-            w13s[j].chunk(2)[half].copy_(s)
-            w13d[j, half * i:(half + 1) * i] = dequantize_blocks(q, s, dtype=torch.bfloat16)
-        q, s = quantize_blocks(torch.randn(d, i, device="cuda", generator=g) / i**0.5)
-        w2q[j], w2s[j], w2d[j] = q, s, dequantize_blocks(q, s, dtype=torch.bfloat16)
-    return w13q, w13s, w2q, w2s, w13d, w2d
-
-
 def _experts_reference(x: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
     """[T, K, D] in fp32 from the dequantized weights, one expert at a time."""
     t, k = ids.shape
@@ -107,7 +89,7 @@ def test_fp8_experts_match_the_dequantized_bf16_experts(shape: tuple[int, int, i
         pytest.skip("no TMA form here (Triton without host tensor descriptors, or before Hopper)")
     e, d, i, top = shape
     g = torch.Generator(device="cuda").manual_seed(e)
-    w13q, w13s, w2q, w2s, w13d, w2d = _experts(e, d, i, g)
+    w13q, w13s, w2q, w2s, w13d, w2d = fp8_experts(e, d, i, g)
     for t in (1, 64, 300, 2000, 4096):  # from 2000 tokens: above MAX_ROWS rows, where bf16 takes the grouped GEMM
         x = torch.randn(t, d, device="cuda", generator=g).to(torch.bfloat16)
         ids = torch.rand(t, e, device="cuda", generator=g).argsort(dim=1)[:, :top].contiguous()

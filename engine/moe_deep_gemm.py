@@ -1,0 +1,175 @@
+"""Block-FP8 routed experts at prefill sizes through DeepGEMM's grouped FP8 GEMMs (Hopper; optional).
+
+Our Triton grouped GEMM runs the FP8 experts at prefill sizes at about bf16 cuBLAS's rate; DeepGEMM's
+``m_grouped_fp8_gemm_nt_contiguous`` (PyPI ``sgl-deep-gemm``, the build SGLang ships; its kernels compile at
+first use) runs the same products much faster (docs/benchmarks.md). It multiplies rows grouped by expert,
+each expert's rows starting at a multiple of its alignment (128 rows), with each row's expert in an int32
+index (-1: a padding row; a block of rows that begins with one is skipped). Around its two GEMMs, kernels of
+ours do the glue:
+
+1. ``_dg_layout``: from ``engine.moe_routing.route``'s ``offs`` / ``src`` / ``order``, each padded slot's
+   expert (or -1) and token, and each (token, choice)'s slot (-1: a skipped choice);
+2. ``_dg_gather``: the quantized tokens (e4m3 rows, 1 x 128 scales) copied into their slots, the scales
+   MN-major (``[K / 128, M]``), the layout DeepGEMM's sm90 kernels read;
+3. DeepGEMM's gate-up -> ``[M, 2I]`` bf16;
+4. ``_dg_silu_quant``: silu(gate) * up in fp32, quantized per 128 columns, scales MN-major;
+5. DeepGEMM's down -> ``[M, D]`` bf16, which ``moe_kernels.combine`` reads through each (token, choice)'s slot.
+
+``M`` is a bound fixed by the shapes (every expert's rows padded by at most alignment - 1), so nothing is
+read back to the host and the path is capturable. ``PDCLUSTER_DEEP_GEMM`` turns it on (1) or off (0; unset:
+``ENABLED_BY_DEFAULT``); without the package, on a GPU other than sm90, or if its kernels fail to compile (logged
+once), the experts keep ``moe_kernels``' Triton path.
+"""
+
+# ruff: noqa: ANN001  (Triton kernel arguments are pointers and ints, typed by the JIT, not annotations)
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from typing import Any
+
+import torch
+
+from engine.fp8 import FP8_DTYPE
+from engine.fp8_kernels import GROUP, quantize_groups
+from engine.moe_routing import route
+
+try:
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+except ImportError:  # CPU-only installs
+    HAS_TRITON = False
+
+log = logging.getLogger(__name__)
+
+# From this many (token, choice) rows an expert on average (the Triton experts' TMA form starts there too;
+# below it the padding to 128 rows an expert costs more than DeepGEMM saves).
+MIN_ROWS = 64.0
+_state = {"failed": False}
+# PDCLUSTER_DEEP_GEMM=1 / 0 turns the path on / off; unset, this decides ("0" until measured on a GPU).
+ENABLED_BY_DEFAULT = "0"
+
+if HAS_TRITON:
+    from engine.fp8_kernels import quantize_rows
+
+    @triton.jit
+    def _dg_layout(OFFS, SRC, ORDER, MIDX, PSRC, SLOT, M, E, EP: tl.constexpr, ALIGN: tl.constexpr,
+                   BLOCK: tl.constexpr):
+        # program: BLOCK padded slots. Expert e's rows OFFS[e]:OFFS[e+1] go to slots starting at the sum of the
+        # earlier experts' row counts, each rounded up to ALIGN.
+        s = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        experts = tl.arange(0, EP)
+        em = experts < E
+        lo = tl.load(OFFS + experts, mask=em, other=0)
+        cnt = tl.load(OFFS + 1 + experts, mask=em, other=0) - lo
+        padded = (cnt + ALIGN - 1) // ALIGN * ALIGN
+        pend = tl.cumsum(padded, 0)
+        e = tl.sum((pend[None, :] <= s[:, None]).to(tl.int32), 1)  # past the last expert's slots: >= E
+        sel = experts[None, :] == e[:, None]
+        rank = s - tl.sum(tl.where(sel, (pend - padded)[None, :], 0), 1)
+        valid = (e < E) & (rank < tl.sum(tl.where(sel, cnt[None, :], 0), 1)) & (s < M)
+        r = tl.sum(tl.where(sel, lo[None, :], 0), 1) + rank
+        sm = s < M
+        tl.store(MIDX + s, tl.where(valid, e, -1), mask=sm)
+        tl.store(PSRC + s, tl.load(SRC + r, mask=valid, other=0), mask=sm)
+        tl.store(SLOT + tl.load(ORDER + r, mask=valid, other=0), s, mask=valid)
+
+    @triton.jit
+    def _dg_gather(XQ, XS, PSRC, MIDX, A, SF, M, D, NKD, BR: tl.constexpr, G: tl.constexpr):
+        # program (slot block, group): the slots' token rows' e4m3 bytes in one group, and their scales MN-major
+        s = tl.program_id(0) * BR + tl.arange(0, BR)
+        g = tl.program_id(1)
+        valid = tl.load(MIDX + s, mask=s < M, other=-1) >= 0
+        tok = tl.load(PSRC + s, mask=valid, other=0).to(tl.int64)
+        cols = g * G + tl.arange(0, G)
+        m = valid[:, None] & (cols < D)[None, :]
+        q = tl.load(XQ + tok[:, None] * D + cols[None, :], mask=m, other=0)
+        tl.store(A + s[:, None].to(tl.int64) * D + cols[None, :], q, mask=m)
+        tl.store(SF + g * M + s, tl.load(XS + tok * NKD + g, mask=valid, other=0.0), mask=valid)
+
+    @triton.jit
+    def _dg_silu_quant(H, MIDX, Q, SF, M, INTER, BR: tl.constexpr, G: tl.constexpr):
+        # program (slot block, group): silu(gate) * up over one group of 128 columns, quantized per row
+        s = tl.program_id(0) * BR + tl.arange(0, BR)
+        g = tl.program_id(1)
+        valid = tl.load(MIDX + s, mask=s < M, other=-1) >= 0
+        cols = g * G + tl.arange(0, G)
+        m = valid[:, None] & (cols < INTER)[None, :]
+        row = s[:, None].to(tl.int64) * (2 * INTER)
+        gate = tl.load(H + row + cols[None, :], mask=m, other=0.0).to(tl.float32)
+        up = tl.load(H + row + INTER + cols[None, :], mask=m, other=0.0).to(tl.float32)
+        h, sc = quantize_rows(tl.where(m, gate / (1.0 + tl.exp(-gate)) * up, 0.0))
+        tl.store(Q + s[:, None].to(tl.int64) * INTER + cols[None, :], h.to(Q.dtype.element_ty), mask=m)
+        tl.store(SF + g * M + s, sc, mask=valid)
+
+
+@functools.cache
+def _module() -> Any:
+    """DeepGEMM, or None (turned off, not installed, or its module does not load: logged once)."""
+    if os.environ.get("PDCLUSTER_DEEP_GEMM", ENABLED_BY_DEFAULT) == "0":
+        return None
+    try:
+        import deep_gemm
+    except Exception as e:  # not installed, or its host module failed to load (CUDA libraries, headers)
+        log.info("DeepGEMM not used for the FP8 experts: %s: %s", type(e).__name__, e)
+        return None
+    return deep_gemm
+
+
+@functools.cache
+def _sm90(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index) == (9, 0)
+
+
+def usable(x: torch.Tensor, n: int, w13: torch.Tensor) -> bool:
+    """Whether ``experts`` serves ``n`` (token, choice) rows of bf16 ``x`` over block-FP8 experts ``w13``
+    [E, 2I, D]: prefill sizes on an sm90 GPU with DeepGEMM, channels in whole 128-groups."""
+    e, two_i, d = w13.shape
+    return (HAS_TRITON and x.is_cuda and x.dtype == torch.bfloat16 and not _state["failed"]
+            and n >= MIN_ROWS * e and d % GROUP == 0 and two_i % (2 * GROUP) == 0
+            and _sm90(x.device.index or 0) and _module() is not None)
+
+
+def experts(x: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, w13_scale: torch.Tensor,
+            w2_scale: torch.Tensor, shared: int = 0) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``moe_kernels.fused_experts``' block-FP8 experts (same arguments) through DeepGEMM -> (expert outputs
+    [M, D], each (token, choice)'s row of them [T * (K + shared)], -1 for a skipped choice), for
+    ``moe_kernels.combine(..., row_of=...)``; None if DeepGEMM failed (logged; the caller runs its own)."""
+    dg = _module()
+    t, k = ids.shape
+    e, two_i, d = w13.shape
+    i, n, dev = two_i // 2, t * (k + shared), x.device
+    align = int(dg.get_mk_alignment_for_contiguous_layout())
+    m = triton.cdiv(n + e * (align - 1), align) * align  # every expert's rows padded: at most this many slots
+    offs, src, order = route(ids, e - shared, shared)
+    midx = torch.empty(m, dtype=torch.int32, device=dev)
+    psrc = torch.empty(m, dtype=torch.int32, device=dev)
+    slot = torch.full((n,), -1, dtype=torch.int32, device=dev)
+    ep = triton.next_power_of_2(e)
+    block = max(16, min(128, 8192 // ep))
+    _dg_layout[(triton.cdiv(m, block),)](offs, src, order, midx, psrc, slot, m, e, EP=ep, ALIGN=align,
+                                         BLOCK=block, num_warps=4)
+    xq, xs = quantize_groups(x)
+    nkd, nki = d // GROUP, i // GROUP
+    a = torch.empty(m, d, dtype=FP8_DTYPE, device=dev)
+    a_sf = torch.empty(nkd, m, dtype=torch.float32, device=dev)
+    br = 32
+    _dg_gather[(triton.cdiv(m, br), nkd)](xq.view(torch.uint8), xs, psrc, midx, a.view(torch.uint8), a_sf, m, d,
+                                          nkd, BR=br, G=GROUP, num_warps=4)
+    h = torch.empty(m, two_i, dtype=torch.bfloat16, device=dev)
+    hq = torch.empty(m, i, dtype=FP8_DTYPE, device=dev)
+    h_sf = torch.empty(nki, m, dtype=torch.float32, device=dev)
+    y = torch.empty(m, d, dtype=torch.bfloat16, device=dev)
+    try:
+        dg.m_grouped_fp8_gemm_nt_contiguous((a, a_sf.t()), (w13, w13_scale), h, midx)
+        _dg_silu_quant[(triton.cdiv(m, br), nki)](h, midx, hq, h_sf, m, i, BR=br, G=GROUP, num_warps=4)
+        dg.m_grouped_fp8_gemm_nt_contiguous((hq, h_sf.t()), (w2, w2_scale), y, midx)
+    except RuntimeError as err:  # its kernel's compile (NVRTC, CUDA headers) or a check of its inputs
+        _state["failed"] = True
+        log.warning("DeepGEMM failed; the FP8 experts keep their Triton kernels: %s", str(err)[:500])
+        return None
+    return y, slot
+
