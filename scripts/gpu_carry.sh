@@ -6,6 +6,8 @@
 #   bash scripts/gpu_carry.sh            # here: writes .whl/site.zip (~40 MB) and .whl/py_spy-*.whl
 #   bash scripts/gpu_carry.sh proxy      # instead .whl/proxy-bench.zip (~55 MB): benchmarks/proxy.py on that
 #                                        # host's 16 cores, vllm-router included; carry it without site.zip
+#   bash scripts/gpu_carry.sh flashmla   # also .whl/sgl_flash_mla-*.whl (9.5 MB, abi3): FlashMLA's sm90 dense decode
+#                                        # for benchmarks/flashmla_decode.py; there: python3 -m zipfile -e THE.whl /tmp/fmx
 #   bash scripts/gpu_carry.sh deepgemm   # also .whl/deepgemm.zip: DeepGEMM (PyPI sgl-deep-gemm, built for
 #                                        # torch 2.11) and the CUDA 13 headers its NVRTC compiles need, for
 #                                        # benchmarks/fp8_grouped_gemm.py; there:
@@ -36,6 +38,12 @@ download() {
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     "${PLATFORMS[@]}" -d "$1" "$2"
 }
+
+if [ "${1:-}" = flashmla ]; then
+  download "$OUT" sgl-flash-mla==1.0.0
+  ls -la "$OUT"/sgl_flash_mla-*.whl
+  exit 0
+fi
 
 if [ "${1:-}" = deepgemm ]; then
   # DeepGEMM's host module is prebuilt (libtorch 2.11's ABI, the GPU machine's torch); its kernels compile
