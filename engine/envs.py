@@ -6,6 +6,8 @@
   of that step to ``DIR/rank0-step<N>.json``.
 - ``PDCLUSTER_LOG_LEVEL``: the log level of every cluster process (nodes, their rank and replica
   processes): DEBUG, INFO (default), WARNING, ...
+- ``PDCLUSTER_DEEP_GEMM=1``: block-FP8 experts at prefill sizes on sm90 run DeepGEMM's grouped GEMMs where it is
+  installed (``engine.moe_deep_gemm``); 0 or unset: our Triton kernels (off by default until measured on a GPU).
 """
 
 from __future__ import annotations
@@ -15,6 +17,13 @@ import os
 
 def step_timing() -> bool:
     return os.environ.get("PDCLUSTER_STEP_TIMING", "0") == "1"
+
+
+def deep_gemm() -> bool:
+    value = os.environ.get("PDCLUSTER_DEEP_GEMM", "0")
+    if value not in ("0", "1"):
+        raise ValueError(f"PDCLUSTER_DEEP_GEMM must be 0 or 1, got {value!r}")
+    return value == "1"
 
 
 def profile_step() -> int | None:

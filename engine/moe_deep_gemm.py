@@ -16,9 +16,9 @@ ours do the glue:
 5. DeepGEMM's down -> ``[M, D]`` bf16, which ``moe_kernels.combine`` reads through each (token, choice)'s slot.
 
 ``M`` is a bound fixed by the shapes (every expert's rows padded by at most alignment - 1), so nothing is
-read back to the host and the path is capturable. ``PDCLUSTER_DEEP_GEMM`` turns it on (1) or off (0; unset:
-``ENABLED_BY_DEFAULT``); without the package, on a GPU other than sm90, or if its kernels fail to compile (logged
-once), the experts keep ``moe_kernels``' Triton path.
+read back to the host and the path is capturable. ``PDCLUSTER_DEEP_GEMM=1`` turns it on (``engine.envs``: off by
+default until it has been measured on a GPU); without the package, on a GPU other than sm90, or if its kernels fail
+to compile (logged once), the experts keep ``moe_kernels``' Triton path.
 """
 
 # ruff: noqa: ANN001  (Triton kernel arguments are pointers and ints, typed by the JIT, not annotations)
@@ -26,11 +26,11 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 from typing import Any
 
 import torch
 
+from engine import envs
 from engine.fp8 import FP8_DTYPE
 from engine.fp8_kernels import GROUP, quantize_groups
 from engine.moe_routing import route
@@ -49,8 +49,6 @@ log = logging.getLogger(__name__)
 # below it the padding to 128 rows an expert costs more than DeepGEMM saves).
 MIN_ROWS = 64.0
 _state = {"failed": False}
-# PDCLUSTER_DEEP_GEMM=1 / 0 turns the path on / off; unset, this decides ("0" until measured on a GPU).
-ENABLED_BY_DEFAULT = "0"
 
 if HAS_TRITON:
     from engine.fp8_kernels import quantize_rows
@@ -109,7 +107,7 @@ if HAS_TRITON:
 @functools.cache
 def _module() -> Any:
     """DeepGEMM, or None (turned off, not installed, or its module does not load: logged once)."""
-    if os.environ.get("PDCLUSTER_DEEP_GEMM", ENABLED_BY_DEFAULT) == "0":
+    if not envs.deep_gemm():
         return None
     try:
         import deep_gemm

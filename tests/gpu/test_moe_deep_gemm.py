@@ -5,7 +5,7 @@ sm90.
 
 Tolerances: TOLERANCE below.
 
-  TRITON_INTERPRET=1 python tests/gpu/test_moe_deep_gemm.py   # our glue on CPU, DeepGEMM's product in torch
+  TRITON_INTERPRET=1 PYTHONPATH=.:tests python tests/gpu/test_moe_deep_gemm.py   # the glue on CPU, DeepGEMM in torch
 """
 
 from __future__ import annotations
