@@ -157,14 +157,21 @@ def experts(x: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor, w2: torch.Ten
     br = 32
     _dg_gather[(triton.cdiv(m, br), nkd)](xq.view(torch.uint8), xs, psrc, midx, a.view(torch.uint8), a_sf, m, d,
                                           nkd, BR=br, G=GROUP, num_warps=4)
-    h = torch.empty(m, two_i, dtype=torch.bfloat16, device=dev)
-    hq = torch.empty(m, i, dtype=FP8_DTYPE, device=dev)
-    h_sf = torch.empty(nki, m, dtype=torch.float32, device=dev)
-    y = torch.empty(m, d, dtype=torch.bfloat16, device=dev)
+    del xq, xs
     try:
+        # Each buffer allocated when it is needed and the last one's inputs dropped first: at V3's shape and 16k
+        # tokens the four at once would take ~5.7 GB.
+        h = torch.empty(m, two_i, dtype=torch.bfloat16, device=dev)
         dg.m_grouped_fp8_gemm_nt_contiguous((a, a_sf.t()), (w13, w13_scale), h, midx)
+        del a, a_sf
+        hq = torch.empty(m, i, dtype=FP8_DTYPE, device=dev)
+        h_sf = torch.empty(nki, m, dtype=torch.float32, device=dev)
         _dg_silu_quant[(triton.cdiv(m, br), nki)](h, midx, hq, h_sf, m, i, BR=br, G=GROUP, num_warps=4)
+        del h
+        y = torch.empty(m, d, dtype=torch.bfloat16, device=dev)
         dg.m_grouped_fp8_gemm_nt_contiguous((hq, h_sf.t()), (w2, w2_scale), y, midx)
+    except torch.OutOfMemoryError:  # the step's, not DeepGEMM's: the caller sees it as from any other kernel
+        raise
     except RuntimeError as err:  # its kernel's compile (NVRTC, CUDA headers) or a check of its inputs
         _state["failed"] = True
         log.warning("DeepGEMM failed; the FP8 experts keep their Triton kernels: %s", str(err)[:500])

@@ -71,7 +71,8 @@ def check(shape: tuple[int, int, int, int, int], t: int, device: str = "cuda", s
 
 
 @pytest.fixture
-def deep_gemm() -> None:
+def deep_gemm(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(moe_deep_gemm._state, "failed", False)  # an earlier test's failure does not carry over
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("DeepGEMM's path runs on sm90")
     if moe_deep_gemm._module() is None:
@@ -93,9 +94,9 @@ def test_the_engine_takes_deep_gemm_at_prefill_sizes_and_triton_below(deep_gemm:
     e, d, i, top, shared = SHAPES[1]
     g = torch.Generator(device="cuda").manual_seed(1)
     w13q, w13s, w2q, w2s, _, _ = fp8_experts(e + shared, d, i, g)
-    calls = []
+    calls: list[object] = []
     real = moe_deep_gemm.experts
-    monkeypatch.setattr(moe_deep_gemm, "experts", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    monkeypatch.setattr(moe_deep_gemm, "experts", lambda *a, **kw: calls.append(real(*a, **kw)) or calls[-1])
     for t in (64, 4096):
         x = torch.randn(t, d, device="cuda", generator=g).to(torch.bfloat16)
         ids = torch.rand(t, e, device="cuda", generator=g).argsort(dim=1)[:, :top].contiguous()
@@ -103,6 +104,7 @@ def test_the_engine_takes_deep_gemm_at_prefill_sizes_and_triton_below(deep_gemm:
         calls.clear()
         got = moe_kernels.experts_sum(x, ids, weights, w13q, w2q, w13s, w2s, shared)
         assert bool(calls) == (t * (top + shared) >= moe_deep_gemm.MIN_ROWS * (e + shared)), t
+        assert all(c is not None for c in calls), "DeepGEMM failed: the Triton experts ran instead (see the log)"
         with monkeypatch.context() as m:
             m.setattr(moe_deep_gemm, "usable", lambda *a: False)
             triton_sums = moe_kernels.experts_sum(x, ids, weights, w13q, w2q, w13s, w2s, shared)
@@ -137,6 +139,15 @@ class TorchDeepGEMM:
         (q, sf), (w, ws) = a, b
         m, k = q.shape
         assert sf.shape == (m, k // 128) and sf.stride() == (1, m), "scales MN-major"
+        # DeepGEMM reads a block of 128 rows as the expert of its first row (-1: the block skipped): every block
+        # must hold one expert's rows first, then padding.
+        assert m % 128 == 0
+        blocks = midx.view(-1, 128)
+        first = blocks[:, :1]
+        assert bool(((blocks == first) | (blocks == -1)).all()), "a block mixes experts"
+        valid = blocks >= 0
+        assert bool((valid[:, 1:] <= valid[:, :-1]).all()), "a valid row after padding in its block"
+        out.fill_(float("nan"))  # padding rows' outputs: garbage DeepGEMM may leave, which nothing must read
         for e in midx.unique().tolist():
             if e >= 0:
                 rows = (midx == e).nonzero().squeeze(1)
