@@ -6,8 +6,11 @@
   of that step to ``DIR/rank0-step<N>.json``.
 - ``PDCLUSTER_LOG_LEVEL``: the log level of every cluster process (nodes, their rank and replica
   processes): DEBUG, INFO (default), WARNING, ...
-- ``PDCLUSTER_DEEP_GEMM=1``: block-FP8 experts at prefill sizes on sm90 run DeepGEMM's grouped GEMMs where it is
-  installed (``engine.moe_deep_gemm``); 0 or unset: our Triton kernels (off by default until measured on a GPU).
+- ``PDCLUSTER_DEEP_GEMM``: 1 or unset: block-FP8 experts at prefill sizes on sm90 run DeepGEMM's grouped GEMMs
+  where it is installed (``engine.moe_deep_gemm``; faster than our Triton kernels there, docs/benchmarks.md);
+  0: our Triton kernels, and DeepGEMM is not imported.
+- ``PDCLUSTER_FLASHMLA``: 1 or unset: decode attention over an ``fp8`` KV cache of 64-token blocks on sm90 runs
+  FlashMLA's FP8 kernel where it is installed (``engine.mla_decode_flashmla``); 0: our Triton kernel.
 """
 
 from __future__ import annotations
@@ -20,9 +23,16 @@ def step_timing() -> bool:
 
 
 def deep_gemm() -> bool:
-    value = os.environ.get("PDCLUSTER_DEEP_GEMM", "0")
+    value = os.environ.get("PDCLUSTER_DEEP_GEMM", "1")
     if value not in ("0", "1"):
         raise ValueError(f"PDCLUSTER_DEEP_GEMM must be 0 or 1, got {value!r}")
+    return value == "1"
+
+
+def flashmla() -> bool:
+    value = os.environ.get("PDCLUSTER_FLASHMLA", "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"PDCLUSTER_FLASHMLA must be 0 or 1, got {value!r}")
     return value == "1"
 
 

@@ -13,6 +13,7 @@ from typing import Protocol
 
 import torch
 
+from engine import moe_deep_gemm
 from engine.attention_ops import warm_cudnn_buckets
 from engine.config import ModelConfig
 from engine.cuda_graphs import DecodeGraphs
@@ -118,7 +119,7 @@ class LocalExecutor:
         self.cache_layers = cache_layers = self.num_layers + (1 if config.speculative is not None else 0)
         n = kv_blocks_for_memory(config, mc, max_model_len, self.device, cache_layers)
         check_kv_capacity(n, config.block_size, max_model_len)
-        plan_prompt_attention(config, mc, max_model_len, self.dtype, self.device)
+        warm_prefill_kernels(config, mc, self.model, max_model_len, self.dtype, self.device)
         # Under EP every member captures the same graphs in lockstep (collective: engine.cuda_graphs), and
         # replays one size per step with the others.
         graphs = self.device.type == "cuda" and not config.enforce_eager and HAS_TRITON
@@ -170,12 +171,17 @@ class LocalExecutor:
         pass
 
 
-def plan_prompt_attention(config: EngineConfig, mc: ModelConfig, max_model_len: int, dtype: torch.dtype,
-                          device: torch.device) -> None:
-    """Build cuDNN's plans for the prompt attention's length buckets before serving (a no-op unless
-    ``attention_ops.CUDNN_BUCKET`` is set), so no request pays one."""
+def warm_prefill_kernels(config: EngineConfig, mc: ModelConfig, model: torch.nn.Module, max_model_len: int,
+                         dtype: torch.dtype, device: torch.device) -> None:
+    """Build what prefill steps would otherwise build on first use, before serving, so no request pays for it:
+    cuDNN's plans for the prompt attention's length buckets (a no-op unless ``attention_ops.CUDNN_BUCKET`` is
+    set) and DeepGEMM's kernels for the block-FP8 experts (``moe_deep_gemm.warm_up``; a no-op where that path is
+    not taken)."""
+    rows = min(config.max_num_batched_tokens, max_model_len)
     t0 = time.perf_counter()
-    planned = warm_cudnn_buckets(mc.num_attention_heads, mc.qk_head_dim, mc.v_head_dim,
-                                 min(config.max_num_batched_tokens, max_model_len), dtype, device)
+    planned = warm_cudnn_buckets(mc.num_attention_heads, mc.qk_head_dim, mc.v_head_dim, rows, dtype, device)
     if planned:
         log.info("planned cuDNN attention for %d prompt-length buckets in %.1fs", planned, time.perf_counter() - t0)
+    t0 = time.perf_counter()
+    if warmed := moe_deep_gemm.warm_up(model, rows):
+        log.info("compiled DeepGEMM's FP8 experts for %d prefill sizes in %.1fs", warmed, time.perf_counter() - t0)

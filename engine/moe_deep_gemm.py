@@ -16,9 +16,13 @@ ours do the glue:
 5. DeepGEMM's down -> ``[M, D]`` bf16, which ``moe_kernels.combine`` reads through each (token, choice)'s slot.
 
 ``M`` is a bound fixed by the shapes (every expert's rows padded by at most alignment - 1), so nothing is
-read back to the host and the path is capturable. ``PDCLUSTER_DEEP_GEMM=1`` turns it on (``engine.envs``: off by
-default until it has been measured on a GPU); without the package, on a GPU other than sm90, or if its kernels fail
-to compile (logged once), the experts keep ``moe_kernels``' Triton path.
+read back to the host and the path is capturable. It is on where DeepGEMM is installed (the ``deepgemm`` extra;
+``PDCLUSTER_DEEP_GEMM=0`` turns it off, ``engine.envs``); its kernels compile with NVCC from ``$CUDA_HOME``
+(DeepGEMM's NVRTC mode cannot: its headers include the C++ standard library's), at start-up (``warm_up``).
+Without the package, on a GPU other than sm90, or if its kernels fail to compile (logged once), the experts keep
+``moe_kernels``' Triton path. DeepGEMM writes the gate-up product in bf16 where the Triton kernels keep it in
+fp32 up to the quantization of ``silu(gate) * up``: the two paths differ by ~1.3% of each row (e4m3 roundings
+that flip), well under FP8's own error (tests/gpu/test_moe_deep_gemm.py).
 """
 
 # ruff: noqa: ANN001  (Triton kernel arguments are pointers and ints, typed by the JIT, not annotations)
@@ -178,3 +182,30 @@ def experts(x: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor, w2: torch.Ten
         return None
     return y, slot
 
+
+
+def warm_up(model: torch.nn.Module, max_tokens: int) -> int:
+    """Compile DeepGEMM's kernels before serving: the first block-FP8 MoE layer's experts run on zeros at each
+    doubling of the token count from the least that takes this path up to ``max_tokens`` (a prefill step's most
+    rows), as DeepGEMM picks its kernel by the rows. Without it the first prompts of each size would wait for
+    NVCC (seconds a kernel). Returns the sizes run (0 when the path is not taken here)."""
+    moe: Any = next((m for m in model.modules() if getattr(m, "w13_scale_inv", None) is not None), None)
+    if moe is None or not moe.w13.is_cuda or _module() is None or (moe.ep is not None and moe.ep.comm is not None):
+        return 0  # (expert parallelism's dispatched experts keep the Triton kernels)
+    w13, top, shared = moe.w13, moe.gate.cfg.num_experts_per_tok, moe.shared_slots
+    routed = w13.shape[0] - shared
+    t = max(1, int(-(-MIN_ROWS * w13.shape[0] // (top + shared))))
+    sizes = []
+    while t < max_tokens:
+        sizes.append(t)
+        t *= 2
+    sizes.append(max_tokens)
+    x = torch.zeros(max_tokens, w13.shape[2], dtype=torch.bfloat16, device=w13.device)
+    ids = (torch.arange(max_tokens * top, device=w13.device) % routed).view(max_tokens, top).int()
+    ran = 0
+    for t in sizes:
+        if usable(x[:t], t * (top + shared), w13):
+            ran += experts(x[:t], ids[:t], w13, moe.w2, moe.w13_scale_inv, moe.w2_scale_inv, shared) is not None
+    torch.cuda.synchronize(w13.device)
+    torch.cuda.empty_cache()  # the cache is sized from what is free after this
+    return ran

@@ -499,11 +499,13 @@ def silu_mul(h: torch.Tensor) -> torch.Tensor:
 
 
 def fused_experts_reference_fp8(x: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                               w13_scale: torch.Tensor, w2_scale: torch.Tensor) -> torch.Tensor:
+                               w13_scale: torch.Tensor, w2_scale: torch.Tensor,
+                               product_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """What the block-FP8 ``fused_experts`` computes, in fp32 torch (for tests): the tokens quantized per 128-channel
     group, each (token, choice)'s gate-up product with its expert's dequantized weights, ``silu(gate) * up``
     quantized per group as the gate-up kernel writes it, and the down product -> [T, K, D] fp32; a skipped
-    choice's slot (id ``>= E``) is 0."""
+    choice's slot (id ``>= E``) is 0. ``product_dtype``: the gate-up product rounded to it before silu
+    (``engine.moe_deep_gemm`` writes it in bf16)."""
     from engine.fp8 import dequantize_blocks
     from engine.fp8_kernels import reference_groups
 
@@ -517,7 +519,7 @@ def fused_experts_reference_fp8(x: torch.Tensor, ids: torch.Tensor, w13: torch.T
             continue
         rows = (flat == e).nonzero().squeeze(1)
         w = torch.cat([dequantize_blocks(h, s) for h, s in zip(w13[e].chunk(2), w13_scale[e].chunk(2))])
-        h = xq[rows // k] @ w.T
+        h = (xq[rows // k] @ w.T).to(product_dtype).float()
         act = torch.nn.functional.silu(h[:, :i]) * h[:, i:]
         out[rows] = reference_groups(act) @ dequantize_blocks(w2[e], w2_scale[e]).T
     return out.view(t, k, -1)

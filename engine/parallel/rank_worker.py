@@ -25,7 +25,7 @@ from engine import envs
 from engine.cache_export import CacheExporter
 from engine.config import ModelConfig
 from engine.engine_config import EngineConfig
-from engine.executor import kv_blocks_for_memory, load_model, plan_prompt_attention
+from engine.executor import kv_blocks_for_memory, load_model, warm_prefill_kernels
 from engine.forward_batch import ForwardBatch
 from engine.kv_cache import KVCache
 from engine.model import MTPLayer
@@ -129,7 +129,7 @@ class RankWorker:
 
     def init_cache(self, num_blocks: int) -> object:
         """Allocate the cache; with an exporter, register it and return its answer for the driver."""
-        plan_prompt_attention(self.config, self.mc, self.max_model_len, self.dtype, self.device)
+        warm_prefill_kernels(self.config, self.mc, self.model, self.max_model_len, self.dtype, self.device)
         self.cache = KVCache(self.config.kv_format(self.mc), self.cache_layers, num_blocks, self.config.block_size,
                              self.device)
         return self.exporter.export(self.cache.layers) if self.exporter is not None else None

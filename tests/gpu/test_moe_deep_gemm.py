@@ -20,24 +20,28 @@ from engine.fp8 import dequantize_blocks
 pytestmark = pytest.mark.gpu
 # (experts, hidden, moe_intermediate, top-k, shared slots): V2-Lite's and V3's routed experts
 SHAPES = [(64, 2048, 1408, 6, 0), (64, 2048, 1408, 6, 2), (256, 7168, 2048, 8, 1)]
-# Norm errors. GPU, against the same arithmetic in fp32: our Triton experts are within 0.6%; DeepGEMM also writes
-# the gate-up's product in bf16 before silu(gate) * up is quantized (2^-9 of each value, and e4m3 roundings that
-# flip with it). CPU (Triton's interpreter): its float-to-e4m3 conversion rounds differently from the GPU's and
-# torch's (4.9% of the values' norm, where torch's rounding moves them 2.6%), so the check there is against our
-# Triton experts under the same interpreter: a row placed or scaled wrongly errs by its own size.
+# Norm errors. GPU, against the same arithmetic in fp32 with the gate-up's product rounded to bf16 as DeepGEMM writes
+# it: within 0.4% (our Triton experts, which keep it in fp32, are within 0.4% of their own fp32 reference). The
+# rounding itself flips ~1% of the e4m3 roundings of silu(gate) * up, which moves every row ~1.3% from the
+# fp32-product arithmetic (measured, H100): the gap TRITON_GAP allows between the two paths, well under FP8's own
+# error against bf16 (each e4m3 rounding 2.6%). CPU (Triton's interpreter): its float-to-e4m3 conversion rounds
+# differently from the GPU's and torch's (4.9% of the values' norm, where torch's rounding moves them 2.6%), so
+# the check there is against our Triton experts under the same interpreter: a row placed or scaled wrongly errs
+# by its own size.
 TOLERANCE = {"cuda": 1e-2, "cpu": 5e-2}
+TRITON_GAP = 2.5e-2
 
 
 def reference_sums(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13q: torch.Tensor,
                    w13s: torch.Tensor, w2q: torch.Tensor, w2s: torch.Tensor, shared: int) -> torch.Tensor:
-    """The weighted sums in fp32 by ``fused_experts_reference_fp8`` (same arithmetic), the shared slots chosen by
-    every token with weight 1."""
+    """The weighted sums in fp32 by ``fused_experts_reference_fp8`` (same arithmetic, the gate-up product in bf16),
+    the shared slots chosen by every token with weight 1."""
     t, k = ids.shape
     e = w13q.shape[0]
     if shared:
         ids = torch.cat([ids, (e - shared + torch.arange(shared, device=ids.device)).expand(t, shared)], 1)
         weights = torch.cat([weights, weights.new_ones(t, shared)], 1)
-    per = moe_kernels.fused_experts_reference_fp8(x, ids, w13q, w2q, w13s, w2s)
+    per = moe_kernels.fused_experts_reference_fp8(x, ids, w13q, w2q, w13s, w2s, torch.bfloat16)
     return (per * weights.float().unsqueeze(-1)).sum(1)
 
 
@@ -89,8 +93,8 @@ def test_deep_gemm_experts_equal_the_same_arithmetic(deep_gemm: None, shape: tup
 
 def test_the_engine_takes_deep_gemm_at_prefill_sizes_and_triton_below(deep_gemm: None,
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    """``experts_sum``: DeepGEMM from MIN_ROWS rows an expert, equal to the Triton experts within 1% (the FP8 sums
-    of two kernels, each within 0.6% of the same arithmetic); replayed from a CUDA graph bit for bit."""
+    """``experts_sum``: DeepGEMM from MIN_ROWS rows an expert, within TRITON_GAP of the Triton experts; replayed
+    from a CUDA graph bit for bit."""
     e, d, i, top, shared = SHAPES[1]
     g = torch.Generator(device="cuda").manual_seed(1)
     w13q, w13s, w2q, w2s, _, _ = fp8_experts(e + shared, d, i, g)
@@ -110,7 +114,7 @@ def test_the_engine_takes_deep_gemm_at_prefill_sizes_and_triton_below(deep_gemm:
             triton_sums = moe_kernels.experts_sum(x, ids, weights, w13q, w2q, w13s, w2s, shared)
         both = float((got.float() - triton_sums.float()).norm() / triton_sums.float().norm())
         print(f"experts_sum T={t}: DeepGEMM {bool(calls)}, against the Triton experts {both:.2e}")
-        assert both < 1e-2, both
+        assert both < TRITON_GAP, both
     static = x.clone()
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
@@ -123,6 +127,31 @@ def test_the_engine_takes_deep_gemm_at_prefill_sizes_and_triton_below(deep_gemm:
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, got)
+
+
+def test_warm_up_compiles_every_prefill_size_before_serving(deep_gemm: None) -> None:
+    """``warm_up`` (start-up) runs a V2-Lite-shaped FP8 MoE layer's experts at each doubling of the prefill size
+    from the least that takes DeepGEMM's path, without failing; expert parallelism's layers are left alone."""
+    from engine.config import ModelConfig
+    from engine.layers import MoE
+    from pdctl.model_presets import V2_LITE
+
+    cfg = ModelConfig.from_dict(V2_LITE)
+    with torch.device("meta"):
+        moe = MoE(cfg)
+        moe.hold_fp8()
+    moe = moe.to_empty(device="cuda").requires_grad_(False)
+    g = torch.Generator(device="cuda").manual_seed(2)
+    moe.w13.copy_(torch.randn(moe.w13.shape, device="cuda", generator=g).to(moe.w13.dtype))
+    moe.w2.copy_(torch.randn(moe.w2.shape, device="cuda", generator=g).to(moe.w2.dtype))
+    moe.w13_scale_inv.fill_(1e-3)
+    moe.w2_scale_inv.fill_(1e-3)
+    model = torch.nn.Sequential(moe)
+    least = -(-int(moe_deep_gemm.MIN_ROWS) * moe.w13.shape[0] // (cfg.num_experts_per_tok + moe.shared_slots))
+    assert least == 528  # V2-Lite: 66 slots (64 routed, 2 shared) at 64 rows each, 8 rows a token
+    assert moe_deep_gemm.warm_up(model, 4096) == 4  # 528, 1056, 2112 tokens, and 4096 (the largest)
+    assert not moe_deep_gemm._state["failed"]
+    assert moe_deep_gemm.warm_up(model, 300) == 0  # every step below the path's least size
 
 
 class TorchDeepGEMM:

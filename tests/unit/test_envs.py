@@ -7,13 +7,13 @@ import pytest
 from engine import envs, moe_deep_gemm
 
 
-def test_deep_gemm_is_off_unless_asked_for(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_deep_gemm_is_on_unless_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("PDCLUSTER_DEEP_GEMM", raising=False)
+    assert envs.deep_gemm() is True
+    monkeypatch.setenv("PDCLUSTER_DEEP_GEMM", "0")
     assert envs.deep_gemm() is False
     moe_deep_gemm._module.cache_clear()
     assert moe_deep_gemm._module() is None  # off: DeepGEMM is not imported even where it is installed
-    monkeypatch.setenv("PDCLUSTER_DEEP_GEMM", "1")
-    assert envs.deep_gemm() is True
     monkeypatch.setenv("PDCLUSTER_DEEP_GEMM", "yes")
     with pytest.raises(ValueError, match="PDCLUSTER_DEEP_GEMM must be 0 or 1"):
         envs.deep_gemm()
