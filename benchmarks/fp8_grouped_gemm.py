@@ -18,8 +18,8 @@ Per shape (V2-Lite / V3 experts, uniformly random top-k routing, replayed from C
   python benchmarks/fp8_grouped_gemm.py                       # V2-Lite and V3, 4k and 16k tokens
   python benchmarks/fp8_grouped_gemm.py --preset v3 --tokens 4096
 
-DeepGEMM comes from PyPI as ``sgl-deep-gemm`` (with ``apache-tvm-ffi``); it compiles its kernels at first use,
-with NVRTC when ``DG_JIT_USE_NVRTC=1``, from the CUDA headers under ``$CUDA_HOME/include``. Without it the
+DeepGEMM comes from PyPI as ``sgl-deep-gemm`` (with ``apache-tvm-ffi``); it compiles its kernels at first use
+with NVCC from ``$CUDA_HOME`` (its NVRTC mode fails: NVRTC has no C++ standard library headers). Without it the
 JSON line says why. Ends with one JSON line.
 """
 

