@@ -154,6 +154,8 @@ def main() -> None:
                          "grid; weights are dequantized at load today, engine/fp8.py)")
     ap.add_argument("--kv-cache-dtype", choices=["auto", "fp8", "fp8_ds_mla"], default="auto",
                     help="the KV cache's row format (engine/kv_format.py)")
+    ap.add_argument("--block-size", type=int, default=16,
+                    help="tokens per KV block (64: FlashMLA's page, which its fp8 decode needs)")
     ap.add_argument("--profile", action="store_true", help="print a torch.profiler table of a prefill and decode")
     ap.add_argument("--profile-decode", action="store_true",
                     help="also profile each decode measurement: kernels per step, GPU busy share (slows it)")
@@ -178,7 +180,7 @@ def main() -> None:
     t0 = time.perf_counter()
     eng = LLMEngine(EngineConfig(model=str(model_dir), device=args.device, skip_tokenizer_init=True,
                                  cpu_threads=args.cpu_threads, max_num_seqs=max(args.decode_batches),
-                                 kv_cache_dtype=args.kv_cache_dtype, **kw))
+                                 kv_cache_dtype=args.kv_cache_dtype, block_size=args.block_size, **kw))
     load_s = time.perf_counter() - t0
     cfg = eng.model_config
     dev = eng.device
@@ -191,6 +193,7 @@ def main() -> None:
     res: dict = {"bench": "engine", "preset": args.preset, "layers": cfg.num_hidden_layers, "device": name,
                  "dtype": str(ex.dtype).split(".")[-1],
                  "kv_cache_dtype": args.kv_cache_dtype, "quantization": args.quantization, "kv_row_bytes": kv_row,
+                 "block_size": args.block_size,
                  "kv_blocks": ex.cache.num_blocks}
     for n in prefill:
         s = time_prefill(eng, n, args.repeats)

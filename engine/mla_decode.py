@@ -39,6 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine import mla_decode_flashmla
 from engine.kv_format import KERNEL_CODE, KVFormat
 
 try:
@@ -431,6 +432,9 @@ def mla_decode(
     none) says those rows share one block table, as one request's prefill rows do: a second launch serves
     each such group with programs of G rows, so each tile of their context is read once for all of them
     (the first launch skips them). The flags are device values: a graph captured with them serves any mix.
+
+    An ``fp8`` cache of 64-token blocks on Hopper goes to FlashMLA's FP8 kernel where it is installed
+    (``engine.mla_decode_flashmla``; no lse there, each row served alone).
     """
     if not HAS_TRITON:
         raise RuntimeError("mla_decode needs triton")
@@ -448,6 +452,9 @@ def mla_decode(
                          f"{tuple(kv_cache.shape)}, tables {tuple(block_tables.shape)}, lens {tuple(seq_lens.shape)}")
     if q_lat.stride(-1) != 1 or q_pe.stride(-1) != 1 or kv_cache.stride(-1) != 1 or block_tables.stride(-1) != 1:
         raise ValueError("the last dimension of q_lat, q_pe, kv_cache and block_tables must be contiguous")
+    if mla_decode_flashmla.usable(q_lat, q_pe, kv_cache, kv_format, want_lse or lse is not None):
+        assert kv_format is not None
+        return mla_decode_flashmla.decode(q_lat, q_pe, kv_cache, block_tables, seq_lens, scale, kv_format, out), None
     g = group_rows(h)
     if grouped is not None and (g == 1 or b < g or kv_cache.element_size() > 2):
         grouped = None  # nothing to group (a head group fills a tile, or too few rows), or fp32 tiles too large

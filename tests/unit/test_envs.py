@@ -20,6 +20,21 @@ def test_deep_gemm_is_on_unless_turned_off(monkeypatch: pytest.MonkeyPatch) -> N
     moe_deep_gemm._module.cache_clear()
 
 
+def test_flashmla_is_off_unless_asked_for(monkeypatch: pytest.MonkeyPatch) -> None:
+    from engine import mla_decode_flashmla
+
+    monkeypatch.setenv("PDCLUSTER_FLASHMLA", "1")
+    assert envs.flashmla() is True
+    monkeypatch.delenv("PDCLUSTER_FLASHMLA", raising=False)
+    assert envs.flashmla() is False
+    mla_decode_flashmla._ops.cache_clear()
+    assert mla_decode_flashmla._ops() is None  # off: FlashMLA is not imported even where it is installed
+    mla_decode_flashmla._ops.cache_clear()
+    monkeypatch.setenv("PDCLUSTER_FLASHMLA", "on")
+    with pytest.raises(ValueError, match="PDCLUSTER_FLASHMLA must be 0 or 1"):
+        envs.flashmla()
+
+
 def test_bad_values_are_refused_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PDCLUSTER_PROFILE_STEP", "first")
     with pytest.raises(ValueError, match="PDCLUSTER_PROFILE_STEP"):

@@ -1,0 +1,78 @@
+"""FlashMLA's FP8 decode (``engine.mla_decode_flashmla``) behind ``mla_decode`` for ``fp8`` caches of 64-token
+blocks: against the fp32 reference on ragged paged caches (1 to 32k tokens, padding rows), beside our Triton
+kernel's error on the same case; a CUDA graph's replay equal to the eager call. Skipped without the package
+(``bash scripts/gpu_carry.sh flashmla``) or off sm90.
+
+Tolerance: FlashMLA rounds the queries (one scale a call) and the softmax's probabilities to e4m3 as well, so
+it errs more than our kernel, which dequantizes the rows and multiplies in fp16 (TOL below, measured).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_mla_decode import SCALE, quantized_case, ragged_lens
+
+from engine import mla_decode_flashmla
+from engine.mla_decode import mla_decode, mla_decode_reference
+
+pytestmark = pytest.mark.gpu
+# max |out - ref| / max |ref|, and the norm error |out - ref| / |ref|
+TOL = (6e-2, 3e-2)
+CONFIGS = [(16, 1, 32768), (16, 8, 4096), (16, 64, 8192), (16, 256, 1024), (128, 8, 32768)]  # heads, batch, max len
+
+
+@pytest.fixture
+def flashmla() -> None:
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("FlashMLA's dense FP8 decode runs on sm90")
+    if mla_decode_flashmla._ops() is None:
+        pytest.skip("FlashMLA not installed (scripts/gpu_carry.sh flashmla) or not on (PDCLUSTER_FLASHMLA=1)")
+
+
+def _errors(got: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
+    diff = got.float() - ref
+    return float(diff.abs().max() / ref.abs().max()), float(diff.norm() / ref.norm())
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: "H{}-B{}-len{}".format(*c))
+def test_flashmla_fp8_decode_matches_the_reference(flashmla: None, config: tuple[int, int, int],
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    heads, batch, max_len = config
+    case, fmt = quantized_case("fp8", ragged_lens(batch, max_len, 64, seed=batch), heads, 64, torch.bfloat16,
+                               "cuda", seed=batch)
+    ref, _ = mla_decode_reference(**case, scale=SCALE, kv_format=fmt)
+    calls: list[int] = []
+    real = mla_decode_flashmla.decode
+    monkeypatch.setattr(mla_decode_flashmla, "decode", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    got, lse = mla_decode(**case, scale=SCALE, kv_format=fmt)
+    assert calls and lse is None, "mla_decode did not hand the fp8 call to FlashMLA"
+    with monkeypatch.context() as m:
+        m.setattr(mla_decode_flashmla, "usable", lambda *a: False)
+        ours, _ = mla_decode(**case, scale=SCALE, kv_format=fmt)
+    err, ours_err = _errors(got, ref), _errors(ours, ref)
+    print(f"H={heads} B={batch} max_len={max_len}: FlashMLA max {err[0]:.2e} norm {err[1]:.2e}; "
+          f"ours max {ours_err[0]:.2e} norm {ours_err[1]:.2e}")
+    assert got.shape == ref.shape and got.dtype == torch.bfloat16 and torch.isfinite(got).all()
+    assert (got[case["seq_lens"] == 0] == 0).all(), "seq_len-0 rows must be zeros"
+    assert err[0] < TOL[0] and err[1] < TOL[1], err
+
+    out = torch.empty_like(got)
+    mla_decode(**case, scale=SCALE, kv_format=fmt, out=out)  # warm: nothing compiled or allocated first in capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        mla_decode(**case, scale=SCALE, kv_format=fmt, out=out)
+    out.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, got)
+
+
+def test_other_calls_keep_the_triton_kernel(flashmla: None) -> None:
+    """An lse asked for, 16-token blocks or a bf16 cache: not FlashMLA's."""
+    case, fmt = quantized_case("fp8", [100, 7], 16, 64, torch.bfloat16, "cuda")
+    assert mla_decode_flashmla.usable(case["q_lat"], case["q_pe"], case["kv_cache"], fmt, False)
+    assert not mla_decode_flashmla.usable(case["q_lat"], case["q_pe"], case["kv_cache"], fmt, True)
+    assert not mla_decode_flashmla.usable(case["q_lat"], case["q_pe"], case["kv_cache"], None, False)
+    small, fmt16 = quantized_case("fp8", [100, 7], 16, 16, torch.bfloat16, "cuda")
+    assert not mla_decode_flashmla.usable(small["q_lat"], small["q_pe"], small["kv_cache"], fmt16, False)
