@@ -201,7 +201,7 @@ def warm_up(model: torch.nn.Module, max_tokens: int) -> int:
         t *= 2
     sizes.append(max_tokens)
     x = torch.zeros(max_tokens, w13.shape[2], dtype=torch.bfloat16, device=w13.device)
-    ids = (torch.arange(max_tokens * top, device=w13.device) % routed).view(max_tokens, top).int()
+    ids = (torch.arange(max_tokens * top, device=w13.device) % routed).view(max_tokens, top)  # int64, as topk gives
     ran = 0
     for t in sizes:
         if usable(x[:t], t * (top + shared), w13):

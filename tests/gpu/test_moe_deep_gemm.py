@@ -21,13 +21,13 @@ pytestmark = pytest.mark.gpu
 # (experts, hidden, moe_intermediate, top-k, shared slots): V2-Lite's and V3's routed experts
 SHAPES = [(64, 2048, 1408, 6, 0), (64, 2048, 1408, 6, 2), (256, 7168, 2048, 8, 1)]
 # Norm errors. GPU, against the same arithmetic in fp32 with the gate-up's product rounded to bf16 as DeepGEMM writes
-# it: within 0.4% (our Triton experts, which keep it in fp32, are within 0.4% of their own fp32 reference). The
-# rounding itself flips ~1% of the e4m3 roundings of silu(gate) * up, which moves every row ~1.3% from the
-# fp32-product arithmetic (measured, H100): the gap TRITON_GAP allows between the two paths, well under FP8's own
-# error against bf16 (each e4m3 rounding 2.6%). CPU (Triton's interpreter): its float-to-e4m3 conversion rounds
-# differently from the GPU's and torch's (4.9% of the values' norm, where torch's rounding moves them 2.6%), so
-# the check there is against our Triton experts under the same interpreter: a row placed or scaled wrongly errs
-# by its own size.
+# it: 1%, the budget our Triton experts meet against their own fp32-product reference (0.37% measured, H100); this
+# reference is new (2026-12-07, tenth session) and not yet run on a GPU. The bf16 rounding itself flips ~1% of the
+# e4m3 roundings of silu(gate) * up, which moves every row ~1.3% (at most 3%) from the fp32-product arithmetic
+# (measured, H100): the gap TRITON_GAP allows between the two paths, well under FP8's own error against bf16 (each
+# e4m3 rounding 2.6%). CPU (Triton's interpreter): its float-to-e4m3 conversion rounds differently from the GPU's
+# and torch's (4.9% of the values' norm, where torch's rounding moves them 2.6%), so the check there is against our
+# Triton experts under the same interpreter: a row placed or scaled wrongly errs by its own size.
 TOLERANCE = {"cuda": 1e-2, "cpu": 5e-2}
 TRITON_GAP = 2.5e-2
 
