@@ -183,7 +183,6 @@ def experts(x: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor, w2: torch.Ten
     return y, slot
 
 
-
 def warm_up(model: torch.nn.Module, max_tokens: int) -> int:
     """Compile DeepGEMM's kernels before serving: the first block-FP8 MoE layer's experts run on zeros at each
     doubling of the token count from the least that takes this path up to ``max_tokens`` (a prefill step's most
