@@ -23,18 +23,20 @@ def step_timing() -> bool:
     return os.environ.get("PDCLUSTER_STEP_TIMING", "0") == "1"
 
 
-def deep_gemm() -> bool:
-    value = os.environ.get("PDCLUSTER_DEEP_GEMM", "1")
+def _switch(name: str, default: str) -> bool:
+    """A 0 / 1 switch; any other value refused by name."""
+    value = os.environ.get(name, default)
     if value not in ("0", "1"):
-        raise ValueError(f"PDCLUSTER_DEEP_GEMM must be 0 or 1, got {value!r}")
+        raise ValueError(f"{name} must be 0 or 1, got {value!r}")
     return value == "1"
+
+
+def deep_gemm() -> bool:
+    return _switch("PDCLUSTER_DEEP_GEMM", "1")
 
 
 def flashmla() -> bool:
-    value = os.environ.get("PDCLUSTER_FLASHMLA", "0")
-    if value not in ("0", "1"):
-        raise ValueError(f"PDCLUSTER_FLASHMLA must be 0 or 1, got {value!r}")
-    return value == "1"
+    return _switch("PDCLUSTER_FLASHMLA", "0")
 
 
 def profile_step() -> int | None:

@@ -101,6 +101,12 @@ if HAS_TRITON:
 
 
 @functools.cache
+def sm90(device_index: int) -> bool:
+    """Whether this CUDA device is sm90 (Hopper), the one arch DeepGEMM's and FlashMLA's Hopper kernels run on."""
+    return torch.cuda.get_device_capability(device_index) == (9, 0)
+
+
+@functools.cache
 def supported(device_index: int) -> bool:
     """Whether FP8 compute runs on this CUDA device: Triton and FP8 tensor cores (sm89 / Hopper or newer)."""
     return HAS_TRITON and torch.cuda.get_device_capability(device_index) >= (8, 9)

@@ -25,6 +25,7 @@ import torch
 
 from engine import envs
 from engine.fp8 import FP8_DTYPE, FP8_MAX
+from engine.fp8_kernels import sm90
 from engine.kv_format import KVFormat
 
 log = logging.getLogger(__name__)
@@ -47,17 +48,12 @@ def _ops() -> Any:
         return None
 
 
-@functools.cache
-def _sm90(device_index: int) -> bool:
-    return torch.cuda.get_device_capability(device_index) == (9, 0)
-
-
 def usable(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, kv_format: KVFormat | None,
            want_lse: bool) -> bool:
     """Whether ``decode`` serves this ``mla_decode`` call (see the module's docstring)."""
     return (kv_format is not None and kv_format.name == "fp8" and not want_lse and q_lat.is_cuda
             and q_lat.dtype == torch.bfloat16 and q_lat.shape[-1] == LATENT and q_pe.shape[-1] == ROPE
-            and kv_cache.shape[1] == PAGE and _sm90(q_lat.device.index or 0) and _ops() is not None)
+            and kv_cache.shape[1] == PAGE and sm90(q_lat.device.index or 0) and _ops() is not None)
 
 
 def decode(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,

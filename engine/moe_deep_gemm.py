@@ -36,7 +36,7 @@ import torch
 
 from engine import envs
 from engine.fp8 import FP8_DTYPE
-from engine.fp8_kernels import GROUP, quantize_groups
+from engine.fp8_kernels import GROUP, quantize_groups, sm90
 from engine.moe_routing import route
 
 try:
@@ -121,18 +121,13 @@ def _module() -> Any:
     return deep_gemm
 
 
-@functools.cache
-def _sm90(device_index: int) -> bool:
-    return torch.cuda.get_device_capability(device_index) == (9, 0)
-
-
 def usable(x: torch.Tensor, n: int, w13: torch.Tensor) -> bool:
     """Whether ``experts`` serves ``n`` (token, choice) rows of bf16 ``x`` over block-FP8 experts ``w13``
     [E, 2I, D]: prefill sizes on an sm90 GPU with DeepGEMM, channels in whole 128-groups."""
     e, two_i, d = w13.shape
     return (HAS_TRITON and x.is_cuda and x.dtype == torch.bfloat16 and not _state["failed"]
             and n >= MIN_ROWS * e and d % GROUP == 0 and two_i % (2 * GROUP) == 0
-            and _sm90(x.device.index or 0) and _module() is not None)
+            and sm90(x.device.index or 0) and _module() is not None)
 
 
 def experts(x: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, w13_scale: torch.Tensor,
