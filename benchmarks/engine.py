@@ -154,6 +154,8 @@ def main() -> None:
                          "grid; weights are dequantized at load today, engine/fp8.py)")
     ap.add_argument("--kv-cache-dtype", choices=["auto", "fp8", "fp8_ds_mla"], default="auto",
                     help="the KV cache's row format (engine/kv_format.py)")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=None,
+                    help="the engine's share of the GPU's memory (default: EngineConfig's)")
     ap.add_argument("--block-size", type=int, default=16,
                     help="tokens per KV block (64: FlashMLA's page, which its fp8 decode needs)")
     ap.add_argument("--profile", action="store_true", help="print a torch.profiler table of a prefill and decode")
@@ -177,6 +179,8 @@ def main() -> None:
         (model_dir / "config.json").write_text(json.dumps(cfg))
         kw = dict(dtype="bfloat16", max_model_len=32768, max_num_batched_tokens=32768, load_format="dummy")
         prefill = args.prefill_tokens or [4096, 16384]
+    if args.gpu_memory_utilization is not None:
+        kw["gpu_memory_utilization"] = args.gpu_memory_utilization
     t0 = time.perf_counter()
     eng = LLMEngine(EngineConfig(model=str(model_dir), device=args.device, skip_tokenizer_init=True,
                                  cpu_threads=args.cpu_threads, max_num_seqs=max(args.decode_batches),

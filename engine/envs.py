@@ -9,9 +9,9 @@
 - ``PDCLUSTER_DEEP_GEMM``: 1 or unset: block-FP8 experts at prefill sizes on sm90 run DeepGEMM's grouped GEMMs
   where it is installed (``engine.moe_deep_gemm``; faster than our Triton kernels there, docs/benchmarks.md);
   0: our Triton kernels, and DeepGEMM is not imported.
-- ``PDCLUSTER_FLASHMLA=1``: decode attention over an ``fp8`` KV cache of 64-token blocks on sm90 runs FlashMLA's
-  FP8 kernel where it is installed (``engine.mla_decode_flashmla``); 0 or unset: our Triton kernel (off by default
-  until measured in the engine on a GPU).
+- ``PDCLUSTER_FLASHMLA``: 1 or unset: decode attention over an ``fp8`` KV cache of 64-token blocks on sm90 runs
+  FlashMLA's FP8 kernel where it is installed (``engine.mla_decode_flashmla``; faster than our Triton kernel there,
+  at a larger error, docs/benchmarks.md); 0: our Triton kernel, and FlashMLA is not imported.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ def deep_gemm() -> bool:
 
 
 def flashmla() -> bool:
-    return _switch("PDCLUSTER_FLASHMLA", "0")
+    return _switch("PDCLUSTER_FLASHMLA", "1")
 
 
 def profile_step() -> int | None:

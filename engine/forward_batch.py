@@ -8,7 +8,7 @@ context merged with the new tokens by log-sum-exp).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -46,6 +46,9 @@ class ForwardBatch:
     # A CUDA graph's step (engine.cuda_graphs): shapes fixed by its size, nothing read back to the host (under
     # expert parallelism the MoE layers then pass every gathered choice through, not only this rank's).
     static: bool = False
+    # What the kernels of this step's layers share, made by the first layer's call (engine.mla_decode_flashmla's
+    # schedule); a batch lives for one step, or one graph capture.
+    step_cache: dict = field(default_factory=dict)
 
     @property
     def num_tokens(self) -> int:

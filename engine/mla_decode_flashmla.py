@@ -4,17 +4,20 @@ FlashMLA (PyPI ``sgl-flash-mla``, SGLang's build: the ``flashmla`` extra) keeps 
 for sm90, among them one that reads the ``fp8`` format's rows as they are stored (576 e4m3 values a token, one
 per-tensor scale, 64-token blocks) and multiplies in FP8 on the tensor cores: the queries are quantized to e4m3
 with one scale a call, and the softmax's probabilities meet the latents in e4m3 too. It reads the cache faster
-than our Triton kernel, which turns the rows into fp16 before its dots (benchmarks/flashmla_decode.py: 1.48x at
-batch 64 x 8k on an H100, docs/benchmarks.md), at a larger error (the queries' and probabilities' roundings:
-tests/gpu/test_mla_decode_flashmla.py).
+than our Triton kernel, which turns the rows into fp16 before its dots (benchmarks/flashmla_decode.py,
+docs/benchmarks.md), at a larger error (the queries' and probabilities' roundings:
+tests/gpu/test_mla_decode_flashmla.py), as vLLM's and SGLang's FP8 FlashMLA paths do.
 
 ``mla_decode`` hands a call here when ``usable`` says so: an sm90 GPU, the ``fp8`` format, 64-token blocks
 (``block_size`` 64), bf16 queries of 512 + 64 values, no lse asked for, the package importable, and
-``PDCLUSTER_FLASHMLA=1`` (``engine.envs``; off by default until measured in the engine on a GPU). Every step of it
-runs on the device from shapes alone (the queries' scale, FlashMLA's split schedule from the rows' lengths), so
-CUDA graphs capture it.
+``PDCLUSTER_FLASHMLA`` not 0 (``engine.envs``). Every step of it runs on the device from shapes alone, so CUDA
+graphs capture it. Around FlashMLA's kernel: ``quantize_query`` (two Triton launches for the queries' e4m3 and
+their one scale) in every layer, and ``_schedule`` (the int32 lengths and tables, FlashMLA's split schedule) once
+a step, kept in the step's ``ForwardBatch.step_cache``; done in every layer with torch's ops, the two cost a large
+share of a long-context decode step (docs/benchmarks.md).
 """
 
+# ruff: noqa: ANN001  (Triton kernel arguments are pointers and ints, typed by the JIT)
 from __future__ import annotations
 
 import functools
@@ -25,8 +28,12 @@ import torch
 
 from engine import envs
 from engine.fp8 import FP8_DTYPE, FP8_MAX
-from engine.fp8_kernels import sm90
+from engine.fp8_kernels import HAS_TRITON, sm90
 from engine.kv_format import KVFormat
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
 
 log = logging.getLogger(__name__)
 
@@ -56,22 +63,82 @@ def usable(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, kv_f
             and kv_cache.shape[1] == PAGE and sm90(q_lat.device.index or 0) and _ops() is not None)
 
 
+if HAS_TRITON:
+
+    @triton.jit
+    def _amax(LAT, PE, AMAX, s_lb, s_lh, s_pb, s_ph, H, L: tl.constexpr, R: tl.constexpr):
+        # program (row b, head h): the largest magnitude of q_lat[b, h] | q_pe[b, h], into AMAX[0] (zeroed)
+        b, h = tl.program_id(0) // H, tl.program_id(0) % H
+        lat = tl.load(LAT + b * s_lb + h * s_lh + tl.arange(0, L)).to(tl.float32)
+        pe = tl.load(PE + b * s_pb + h * s_ph + tl.arange(0, R)).to(tl.float32)
+        tl.atomic_max(AMAX, tl.maximum(tl.max(tl.abs(lat), 0), tl.max(tl.abs(pe), 0)))
+
+    @triton.jit
+    def _quantize(LAT, PE, AMAX, Q, QS, s_lb, s_lh, s_pb, s_ph, H, L: tl.constexpr, R: tl.constexpr):
+        # program (b, h): q_lat[b, h] | q_pe[b, h] / scale in e4m3 into Q [B, H, L + R]; scale = amax / 448 into QS
+        b, h = tl.program_id(0) // H, tl.program_id(0) % H
+        s = tl.maximum(tl.load(AMAX), 1e-12) / 448.0
+        lat = tl.load(LAT + b * s_lb + h * s_lh + tl.arange(0, L)).to(tl.float32)
+        pe = tl.load(PE + b * s_pb + h * s_ph + tl.arange(0, R)).to(tl.float32)
+        row = Q + (b * H + h) * (L + R)
+        tl.store(row + tl.arange(0, L), tl.clamp(lat / s, -448.0, 448.0).to(Q.dtype.element_ty))
+        tl.store(row + L + tl.arange(0, R), tl.clamp(pe / s, -448.0, 448.0).to(Q.dtype.element_ty))
+        if tl.program_id(0) == 0:
+            tl.store(QS, s)
+
+
+def quantize_query(q_lat: torch.Tensor, q_pe: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q_lat [B, H, L] | q_pe [B, H, R] -> (e4m3 [B, 1, H, L + R], fp32 scale [1]) by the largest magnitude of
+    both: three launches (a zeroed max, the max, the quantization), where torch's ops take about ten."""
+    b, h, lat = q_lat.shape
+    rope = q_pe.shape[-1]
+    if not HAS_TRITON or not q_lat.is_cuda or q_lat.stride(-1) != 1 or q_pe.stride(-1) != 1:
+        q = torch.cat((q_lat, q_pe), dim=-1).float()
+        scale = (q.abs().amax() / FP8_MAX).clamp_min(1e-12).reshape(1)
+        return (q / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).unsqueeze(1), scale
+    amax = torch.zeros(1, dtype=torch.float32, device=q_lat.device)
+    q8 = torch.empty(b, 1, h, lat + rope, dtype=FP8_DTYPE, device=q_lat.device)
+    scale = torch.empty(1, dtype=torch.float32, device=q_lat.device)
+    strides = (q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1))
+    _amax[(b * h,)](q_lat, q_pe, amax, *strides, h, L=lat, R=rope)
+    _quantize[(b * h,)](q_lat, q_pe, amax, q8, scale, *strides, h, L=lat, R=rope)
+    return q8, scale
+
+
+def _schedule(seq_lens: torch.Tensor, block_tables: torch.Tensor, heads: int, kv_scale: float,
+              step_cache: dict | None) -> tuple[torch.Tensor, ...]:
+    """What every layer's call of one step shares: the rows' lengths and tables as int32, FlashMLA's split
+    schedule for them, the cache's scale, which rows are live. Made by the step's first call and kept in
+    ``step_cache`` (the step's ``ForwardBatch.step_cache``; a graph's capture has a batch of its own, so its
+    replay computes them once), under the very ``seq_lens`` and ``block_tables`` tensors (a batch's are not
+    written while its layers run; inference tensors keep no version to check that by)."""
+    key = (heads, kv_scale)
+    hit = step_cache.get(__name__) if step_cache is not None else None
+    if hit is not None and hit[0] is seq_lens and hit[1] is block_tables and hit[2] == key:
+        return hit[3]
+    # A row of length 0 (a graph's padding; every row while a graph is captured) is read as one token of its
+    # table's first block and its output zeroed after: FlashMLA faults on a batch whose rows are all empty.
+    lens = seq_lens.clamp_min(1).to(torch.int32)
+    meta, splits = _ops().get_mla_decoding_metadata_dense_fp8(lens, heads, 1)
+    k_scale = torch.full((1,), kv_scale, dtype=torch.float32, device=seq_lens.device)
+    value = (lens, block_tables.to(torch.int32), meta, splits, k_scale, seq_lens > 0)
+    if step_cache is not None:
+        step_cache[__name__] = (seq_lens, block_tables, key, value)
+    return value
+
+
 def decode(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
-           seq_lens: torch.Tensor, scale: float, kv_format: KVFormat, out: torch.Tensor | None = None) -> torch.Tensor:
+           seq_lens: torch.Tensor, scale: float, kv_format: KVFormat, out: torch.Tensor | None = None,
+           step_cache: dict | None = None) -> torch.Tensor:
     """``mla_decode``'s output [B, H, L] (in ``out`` if given) for ``fp8`` rows: q [B, H, L + R] quantized to
-    e4m3 by its largest magnitude, FlashMLA's schedule from ``seq_lens``, its FP8 kernel; rows of length 0 (a
-    graph's padding) get zeros."""
-    ops = _ops()
+    e4m3 by its largest magnitude, FlashMLA's schedule from ``seq_lens`` (once a step: ``_schedule``), its FP8
+    kernel; rows of length 0 (a graph's padding) get zeros."""
     b, h, _ = q_lat.shape
-    q = torch.cat((q_lat, q_pe), dim=-1)  # [B, H, 576]
-    q_scale = (q.abs().amax().float() / FP8_MAX).clamp_min(1e-12).reshape(1)
-    q8 = (q.float() / q_scale).to(FP8_DTYPE).unsqueeze(1)  # [B, 1, H, 576]: one query token a row
-    lens = seq_lens.to(torch.int32)
-    meta, splits = ops.get_mla_decoding_metadata_dense_fp8(lens, h, 1)
-    k_scale = torch.full((1,), kv_format.scale, dtype=torch.float32, device=q.device)
-    got, _ = ops.fwd_kvcache_mla_fp8(q8, kv_cache.unsqueeze(2), LATENT, lens, block_tables.to(torch.int32), scale,
-                                     False, meta, splits, q_scale, k_scale)
-    got = torch.where((lens > 0).view(b, 1, 1), got.view(b, h, LATENT), 0.0)
+    q8, q_scale = quantize_query(q_lat, q_pe)
+    lens, tables, meta, splits, k_scale, live = _schedule(seq_lens, block_tables, h, kv_format.scale, step_cache)
+    got, _ = _ops().fwd_kvcache_mla_fp8(q8, kv_cache.unsqueeze(2), LATENT, lens, tables, scale, False, meta, splits,
+                                        q_scale, k_scale)
+    got = torch.where(live.view(b, 1, 1), got.view(b, h, LATENT), 0.0)
     if out is None:
         return got.to(q_lat.dtype)
     out.copy_(got)

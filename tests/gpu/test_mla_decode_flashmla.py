@@ -18,7 +18,7 @@ from engine.mla_decode import mla_decode, mla_decode_reference
 
 pytestmark = pytest.mark.gpu
 # max |out - ref| / max |ref|, and the norm error |out - ref| / |ref|
-TOL = (6e-2, 3e-2)
+TOL = (6e-2, 4.5e-2)  # above the errors measured (docs/benchmarks.md), ~20x our kernel's
 CONFIGS = [(16, 1, 32768), (16, 8, 4096), (16, 64, 8192), (16, 256, 1024), (128, 8, 32768)]  # heads, batch, max len
 
 
@@ -27,7 +27,7 @@ def flashmla() -> None:
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("FlashMLA's dense FP8 decode runs on sm90")
     if mla_decode_flashmla._ops() is None:
-        pytest.skip("FlashMLA not installed (scripts/gpu_carry.sh flashmla) or not on (PDCLUSTER_FLASHMLA=1)")
+        pytest.skip("FlashMLA not installed (scripts/gpu_carry.sh flashmla) or turned off (PDCLUSTER_FLASHMLA=0)")
 
 
 def _errors(got: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
@@ -76,3 +76,27 @@ def test_other_calls_keep_the_triton_kernel(flashmla: None) -> None:
     assert not mla_decode_flashmla.usable(case["q_lat"], case["q_pe"], case["kv_cache"], None, False)
     small, fmt16 = quantized_case("fp8", [100, 7], 16, 16, torch.bfloat16, "cuda")
     assert not mla_decode_flashmla.usable(small["q_lat"], small["q_pe"], small["kv_cache"], fmt16, False)
+
+
+@pytest.mark.parametrize("batch", [1, 64, 256])
+def test_the_query_quantizer_matches_torch(batch: int) -> None:
+    """``quantize_query``'s two Triton launches give torch's e4m3 rounding of q / (amax / 448), bit for bit, on
+    q_pe as the engine hands it (a strided view)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    g = torch.Generator(device="cuda").manual_seed(batch)
+    q_lat = torch.randn(batch, 16, 512, device="cuda", generator=g).to(torch.bfloat16)
+    q_pe = (torch.randn(batch, 16, 192, device="cuda", generator=g) * 3).to(torch.bfloat16)[..., 128:]
+    q8, scale = mla_decode_flashmla.quantize_query(q_lat, q_pe)
+    q = torch.cat((q_lat, q_pe), dim=-1).float()
+    want_scale = q.abs().amax() / 448.0
+    assert q8.shape == (batch, 1, 16, 576) and torch.equal(scale, want_scale.reshape(1))
+    assert torch.equal(q8.view(torch.uint8), (q / want_scale).to(q8.dtype).unsqueeze(1).view(torch.uint8))
+
+
+def test_a_batch_of_empty_rows_gives_zeros(flashmla: None) -> None:
+    """Every row of length 0, as while a graph is captured: zeros (FlashMLA itself faults on such a batch)."""
+    case, fmt = quantized_case("fp8", [0] * 8, 16, 64, torch.bfloat16, "cuda")
+    got, _ = mla_decode(**case, scale=SCALE, kv_format=fmt)
+    torch.cuda.synchronize()
+    assert torch.equal(got, torch.zeros_like(got))

@@ -20,12 +20,12 @@ def test_deep_gemm_is_on_unless_turned_off(monkeypatch: pytest.MonkeyPatch) -> N
     moe_deep_gemm._module.cache_clear()
 
 
-def test_flashmla_is_off_unless_asked_for(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_flashmla_is_on_unless_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
     from engine import mla_decode_flashmla
 
-    monkeypatch.setenv("PDCLUSTER_FLASHMLA", "1")
-    assert envs.flashmla() is True
     monkeypatch.delenv("PDCLUSTER_FLASHMLA", raising=False)
+    assert envs.flashmla() is True
+    monkeypatch.setenv("PDCLUSTER_FLASHMLA", "0")
     assert envs.flashmla() is False
     mla_decode_flashmla._ops.cache_clear()
     assert mla_decode_flashmla._ops() is None  # off: FlashMLA is not imported even where it is installed
