@@ -13,7 +13,7 @@ from typing import Protocol
 
 import torch
 
-from engine import moe_deep_gemm
+from engine import mla_decode_flashmla, moe_deep_gemm
 from engine.attention_ops import warm_cudnn_buckets
 from engine.config import ModelConfig
 from engine.cuda_graphs import DecodeGraphs
@@ -97,6 +97,8 @@ def load_model(
     else:
         load_weights(model, config.model)
     log.info("loaded %s in %.1fs", config.model, time.perf_counter() - t0)
+    if kernel := mla_decode_flashmla.decode_kernel(config.kv_cache_dtype, config.block_size, device):
+        log.info("decode attention over the fp8 KV cache: %s", kernel)
     return model
 
 

@@ -55,6 +55,20 @@ def _ops() -> Any:
         return None
 
 
+def decode_kernel(kv_cache_dtype: str, block_size: int, device: torch.device) -> str | None:
+    """What will serve decode attention over an ``fp8`` cache on ``device``, and why not FlashMLA where it is
+    not, for the start-up log; None for other formats or off CUDA."""
+    if kv_cache_dtype != "fp8" or device.type != "cuda":
+        return None
+    if not sm90(device.index or 0):
+        return "our Triton kernel (FlashMLA's FP8 decode needs sm90)"
+    if block_size != PAGE:
+        return f"our Triton kernel (FlashMLA's FP8 decode needs block_size {PAGE}; this engine's is {block_size})"
+    if _ops() is None:
+        return "our Triton kernel (FlashMLA turned off by PDCLUSTER_FLASHMLA=0, or not installed: the flashmla extra)"
+    return "FlashMLA's FP8 kernel"
+
+
 def usable(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, kv_format: KVFormat | None,
            want_lse: bool) -> bool:
     """Whether ``decode`` serves this ``mla_decode`` call (see the module's docstring)."""
