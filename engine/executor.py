@@ -19,6 +19,7 @@ from engine.config import ModelConfig
 from engine.cuda_graphs import DecodeGraphs
 from engine.engine_config import EngineConfig
 from engine.kv_cache import BlockSpace, KVCache, bytes_per_block
+from engine.mla import DECODE_KERNEL
 from engine.mla_decode import HAS_TRITON
 from engine.model import DeepseekForCausalLM
 from engine.model_runner import ModelRunner, StepLogits
@@ -97,8 +98,6 @@ def load_model(
     else:
         load_weights(model, config.model)
     log.info("loaded %s in %.1fs", config.model, time.perf_counter() - t0)
-    if kernel := mla_decode_flashmla.decode_kernel(config.kv_cache_dtype, config.block_size, device):
-        log.info("decode attention over the fp8 KV cache: %s", kernel)
     return model
 
 
@@ -127,6 +126,9 @@ class LocalExecutor:
         graphs = self.device.type == "cuda" and not config.enforce_eager and HAS_TRITON
         self.cache = KVCache(config.kv_format(mc), range(cache_layers), n, config.block_size, self.device,
                              spare_blocks=1 if graphs else 0)
+        if HAS_TRITON and DECODE_KERNEL == "triton" and (kernel := mla_decode_flashmla.decode_kernel(
+                config.kv_format(mc), config.block_size, self.dtype, self.device)):
+            log.info("decode attention over the fp8 KV cache: %s", kernel)
         self.graphs: DecodeGraphs | None = None
         if graphs:
             self.graphs = DecodeGraphs(self.model, self.cache, n, max_model_len, config.max_num_seqs,

@@ -8,12 +8,16 @@ context merged with the new tokens by log-sum-exp).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 import torch
 
 from engine.kv_format import KVFormat
 from engine.parallel.pcp_step import PCPStep
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -22,6 +26,23 @@ class PrefillSegment:
     num_new: int  # rows (new tokens) computed this step
     context_len: int  # tokens of this request already in the cache before this step
     block_table: torch.Tensor  # [num_blocks] int64: blocks covering context + new tokens
+
+
+class StepMemo:
+    """One value the layers of a step share, made by the first layer's call that asks (``get``) and made again
+    when asked for from other tensors (compared by identity) or another key."""
+
+    def __init__(self) -> None:
+        self._made: tuple[tuple[torch.Tensor, ...], tuple, Any] | None = None
+
+    def get(self, tensors: tuple[torch.Tensor, ...], key: tuple, make: Callable[[], T]) -> T:
+        if self._made is not None:
+            made_from, made_key, value = self._made
+            if made_key == key and len(made_from) == len(tensors) and all(a is b for a, b in zip(made_from, tensors)):
+                return value
+        value = make()
+        self._made = (tensors, key, value)
+        return value
 
 
 @dataclass
@@ -46,9 +67,10 @@ class ForwardBatch:
     # A CUDA graph's step (engine.cuda_graphs): shapes fixed by its size, nothing read back to the host (under
     # expert parallelism the MoE layers then pass every gathered choice through, not only this rank's).
     static: bool = False
-    # What the kernels of this step's layers share, made by the first layer's call (engine.mla_decode_flashmla's
-    # schedule); a batch lives for one step, or one graph capture.
-    step_cache: dict = field(default_factory=dict)
+    # What the decode attention of this step's layers shares, made by the first layer's call (FlashMLA's schedule:
+    # engine.mla_decode_flashmla). A batch lives for one step, or one graph capture; its tensors are not written
+    # once it is built.
+    decode_memo: StepMemo = field(default_factory=StepMemo)
 
     @property
     def num_tokens(self) -> int:

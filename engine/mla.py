@@ -185,7 +185,7 @@ class MLAttention(nn.Module):
             q_lat = torch.einsum("bhn,hnl->bhl", q_nope, w_uk)  # [B, H, L]
             cache = flat_cache.view(-1, bs, flat_cache.shape[-1])  # [num_blocks, block_size, L+R]
             out_lat, _ = mla_decode(q_lat, q_pe, cache, tables, lens, self.scale, grouped=batch.decode_grouped,
-                                    kv_format=self.kv_format, step_cache=batch.step_cache)
+                                    kv_format=self.kv_format, memo=batch.decode_memo)
             return self.expand_latent_out(out_lat, q_nope.dtype)
         pos = torch.arange(batch.decode_max_len, device=tables.device)
         mask = pos[None, :] < lens[:, None]

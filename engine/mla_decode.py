@@ -40,6 +40,7 @@ from dataclasses import dataclass
 import torch
 
 from engine import mla_decode_flashmla
+from engine.forward_batch import StepMemo
 from engine.kv_format import KERNEL_CODE, KVFormat
 
 try:
@@ -424,7 +425,7 @@ def mla_decode(
     num_splits: int | None = None,
     grouped: torch.Tensor | None = None,  # [B] int: rows served in groups (see below), or None
     kv_format: KVFormat | None = None,  # how the cache stores rows; default: kv_c | k_pe in the cache's dtype
-    step_cache: dict | None = None,  # the step's ForwardBatch.step_cache: what its layers' calls share
+    memo: StepMemo | None = None,  # the step's ForwardBatch.decode_memo: what its layers' calls share
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Absorbed MLA decode attention -> (out_lat [B, H, L] in ``out``'s dtype, default q_lat's; lse [B, H]
     fp32 natural log or None). Capturable when ``out``, ``lse`` and ``workspace`` are given.
@@ -456,7 +457,7 @@ def mla_decode(
     if mla_decode_flashmla.usable(q_lat, q_pe, kv_cache, kv_format, want_lse or lse is not None):
         assert kv_format is not None
         return mla_decode_flashmla.decode(q_lat, q_pe, kv_cache, block_tables, seq_lens, scale, kv_format, out,
-                                          step_cache), None
+                                          memo), None
     g = group_rows(h)
     if grouped is not None and (g == 1 or b < g or kv_cache.element_size() > 2):
         grouped = None  # nothing to group (a head group fills a tile, or too few rows), or fp32 tiles too large

@@ -13,7 +13,7 @@ tests/gpu/test_mla_decode_flashmla.py), as vLLM's and SGLang's FP8 FlashMLA path
 ``PDCLUSTER_FLASHMLA`` not 0 (``engine.envs``). Every step of it runs on the device from shapes alone, so CUDA
 graphs capture it. Around FlashMLA's kernel: ``quantize_query`` (two Triton launches for the queries' e4m3 and
 their one scale) in every layer, and ``_schedule`` (the int32 lengths and tables, FlashMLA's split schedule) once
-a step, kept in the step's ``ForwardBatch.step_cache``; done in every layer with torch's ops, the two cost a large
+a step, kept in the step's ``ForwardBatch.decode_memo``; done in every layer with torch's ops, the two cost a large
 share of a long-context decode step (docs/benchmarks.md).
 """
 
@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from engine import envs
+from engine.forward_batch import StepMemo
 from engine.fp8 import FP8_DTYPE, FP8_MAX
 from engine.fp8_kernels import HAS_TRITON, sm90
 from engine.kv_format import KVFormat
@@ -55,13 +56,17 @@ def _ops() -> Any:
         return None
 
 
-def decode_kernel(kv_cache_dtype: str, block_size: int, device: torch.device) -> str | None:
-    """What will serve decode attention over an ``fp8`` cache on ``device``, and why not FlashMLA where it is
-    not, for the start-up log; None for other formats or off CUDA."""
-    if kv_cache_dtype != "fp8" or device.type != "cuda":
+def decode_kernel(kv_format: KVFormat, block_size: int, dtype: torch.dtype, device: torch.device) -> str | None:
+    """What will serve a one-process engine's decode attention over an ``fp8`` cache on ``device`` (``usable``'s
+    conditions known at start-up), and why not FlashMLA where it is not, for the start-up log; None for other
+    formats or off CUDA."""
+    if kv_format.name != "fp8" or device.type != "cuda":
         return None
     if not sm90(device.index or 0):
         return "our Triton kernel (FlashMLA's FP8 decode needs sm90)"
+    if dtype != torch.bfloat16 or (kv_format.lora, kv_format.rope) != (LATENT, ROPE):
+        return (f"our Triton kernel (FlashMLA's FP8 decode takes bf16 queries of {LATENT} + {ROPE}; this engine's "
+                f"are {dtype} of {kv_format.lora} + {kv_format.rope})")
     if block_size != PAGE:
         return f"our Triton kernel (FlashMLA's FP8 decode needs block_size {PAGE}; this engine's is {block_size})"
     if _ops() is None:
@@ -91,19 +96,20 @@ if HAS_TRITON:
     def _quantize(LAT, PE, AMAX, Q, QS, s_lb, s_lh, s_pb, s_ph, H, L: tl.constexpr, R: tl.constexpr):
         # program (b, h): q_lat[b, h] | q_pe[b, h] / scale in e4m3 into Q [B, H, L + R]; scale = amax / 448 into QS
         b, h = tl.program_id(0) // H, tl.program_id(0) % H
-        s = tl.maximum(tl.load(AMAX), 1e-12) / 448.0
+        # IEEE divisions (Triton's ``/`` on fp32 is an approximate one), so the bytes are torch's
+        s = tl.div_rn(tl.maximum(tl.load(AMAX), 1e-12), 448.0)
         lat = tl.load(LAT + b * s_lb + h * s_lh + tl.arange(0, L)).to(tl.float32)
         pe = tl.load(PE + b * s_pb + h * s_ph + tl.arange(0, R)).to(tl.float32)
         row = Q + (b * H + h) * (L + R)
-        tl.store(row + tl.arange(0, L), tl.clamp(lat / s, -448.0, 448.0).to(Q.dtype.element_ty))
-        tl.store(row + L + tl.arange(0, R), tl.clamp(pe / s, -448.0, 448.0).to(Q.dtype.element_ty))
+        tl.store(row + tl.arange(0, L), tl.clamp(tl.div_rn(lat, s), -448.0, 448.0).to(Q.dtype.element_ty))
+        tl.store(row + L + tl.arange(0, R), tl.clamp(tl.div_rn(pe, s), -448.0, 448.0).to(Q.dtype.element_ty))
         if tl.program_id(0) == 0:
             tl.store(QS, s)
 
 
 def quantize_query(q_lat: torch.Tensor, q_pe: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """q_lat [B, H, L] | q_pe [B, H, R] -> (e4m3 [B, 1, H, L + R], fp32 scale [1]) by the largest magnitude of
-    both: three launches (a zeroed max, the max, the quantization), where torch's ops take about ten."""
+    both: three launches (a zeroed max, the max, the quantization)."""
     b, h, lat = q_lat.shape
     rope = q_pe.shape[-1]
     if not HAS_TRITON or not q_lat.is_cuda or q_lat.stride(-1) != 1 or q_pe.stride(-1) != 1:
@@ -120,36 +126,32 @@ def quantize_query(q_lat: torch.Tensor, q_pe: torch.Tensor) -> tuple[torch.Tenso
 
 
 def _schedule(seq_lens: torch.Tensor, block_tables: torch.Tensor, heads: int, kv_scale: float,
-              step_cache: dict | None) -> tuple[torch.Tensor, ...]:
+              memo: StepMemo | None) -> tuple[torch.Tensor, ...]:
     """What every layer's call of one step shares: the rows' lengths and tables as int32, FlashMLA's split
-    schedule for them, the cache's scale, which rows are live. Made by the step's first call and kept in
-    ``step_cache`` (the step's ``ForwardBatch.step_cache``; a graph's capture has a batch of its own, so its
-    replay computes them once), under the very ``seq_lens`` and ``block_tables`` tensors (a batch's are not
-    written while its layers run; inference tensors keep no version to check that by)."""
-    key = (heads, kv_scale)
-    hit = step_cache.get(__name__) if step_cache is not None else None
-    if hit is not None and hit[0] is seq_lens and hit[1] is block_tables and hit[2] == key:
-        return hit[3]
-    # A row of length 0 (a graph's padding; every row while a graph is captured) is read as one token of its
-    # table's first block and its output zeroed after: FlashMLA faults on a batch whose rows are all empty.
-    lens = seq_lens.clamp_min(1).to(torch.int32)
-    meta, splits = _ops().get_mla_decoding_metadata_dense_fp8(lens, heads, 1)
-    k_scale = torch.full((1,), kv_scale, dtype=torch.float32, device=seq_lens.device)
-    value = (lens, block_tables.to(torch.int32), meta, splits, k_scale, seq_lens > 0)
-    if step_cache is not None:
-        step_cache[__name__] = (seq_lens, block_tables, key, value)
-    return value
+    schedule for them, the cache's scale, which rows are live. Made by the step's first call and kept in ``memo``
+    (the step's ``ForwardBatch.decode_memo``; a graph's capture has a batch of its own, so its replay computes
+    them once), under the very ``seq_lens`` and ``block_tables`` tensors."""
+
+    def make() -> tuple[torch.Tensor, ...]:
+        # A row of length 0 (a graph's padding; every row while a graph is captured) is read as one token of its
+        # table's first block and its output zeroed after: FlashMLA faults on a batch whose rows are all empty.
+        lens = seq_lens.clamp_min(1).to(torch.int32)
+        meta, splits = _ops().get_mla_decoding_metadata_dense_fp8(lens, heads, 1)
+        k_scale = torch.full((1,), kv_scale, dtype=torch.float32, device=seq_lens.device)
+        return lens, block_tables.to(torch.int32), meta, splits, k_scale, seq_lens > 0
+
+    return make() if memo is None else memo.get((seq_lens, block_tables), (__name__, heads, kv_scale), make)
 
 
 def decode(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
            seq_lens: torch.Tensor, scale: float, kv_format: KVFormat, out: torch.Tensor | None = None,
-           step_cache: dict | None = None) -> torch.Tensor:
+           memo: StepMemo | None = None) -> torch.Tensor:
     """``mla_decode``'s output [B, H, L] (in ``out`` if given) for ``fp8`` rows: q [B, H, L + R] quantized to
     e4m3 by its largest magnitude, FlashMLA's schedule from ``seq_lens`` (once a step: ``_schedule``), its FP8
     kernel; rows of length 0 (a graph's padding) get zeros."""
     b, h, _ = q_lat.shape
     q8, q_scale = quantize_query(q_lat, q_pe)
-    lens, tables, meta, splits, k_scale, live = _schedule(seq_lens, block_tables, h, kv_format.scale, step_cache)
+    lens, tables, meta, splits, k_scale, live = _schedule(seq_lens, block_tables, h, kv_format.scale, memo)
     got, _ = _ops().fwd_kvcache_mla_fp8(q8, kv_cache.unsqueeze(2), LATENT, lens, tables, scale, False, meta, splits,
                                         q_scale, k_scale)
     got = torch.where(live.view(b, 1, 1), got.view(b, h, LATENT), 0.0)

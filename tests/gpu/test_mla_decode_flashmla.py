@@ -18,7 +18,7 @@ from engine.mla_decode import mla_decode, mla_decode_reference
 
 pytestmark = pytest.mark.gpu
 # max |out - ref| / max |ref|, and the norm error |out - ref| / |ref|
-TOL = (6e-2, 4.5e-2)  # above the errors measured (docs/benchmarks.md), ~20x our kernel's
+TOL = (6e-2, 4.5e-2)  # above the errors measured (docs/benchmarks.md)
 CONFIGS = [(16, 1, 32768), (16, 8, 4096), (16, 64, 8192), (16, 256, 1024), (128, 8, 32768)]  # heads, batch, max len
 
 
@@ -100,3 +100,46 @@ def test_a_batch_of_empty_rows_gives_zeros(flashmla: None) -> None:
     got, _ = mla_decode(**case, scale=SCALE, kv_format=fmt)
     torch.cuda.synchronize()
     assert torch.equal(got, torch.zeros_like(got))
+
+
+def test_the_engine_decodes_through_flashmla_as_close_to_fp32_as_through_ours(flashmla: None, tmp_path,
+                                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """The whole engine on a tiny model with FlashMLA's latent shape (512 + 64, 16 heads), fp8 KV in 64-token
+    blocks, eager and from graphs: FlashMLA serves its decode steps (every layer's call, the schedule made once a
+    step) and follows the fp32 CPU engine with the same cache format about as far as our kernel does, with the
+    same bound on the logprob error as tests/gpu/test_fp8_kv_gpu.py's, loosened for FlashMLA's e4m3 queries.
+    (Not yet run on a GPU.)"""
+    from test_cuda_graphs import KW, _requests
+    from test_fp8_kv_gpu import _follow
+
+    from engine import LLM
+    from pdctl.tiny_model import make_tiny_model
+
+    model = make_tiny_model(tmp_path / "m", overrides={"num_attention_heads": 16}, seed=5)  # latents of 512 + 64
+    prompts, params = _requests()
+    kw = {**KW, "kv_cache_dtype": "fp8", "block_size": 64}
+    with LLM(str(model), **{**kw, "device": "cpu", "dtype": "float32"}) as cpu:
+        ref = cpu.generate(prompts, params)
+    calls: list[int] = []
+    real = mla_decode_flashmla.decode
+    monkeypatch.setattr(mla_decode_flashmla, "decode", lambda *a, **k: calls.append(1) or real(*a, **k))
+    follows = {}
+    for kernel in ("flashmla", "ours"):
+        with monkeypatch.context() as m:
+            if kernel == "ours":
+                m.setattr(mla_decode_flashmla, "usable", lambda *a: False)
+            for mode, over in (("eager", {"enforce_eager": True}), ("graph", {})):
+                calls.clear()
+                with LLM(str(model), **kw, **over) as llm:
+                    got = llm.generate(prompts, params)
+                    graphs = llm.engine.executor.graphs
+                    assert (graphs is None) == (mode == "eager") and (graphs is None or graphs.replays > 20)
+                    assert llm.engine.num_used_blocks == 0
+                assert bool(calls) == (kernel == "flashmla"), (kernel, mode, len(calls))  # (graphs: their captures)
+                follows[kernel, mode] = _follow(ref, got)
+    print(follows)
+    for mode in ("eager", "graph"):
+        n_ours, err_ours = follows["ours", mode]
+        n, err = follows["flashmla", mode]
+        assert n >= 0.5 * n_ours > 0, follows
+        assert err <= 2 * err_ours + 0.1, follows
