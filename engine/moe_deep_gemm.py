@@ -201,5 +201,5 @@ def warm_up(model: torch.nn.Module, max_tokens: int) -> int:
         if usable(x[:t], t * (top + shared), w13):
             ran += experts(x[:t], ids[:t], w13, moe.w2, moe.w13_scale_inv, moe.w2_scale_inv, shared) is not None
     torch.cuda.synchronize(w13.device)
-    torch.cuda.empty_cache()  # the cache is sized from what is free after this
+    torch.cuda.empty_cache()  # its buffers back to the device: the KV cache is allocated next (sized before this)
     return ran
