@@ -30,6 +30,7 @@ class NodeInfo:
     engine: str = "native"  # "native" | "vllm": which decode nodes can read a prefill node's KV
     kv_protocol: str = "tcp"  # the KV transport's Mooncake protocol: a pull needs both ends on the same one
     kv_cache_dtype: str = ""  # its KV rows' format (engine.kv_format's wire name): a pull needs both the same
+    weights: str = ""  # how it holds the weights, in words (engine.fp8_compute.weights_held; "": not said)
     ep: int = 1  # expert parallelism: the ranks an EP group spans (each holds 1/ep of the routed experts)
     experts_per_rank: int = 0  # the routed experts each rank holds (all of them without EP; 0: no MoE layers)
     local_prefill: bool = False  # a decode node that can prefill a request itself (DecodeRequest.local_prefill)

@@ -34,6 +34,7 @@ from decode_node.replica import Event, Job, Replica
 from decode_node.replica_process import ReplicaProcesses
 from engine.config import ModelConfig
 from engine.engine_config import EngineConfig
+from engine.fp8_compute import weights_held
 from engine.parallel.expert_parallel import expert_shard
 from kv_transfer.handoff import Totals, add_totals
 from kv_transfer.protocol import choose_protocol
@@ -136,6 +137,8 @@ class DecodeWorker:
         self.routed_experts = mc.n_routed_experts or 0
         self.block_size = ec.block_size
         self.kv_cache_dtype = ec.kv_format(mc).wire_name  # a handle of another format is refused
+        self.weights = weights_held(mc.quantization is not None, ec.torch_dtype(mc.torch_dtype),
+                                    configs[0].torch_device())
         self.prefix_caching = ec.enable_prefix_caching
         self.address = ""  # set once the server listens
         self.failed = threading.Event()

@@ -36,6 +36,17 @@ def runs_fp8(device: torch.device) -> bool:
     return True
 
 
+def weights_held(quantized: bool, dtype: torch.dtype, device: torch.device) -> str:
+    """How an engine on ``device`` computing in ``dtype`` holds a checkpoint's weights, in words for ``pdctl
+    status``: ``bfloat16``; ``fp8 experts, bfloat16`` (a block-FP8 checkpoint on CUDA, where its experts compute
+    in FP8: an engine on a GPU that cannot fails at load, ``runs_fp8``); ``float32, from fp8`` (dequantized at
+    load). Reads no device, so a node's parent process can say it without touching CUDA."""
+    name = str(dtype).removeprefix("torch.")
+    if not quantized:
+        return name
+    return f"fp8 experts, {name}" if device.type == "cuda" else f"{name}, from fp8"
+
+
 def use_fp8_compute(model: nn.Module) -> None:
     """Hold ``model``'s routed experts in block FP8 (call on the meta-device model, before its storage is
     allocated)."""

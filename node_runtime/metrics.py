@@ -230,7 +230,8 @@ class _State(Collector):
     def _shape(self, base: list[str]) -> Iterator[Any]:
         i = self.info
         shape = {"engine": i.engine, "dp": str(i.dp), "pcp": str(i.pcp), "pp": str(i.pp), "ep": str(i.ep),
-                 "kv_layout": i.kv_layout, "kv_cache_dtype": i.kv_cache_dtype, "kv_protocol": i.kv_protocol}
+                 "kv_layout": i.kv_layout, "kv_cache_dtype": i.kv_cache_dtype, "kv_protocol": i.kv_protocol,
+                 "weights": i.weights}
         yield _one(GaugeMetricFamily, "pdcluster_node_info", "The node's shape (always 1)", [*LABELS, *shape],
                    [*base, *shape.values()], 1)
         yield _one(GaugeMetricFamily, "pdcluster_experts_per_rank", "Routed experts each rank holds (all of them "

@@ -54,6 +54,7 @@ class NodeWorker(Protocol):
     prefix_caching: bool  # whether its engine really caches prefixes (vLLM may turn it off)
     kv_protocol: str  # the Mooncake protocol its KV moves with (``auto`` resolved): decode and prefill must match
     kv_cache_dtype: str  # its KV rows' format (engine.kv_format's wire name): decode and prefill must match
+    weights: str  # how its engine holds the weights, in words (pdctl status)
     routed_experts: int  # the model's routed experts (0: no MoE layers)
     address: str  # set by ``serve`` once the server listens: the address peers dial
 
@@ -197,7 +198,7 @@ def node_info(config: NodeConfig, served: str, worker: NodeWorker, metrics_addre
                     kv_layout=_kv_layout(config),
                     block_size=worker.block_size, num_blocks=worker.num_blocks, started_at=time.time(),
                     engine=config.engine_backend, kv_protocol=worker.kv_protocol,
-                    kv_cache_dtype=worker.kv_cache_dtype, ep=ep,
+                    kv_cache_dtype=worker.kv_cache_dtype, weights=worker.weights, ep=ep,
                     experts_per_rank=worker.routed_experts // ep,
                     local_prefill=config.role == "decode" and config.engine_backend == "native",
                     prefix_caching=worker.prefix_caching, metrics_address=metrics_address,

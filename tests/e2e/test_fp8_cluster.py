@@ -86,6 +86,8 @@ def test_the_fp8_rows_are_what_moves_and_only_to_a_node_that_holds_them(fp8_clus
         KV, KV, "float32"]
     assert [nodes[n]["ep"] for n in ("prefill-0", "decode-0", "decode-1")] == [4, 2, 1]
     assert [nodes[n]["experts_per_rank"] for n in ("prefill-0", "decode-0", "decode-1")] == [2, 4, 8]
+    # what pdctl status shows: on CPU the block-FP8 weights are dequantized at load into the compute dtype
+    assert {nodes[n]["weights"] for n in ("prefill-0", "decode-0", "decode-1")} == {"float32, from fp8"}
     plan = fp8_cluster.admin.get("/admin/route", params={"prompt_tokens": len(PROMPT), "max_tokens": 8}).json()
     assert plan["prefill"]["node_id"] == "prefill-0" and plan["decode"]["node_id"] == "decode-0"
     refused = {c["node_id"]: c for c in plan["decode_candidates"]}["decode-1"]

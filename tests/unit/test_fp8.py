@@ -176,3 +176,12 @@ def test_dummy_weights_of_an_fp8_config_are_on_the_fp8_grid(fp8_model) -> None:
     moe = next(n for n in params if n.endswith(".mlp.w13"))
     assert all(on_grid(half) for e in params[moe] for half in e.chunk(2))
     assert not on_grid(params["lm_head.weight"])  # the LM head stays as stored (bf16 in DeepSeek's)
+
+
+def test_the_weights_a_node_says_it_holds() -> None:
+    from engine.fp8_compute import weights_held
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 1)
+    assert weights_held(False, torch.bfloat16, cuda) == "bfloat16"
+    assert weights_held(True, torch.bfloat16, cuda) == "fp8 experts, bfloat16"  # (a GPU without FP8 fails at load)
+    assert weights_held(True, torch.float32, cpu) == "float32, from fp8"

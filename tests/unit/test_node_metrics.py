@@ -56,7 +56,7 @@ class Worker:
 def info(role: str = "decode") -> NodeInfo:
     return NodeInfo(node_id="decode-0", role=role, address="127.0.0.1:1", model="tiny", max_model_len=1024, dp=2,
                     pcp=1, pp=1, kv_layout="replicated", block_size=16, num_blocks=64, started_at=0.0, ep=2,
-                    experts_per_rank=4, kv_cache_dtype="bf16")
+                    experts_per_rank=4, kv_cache_dtype="bf16", weights="bfloat16")
 
 
 @pytest.fixture
@@ -148,7 +148,7 @@ def test_the_state_series_read_the_worker_at_each_page() -> None:
         assert s[("pdcluster_experts_per_rank", labels())] == 4
         assert s[("pdcluster_node_info", labels(engine="native", dp="2", pcp="1", pp="1", ep="2",
                                                  kv_layout="replicated", kv_cache_dtype="bf16",
-                                                 kv_protocol="tcp"))] == 1
+                                                 kv_protocol="tcp", weights="bfloat16"))] == 1
         assert s[("process_resident_memory_bytes", ())] > 0
         worker.loads = [ReplicaLoad(dp_rank=0, used_blocks=0, free_blocks=64), ReplicaLoad(dp_rank=1)]
         s = scrape(url)

@@ -22,7 +22,8 @@ def node(node_id: str, role: str, **extra: object) -> dict:
     d = {"node_id": node_id, "role": role, "address": f"127.0.0.1:{5000 + len(node_id)}", "model": "tiny",
          "max_model_len": 2048, "dp": 2 if role == "prefill" else 1, "pcp": 2 if role == "prefill" else 1, "pp": 1,
          "kv_layout": "sharded" if role == "prefill" else "replicated", "block_size": 16, "num_blocks": 64,
-         "kv_cache_dtype": "fp8_ds_mla", "started_at": 1.0, "draining": False, "heartbeat_at": 2.0, "healthy": True,
+         "kv_cache_dtype": "fp8_ds_mla", "weights": "fp8 experts, bfloat16",
+         "started_at": 1.0, "draining": False, "heartbeat_at": 2.0, "healthy": True,
          "inflight": 3,
          "replicas": [{"dp_rank": 0, "queued_prefill_tokens": 100, "waiting": 1, "running": 2, "used_blocks": 10,
                        "free_blocks": 54},
@@ -134,7 +135,8 @@ def test_status_table(pdctl, proxy_url) -> None:
     out = result.output
     assert f"proxy {proxy_url}" in out
     for expected in ("decode-0", "decode (vllm)", "prefill-0", "prefill-1", "EP2, 128 experts/rank",
-                     "sharded, fp8_ds_mla, tcp", "unhealthy", "draining", "120 / 3", "15 / 113",
+                     "sharded, fp8_ds_mla, tcp", "fp8 experts, bfloat16", "unhealthy", "draining", "120 / 3",
+                     "15 / 113",
                      "decode-1 (decode) failed", "ago and left the cluster: rank 0: Traceback (most recent call "
                      "last): ... RuntimeError: [gloo] Timed out waiting"):
         assert expected in out
@@ -147,7 +149,8 @@ def test_nodes_lines_and_json(pdctl, proxy_url) -> None:
     assert len(lines) == 4
     assert lines[3].startswith("decode-1 (decode) failed") and lines[3].endswith("Timed out waiting")
     assert lines[2].startswith("prefill-1  prefill") and "UNHEALTHY draining" in lines[2] and "inflight=3" in lines[2]
-    assert "dp=2 pcp=2 pp=1 ep=2 experts/rank=128  sharded  fp8_ds_mla" in lines[1] and "ep=" not in lines[2]
+    assert "dp=2 pcp=2 pp=1 ep=2 experts/rank=128  sharded  fp8_ds_mla  weights=fp8experts,bfloat16" in lines[1]
+    assert "ep=" not in lines[2]
     raw = pdctl("nodes", "--json", "--proxy", proxy_url, "--admin-key", ADMIN_KEY)
     assert json.loads(raw.output) == {"nodes": list(FakeProxy.nodes.values()), "failed": FAILED}
 
