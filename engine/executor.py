@@ -124,10 +124,11 @@ class LocalExecutor:
         # Under EP every member captures the same graphs in lockstep (collective: engine.cuda_graphs), and
         # replays one size per step with the others.
         graphs = self.device.type == "cuda" and not config.enforce_eager and HAS_TRITON
-        self.cache = KVCache(config.kv_format(mc), range(cache_layers), n, config.block_size, self.device,
+        kv_format = config.kv_format(mc)
+        self.cache = KVCache(kv_format, range(cache_layers), n, config.block_size, self.device,
                              spare_blocks=1 if graphs else 0)
         if HAS_TRITON and DECODE_KERNEL == "triton" and (kernel := mla_decode_flashmla.decode_kernel(
-                config.kv_format(mc), config.block_size, self.dtype, self.device)):
+                kv_format, config.block_size, self.dtype, self.device)):
             log.info("decode attention over the fp8 KV cache: %s", kernel)
         self.graphs: DecodeGraphs | None = None
         if graphs:

@@ -56,30 +56,36 @@ def _ops() -> Any:
         return None
 
 
+def _why_not(dtype: torch.dtype, lat: int, rope: int, page: int, device: torch.device) -> str | None:
+    """Why FlashMLA's FP8 decode cannot serve fp8 rows of ``page``-token blocks for queries of ``dtype`` and
+    ``lat`` + ``rope`` values on CUDA ``device``; None where it can."""
+    if not sm90(device.index or 0):
+        return "FlashMLA's FP8 decode needs sm90"
+    if dtype != torch.bfloat16 or (lat, rope) != (LATENT, ROPE):
+        return (f"FlashMLA's FP8 decode takes bf16 queries of {LATENT} + {ROPE}; this engine's are {dtype} of "
+                f"{lat} + {rope}")
+    if page != PAGE:
+        return f"FlashMLA's FP8 decode needs block_size {PAGE}; this engine's is {page}"
+    if _ops() is None:
+        return "FlashMLA turned off by PDCLUSTER_FLASHMLA=0, or not installed: the flashmla extra"
+    return None
+
+
 def decode_kernel(kv_format: KVFormat, block_size: int, dtype: torch.dtype, device: torch.device) -> str | None:
     """What will serve a one-process engine's decode attention over an ``fp8`` cache on ``device`` (``usable``'s
     conditions known at start-up), and why not FlashMLA where it is not, for the start-up log; None for other
     formats or off CUDA."""
     if kv_format.name != "fp8" or device.type != "cuda":
         return None
-    if not sm90(device.index or 0):
-        return "our Triton kernel (FlashMLA's FP8 decode needs sm90)"
-    if dtype != torch.bfloat16 or (kv_format.lora, kv_format.rope) != (LATENT, ROPE):
-        return (f"our Triton kernel (FlashMLA's FP8 decode takes bf16 queries of {LATENT} + {ROPE}; this engine's "
-                f"are {dtype} of {kv_format.lora} + {kv_format.rope})")
-    if block_size != PAGE:
-        return f"our Triton kernel (FlashMLA's FP8 decode needs block_size {PAGE}; this engine's is {block_size})"
-    if _ops() is None:
-        return "our Triton kernel (FlashMLA turned off by PDCLUSTER_FLASHMLA=0, or not installed: the flashmla extra)"
-    return "FlashMLA's FP8 kernel"
+    why = _why_not(dtype, kv_format.lora, kv_format.rope, block_size, device)
+    return "FlashMLA's FP8 kernel" if why is None else f"our Triton kernel ({why})"
 
 
 def usable(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, kv_format: KVFormat | None,
            want_lse: bool) -> bool:
     """Whether ``decode`` serves this ``mla_decode`` call (see the module's docstring)."""
     return (kv_format is not None and kv_format.name == "fp8" and not want_lse and q_lat.is_cuda
-            and q_lat.dtype == torch.bfloat16 and q_lat.shape[-1] == LATENT and q_pe.shape[-1] == ROPE
-            and kv_cache.shape[1] == PAGE and sm90(q_lat.device.index or 0) and _ops() is not None)
+            and _why_not(q_lat.dtype, q_lat.shape[-1], q_pe.shape[-1], kv_cache.shape[1], q_lat.device) is None)
 
 
 if HAS_TRITON:

@@ -102,13 +102,13 @@ class PrefillWorker(EngineLoop):
         self.max_model_len = self.engines[0].max_model_len
         self.num_blocks = self.engines[0].load().free_blocks
         self.block_size = ec.block_size
-        kv_format = ec.kv_format(self.engines[0].model_config)
-        self.kv_cache_dtype = kv_format.wire_name
         mc = self.engines[0].model_config
+        kv_format = ec.kv_format(mc)
+        self.kv_cache_dtype = kv_format.wire_name
         self.weights = weights_held(mc.quantization is not None, ec.torch_dtype(mc.torch_dtype), ec.torch_device())
         log.info("KV cache: %s", kv_format.describe())
         self.prefix_caching = ec.enable_prefix_caching
-        self.routed_experts = self.engines[0].model_config.n_routed_experts or 0
+        self.routed_experts = mc.n_routed_experts or 0
         self.address = ""  # set once the server listens (goes into KV handles)
         self.leases = KVSender(self._release_held, lease_s=config.lease_s)
         self.held_on: dict[str, int] = {}  # request id -> replica holding its blocks
