@@ -47,12 +47,13 @@ MAX_NUM_SEQS = EngineConfig.max_num_seqs
 
 
 def step_time(model: Path, device: str, batch: int, prompt_len: int, steps: int, k: int, eager: bool,
-              dummy: bool, profile: bool = False, pass_graphs: bool = True, max_num_seqs: int = MAX_NUM_SEQS) -> float:
+              dummy: bool, profile: bool = False, pass_graphs: bool = True, max_num_seqs: int = MAX_NUM_SEQS,
+              kv_cache_dtype: str = "auto") -> float:
     """Seconds per engine step with ``batch`` requests decoding (k drafts each when k > 0; ``pass_graphs`` off:
     the MTP passes run eagerly after a replayed step) on an engine of ``max_num_seqs`` (at least ``batch``)."""
     kw: dict = dict(dtype="bfloat16" if device != "cpu" else "float32", device=device,
                     max_model_len=prompt_len + steps * (k + 1) + 64, max_num_seqs=max(batch, max_num_seqs),
-                    max_num_batched_tokens=max(2048, prompt_len), enforce_eager=eager)
+                    max_num_batched_tokens=max(2048, prompt_len), enforce_eager=eager, kv_cache_dtype=kv_cache_dtype)
     if dummy:
         kw["load_format"] = "dummy"
     if k:
@@ -121,11 +122,14 @@ def main() -> None:
                     help="the engine's max_num_seqs (at least the batch; earlier figures had the batch)")
     ap.add_argument("--acceptance", type=float, default=0.972,
                     help="another acceptance rate to project at (default: the trained tiny model's at k=1)")
+    ap.add_argument("--quantization", choices=["none", "fp8"], default="none",
+                    help="with --preset: fp8 declares DeepSeek's block FP8 in the config (FP8 experts on a GPU)")
+    ap.add_argument("--kv-cache-dtype", choices=["auto", "fp8", "fp8_ds_mla"], default="auto")
     a = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="mtp-verify-"))
     dummy = a.preset is not None
     if a.preset:
-        cfg = preset_config(a.preset, num_layers=a.layers)
+        cfg = preset_config(a.preset, None if a.quantization == "none" else a.quantization, num_layers=a.layers)
         cfg["num_nextn_predict_layers"] = 1
         model = write_config_only(tmp / a.preset, cfg)
     elif a.model:
@@ -135,7 +139,7 @@ def main() -> None:
     rows = []
     for batch in a.batch:
         run = functools.partial(step_time, model, a.device, batch, a.prompt_len, a.steps, dummy=dummy,
-                                max_num_seqs=a.max_num_seqs)
+                                max_num_seqs=a.max_num_seqs, kv_cache_dtype=a.kv_cache_dtype)
         base = run(0, eager=False)
         eager = run(0, eager=True) if a.eager else 0.0
         for k in a.k:
@@ -156,6 +160,7 @@ def main() -> None:
                   f"acceptance (a projection)")
     print(json.dumps({"benchmark": "mtp_verify", "model": a.preset or str(model), "device": a.device,
                       "gpu": torch.cuda.get_device_name() if a.device != "cpu" and torch.cuda.is_available() else None,
+                      "quantization": a.quantization, "kv_cache_dtype": a.kv_cache_dtype,
                       "prompt_len": a.prompt_len, "steps": a.steps, "max_num_seqs": a.max_num_seqs,
                       "rows": rows}))
 
