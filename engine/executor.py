@@ -13,7 +13,7 @@ from typing import Protocol
 
 import torch
 
-from engine import mla_decode_flashmla, moe_deep_gemm
+from engine import dense_deep_gemm, mla_decode_flashmla, moe_deep_gemm
 from engine.attention_ops import warm_cudnn_buckets
 from engine.config import ModelConfig
 from engine.cuda_graphs import DecodeGraphs
@@ -98,6 +98,9 @@ def load_model(
     else:
         load_weights(model, config.model)
     log.info("loaded %s in %.1fs", config.model, time.perf_counter() - t0)
+    if mc.quantization is not None and (held := dense_deep_gemm.hold_fp8_copies(model, mc.quantization.ue8m0)):
+        log.info("%d dense linears hold an FP8 copy for prefill steps of %d+ rows (DeepGEMM)", held,
+                 dense_deep_gemm.MIN_ROWS)
     return model
 
 
@@ -180,8 +183,8 @@ def warm_prefill_kernels(config: EngineConfig, mc: ModelConfig, model: torch.nn.
                          dtype: torch.dtype, device: torch.device) -> None:
     """Build what prefill steps would otherwise build on first use, before serving, so no request pays for it:
     cuDNN's plans for the prompt attention's length buckets (a no-op unless ``attention_ops.CUDNN_BUCKET`` is
-    set) and DeepGEMM's kernels for the block-FP8 experts (``moe_deep_gemm.warm_up``; a no-op where that path is
-    not taken)."""
+    set) and DeepGEMM's kernels for the block-FP8 experts and dense linears (``moe_deep_gemm.warm_up``,
+    ``dense_deep_gemm.warm_up``; no-ops where those paths are not taken)."""
     rows = min(config.max_num_batched_tokens, max_model_len)
     t0 = time.perf_counter()
     planned = warm_cudnn_buckets(mc.num_attention_heads, mc.qk_head_dim, mc.v_head_dim, rows, dtype, device)
@@ -190,3 +193,7 @@ def warm_prefill_kernels(config: EngineConfig, mc: ModelConfig, model: torch.nn.
     t0 = time.perf_counter()
     if warmed := moe_deep_gemm.warm_up(model, rows):
         log.info("compiled DeepGEMM's FP8 experts for %d prefill sizes in %.1fs", warmed, time.perf_counter() - t0)
+    t0 = time.perf_counter()
+    if warmed := dense_deep_gemm.warm_up(model, rows):
+        log.info("compiled DeepGEMM's FP8 dense linears for %d shapes x sizes in %.1fs", warmed,
+                 time.perf_counter() - t0)

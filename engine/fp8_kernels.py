@@ -46,8 +46,9 @@ if HAS_TRITON:
         return tl.clamp(x / s[:, None], -448.0, 448.0), s
 
     @triton.jit
-    def _quantize_groups(X, Q, S, M, K, s_x, NG, ROWS: tl.constexpr, G: tl.constexpr):
-        # program (row block, group): ROWS rows x one group of G channels
+    def _quantize_groups(X, Q, S, M, K, s_x, s_sm, s_sg, ROWS: tl.constexpr, G: tl.constexpr):
+        # program (row block, group): ROWS rows x one group of G channels; row r's scale of group g at
+        # S + r * s_sm + g * s_sg
         rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
         g = tl.program_id(1)
         cols = g * G + tl.arange(0, G)
@@ -56,7 +57,7 @@ if HAS_TRITON:
         x = tl.load(X + rows[:, None].to(tl.int64) * s_x + cols[None, :], mask=m, other=0.0).to(tl.float32)
         q, s = quantize_rows(x)
         tl.store(Q + rows[:, None].to(tl.int64) * K + cols[None, :], q.to(Q.dtype.element_ty), mask=m)
-        tl.store(S + rows * NG + g, s, mask=rmask)
+        tl.store(S + rows * s_sm + g * s_sg, s, mask=rmask)
 
     @triton.jit
     def step_scales(XS, rmask, WS1, WS2, kb):  # noqa: ANN201  (a Triton function, as quantize_rows)
@@ -112,17 +113,24 @@ def supported(device_index: int) -> bool:
     return HAS_TRITON and torch.cuda.get_device_capability(device_index) >= (8, 9)
 
 
-def quantize_groups(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] -> (e4m3 [M, K], float32 scales [M, ceil(K/128)]), per token and group of 128 channels."""
+def quantize_groups(x: torch.Tensor, mn_major: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (e4m3 [M, K], float32 scales [M, ceil(K/128)]), per token and group of 128 channels. With
+    ``mn_major`` the scales are a view of a ``[ceil(K/128), M']`` buffer (M' = M rounded up to 4: 16-byte rows),
+    the layout DeepGEMM's sm90 kernels read (``engine.dense_deep_gemm``)."""
     m, k = x.shape
     if x.stride(-1) != 1:
         raise ValueError("quantize_groups needs rows with unit stride")
     ng = triton.cdiv(k, GROUP)
     q = torch.empty(m, k, dtype=FP8_DTYPE, device=x.device)
-    s = torch.empty(m, ng, dtype=torch.float32, device=x.device)
+    if mn_major:
+        mp = triton.cdiv(m, 4) * 4
+        s = torch.empty(ng, mp, dtype=torch.float32, device=x.device)[:, :m].t()
+    else:
+        s = torch.empty(m, ng, dtype=torch.float32, device=x.device)
     if m:
         rows = 8
-        _quantize_groups[(triton.cdiv(m, rows), ng)](x, q, s, m, k, x.stride(0), ng, ROWS=rows, G=GROUP, num_warps=4)
+        _quantize_groups[(triton.cdiv(m, rows), ng)](x, q, s, m, k, x.stride(0), s.stride(0), s.stride(1), ROWS=rows,
+                                                     G=GROUP, num_warps=4)
     return q, s
 
 

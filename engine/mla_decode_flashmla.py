@@ -40,6 +40,7 @@ log = logging.getLogger(__name__)
 
 PAGE = 64  # FlashMLA's block of tokens
 LATENT, ROPE = 512, 64
+AMAX_HEADS = 16  # heads a program of ``_amax`` takes: one atomic each (V3's 128 heads: 8 a row)
 
 
 @functools.cache
@@ -91,19 +92,22 @@ def usable(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, kv_f
 if HAS_TRITON:
 
     @triton.jit
-    def _amax(LAT, PE, AMAX, s_lb, s_lh, s_pb, s_ph, H, L: tl.constexpr, R: tl.constexpr):
-        # program (row b, head h): the largest magnitude of q_lat[b, h] | q_pe[b, h], into AMAX[0] (zeroed)
-        b, h = tl.program_id(0) // H, tl.program_id(0) % H
-        lat = tl.load(LAT + b * s_lb + h * s_lh + tl.arange(0, L)).to(tl.float32)
-        pe = tl.load(PE + b * s_pb + h * s_ph + tl.arange(0, R)).to(tl.float32)
-        tl.atomic_max(AMAX, tl.maximum(tl.max(tl.abs(lat), 0), tl.max(tl.abs(pe), 0)))
+    def _amax(LAT, PE, AMAX, s_lb, s_lh, s_pb, s_ph, H, HC: tl.constexpr, L: tl.constexpr, R: tl.constexpr):
+        # program (row b, chunk of HC heads): the largest magnitude of q_lat | q_pe there, into AMAX[0] (zeroed)
+        b, heads = tl.program_id(0), tl.program_id(1) * HC + tl.arange(0, HC)
+        hm = (heads < H)[:, None]
+        lat = tl.load(LAT + b * s_lb + heads[:, None] * s_lh + tl.arange(0, L)[None, :], mask=hm, other=0.0)
+        pe = tl.load(PE + b * s_pb + heads[:, None] * s_ph + tl.arange(0, R)[None, :], mask=hm, other=0.0)
+        m_lat = tl.max(tl.max(tl.abs(lat.to(tl.float32)), 1), 0)
+        tl.atomic_max(AMAX, tl.maximum(m_lat, tl.max(tl.max(tl.abs(pe.to(tl.float32)), 1), 0)))
 
     @triton.jit
     def _quantize(LAT, PE, AMAX, Q, QS, s_lb, s_lh, s_pb, s_ph, H, L: tl.constexpr, R: tl.constexpr):
         # program (b, h): q_lat[b, h] | q_pe[b, h] / scale in e4m3 into Q [B, H, L + R]; scale = amax / 448 into QS
         b, h = tl.program_id(0) // H, tl.program_id(0) % H
-        # IEEE divisions (Triton's ``/`` on fp32 is an approximate one), so the bytes are torch's
-        s = tl.div_rn(tl.maximum(tl.load(AMAX), 1e-12), 448.0)
+        # torch's arithmetic, so the bytes are its: amax / 448 as a product by 448's fp32 reciprocal (torch divides
+        # by a Python number so), each value / scale an IEEE division (Triton's ``/`` on fp32 is an approximate one)
+        s = tl.maximum(tl.load(AMAX), 1e-12) * (1.0 / 448.0)
         lat = tl.load(LAT + b * s_lb + h * s_lh + tl.arange(0, L)).to(tl.float32)
         pe = tl.load(PE + b * s_pb + h * s_ph + tl.arange(0, R)).to(tl.float32)
         row = Q + (b * H + h) * (L + R)
@@ -126,7 +130,7 @@ def quantize_query(q_lat: torch.Tensor, q_pe: torch.Tensor) -> tuple[torch.Tenso
     q8 = torch.empty(b, 1, h, lat + rope, dtype=FP8_DTYPE, device=q_lat.device)
     scale = torch.empty(1, dtype=torch.float32, device=q_lat.device)
     strides = (q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1))
-    _amax[(b * h,)](q_lat, q_pe, amax, *strides, h, L=lat, R=rope)
+    _amax[(b, triton.cdiv(h, AMAX_HEADS))](q_lat, q_pe, amax, *strides, h, HC=AMAX_HEADS, L=lat, R=rope)
     _quantize[(b * h,)](q_lat, q_pe, amax, q8, scale, *strides, h, L=lat, R=rope)
     return q8, scale
 

@@ -109,7 +109,7 @@ if HAS_TRITON:
 
 
 @functools.cache
-def _module() -> Any:
+def library() -> Any:
     """DeepGEMM, or None (turned off, not installed, or its module does not load: logged once)."""
     if not envs.deep_gemm():
         return None
@@ -127,7 +127,7 @@ def usable(x: torch.Tensor, n: int, w13: torch.Tensor) -> bool:
     e, two_i, d = w13.shape
     return (HAS_TRITON and x.is_cuda and x.dtype == torch.bfloat16 and not _state["failed"]
             and n >= MIN_ROWS * e and d % GROUP == 0 and two_i % (2 * GROUP) == 0
-            and sm90(x.device.index or 0) and _module() is not None)
+            and sm90(x.device.index or 0) and library() is not None)
 
 
 def experts(x: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, w13_scale: torch.Tensor,
@@ -135,7 +135,7 @@ def experts(x: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor, w2: torch.Ten
     """``moe_kernels.fused_experts``' block-FP8 experts (same arguments) through DeepGEMM -> (expert outputs
     [M, D], each (token, choice)'s row of them [T * (K + shared)], -1 for a skipped choice), for
     ``moe_kernels.combine(..., row_of=...)``; None if DeepGEMM failed (logged; the caller runs its own)."""
-    dg = _module()
+    dg = library()
     t, k = ids.shape
     e, two_i, d = w13.shape
     i, n, dev = two_i // 2, t * (k + shared), x.device
@@ -184,7 +184,7 @@ def warm_up(model: torch.nn.Module, max_tokens: int) -> int:
     rows), as DeepGEMM picks its kernel by the rows. Without it the first prompts of each size would wait for
     NVCC (seconds a kernel). Returns the sizes run (0 when the path is not taken here)."""
     moe: Any = next((m for m in model.modules() if getattr(m, "w13_scale_inv", None) is not None), None)
-    if moe is None or not moe.w13.is_cuda or _module() is None or (moe.ep is not None and moe.ep.comm is not None):
+    if moe is None or not moe.w13.is_cuda or library() is None or (moe.ep is not None and moe.ep.comm is not None):
         return 0  # (expert parallelism's dispatched experts keep the Triton kernels)
     w13, top, shared = moe.w13, moe.gate.cfg.num_experts_per_tok, moe.shared_slots
     routed = w13.shape[0] - shared

@@ -79,7 +79,7 @@ def deep_gemm(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(moe_deep_gemm._state, "failed", False)  # an earlier test's failure does not carry over
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("DeepGEMM's path runs on sm90")
-    if moe_deep_gemm._module() is None:
+    if moe_deep_gemm.library() is None:
         pytest.skip("DeepGEMM not installed (scripts/gpu_carry.sh deepgemm) or not on (PDCLUSTER_DEEP_GEMM=1)")
 
 
@@ -185,7 +185,7 @@ class TorchDeepGEMM:
 
 
 if __name__ == "__main__":  # TRITON_INTERPRET=1: the glue on CPU, small shapes
-    moe_deep_gemm._module = lambda: TorchDeepGEMM  # type: ignore[assignment]
+    moe_deep_gemm.library = lambda: TorchDeepGEMM  # type: ignore[assignment]
     for shape, t in [((8, 256, 256, 2, 0), 50), ((8, 256, 128, 3, 2), 40), ((5, 128, 256, 2, 1), 1),
                      ((3, 128, 128, 1, 0), 6)]:
         check(shape, t, "cpu")

@@ -11,7 +11,7 @@ from engine import envs, mla_decode_flashmla, moe_deep_gemm
 
 
 @pytest.mark.parametrize(("name", "switch", "library", "bad"), [
-    ("PDCLUSTER_DEEP_GEMM", envs.deep_gemm, moe_deep_gemm._module, "yes"),
+    ("PDCLUSTER_DEEP_GEMM", envs.deep_gemm, moe_deep_gemm.library, "yes"),
     ("PDCLUSTER_FLASHMLA", envs.flashmla, mla_decode_flashmla._ops, "on"),
 ], ids=["deep_gemm", "flashmla"])
 def test_library_kernels_are_on_unless_turned_off(monkeypatch: pytest.MonkeyPatch, name: str,

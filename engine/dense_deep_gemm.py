@@ -1,0 +1,124 @@
+"""Block-FP8 dense linears at prefill sizes through DeepGEMM's FP8 GEMM (Hopper; optional).
+
+A block-FP8 checkpoint's attention projections and dense MLPs run in bf16 on cuBLAS (``engine.fp8_compute``
+says why: at decode sizes they are bound by latency, and bf16 is fastest there). At prefill sizes they are
+bound by compute, and DeepGEMM's ``fp8_gemm_nt`` (1 x 128 activation groups against the checkpoint's 128 x 128
+weight blocks) runs the same product at FP8's rate. So where the ``deepgemm`` extra's library loads on an sm90
+GPU, ``hold_fp8_copies`` gives each such linear an FP8 copy of its weight beside the bf16 one
+(``PrefillFp8Linear``), and a step of at least ``MIN_ROWS`` rows multiplies through it: its input quantized per
+token (``fp8_kernels.quantize_groups``, scales in the layout DeepGEMM reads), then one DeepGEMM call. Smaller
+steps (decode, CUDA graphs) keep cuBLAS bf16.
+
+The copy is quantized from the loaded bf16 weight, which holds the checkpoint's values: each block's e4m3
+values times its scale, rounded to bf16 (2^-9 of a value at most, far under e4m3's spacing of 2^-4), so
+quantizing again gives the checkpoint's e4m3 bytes and its scales to within that rounding, from real and dummy
+weights alike. ``kv_a_proj_with_mqa`` stays bf16: its 576 output columns are too few for FP8 to pay
+(docs/benchmarks.md), and the latents it makes are what the KV cache and the hand-off hold, so they stay
+those of every other path. Linears whose dimensions are not whole 128-blocks keep bf16 too.
+
+``PDCLUSTER_DEEP_GEMM=0`` turns this off with DeepGEMM's experts (``engine.envs``); a DeepGEMM failure (its
+compile, a check of its inputs) is logged once and the linears go back to bf16.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine import moe_deep_gemm
+from engine.fp8 import BLOCK, is_quantized_linear, quantize_blocks
+from engine.fp8_kernels import GROUP, HAS_TRITON, quantize_groups, sm90
+
+log = logging.getLogger(__name__)
+
+# Rows from which a step's linears take the FP8 copy (prefill chunks; decode steps and graphs stay below).
+MIN_ROWS = 2048
+_KEPT_BF16 = ("kv_a_proj_with_mqa",)
+_state = {"failed": False}
+
+
+class PrefillFp8Linear(nn.Linear):
+    """``nn.Linear`` (sharing the original's bf16 weight) that also holds a block-FP8 copy of it: inputs of at
+    least ``MIN_ROWS`` rows multiply through DeepGEMM, smaller ones through ``F.linear``."""
+
+    def __init__(self, linear: nn.Linear, w8: torch.Tensor, w_scale: torch.Tensor) -> None:
+        super().__init__(linear.in_features, linear.out_features, bias=False, device="meta")
+        self.weight = linear.weight
+        self.w8, self.w_scale = w8, w_scale  # plain attributes: not parameters the loader fills
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2 and x.shape[0] >= MIN_ROWS and not _state["failed"]:
+            y = linear(x, self.w8, self.w_scale)
+            if y is not None:
+                return y
+        return F.linear(x, self.weight)
+
+
+def _eligible(name: str, mod: nn.Module) -> bool:
+    return (type(mod) is nn.Linear and mod.bias is None and not name.endswith(_KEPT_BF16)
+            and is_quantized_linear(f"{name}.weight") and mod.weight.dtype == torch.bfloat16
+            and mod.in_features % GROUP == 0 and mod.out_features % GROUP == 0)
+
+
+def usable(device: torch.device) -> bool:
+    """Whether a block-FP8 model on ``device`` gets FP8 copies: sm90 with DeepGEMM's library."""
+    return (HAS_TRITON and device.type == "cuda" and sm90(device.index or 0)
+            and moe_deep_gemm.library() is not None)
+
+
+def hold_fp8_copies(model: nn.Module, ue8m0: bool = False) -> int:
+    """Swap each of a loaded block-FP8 ``model``'s eligible linears (module docstring) for a
+    ``PrefillFp8Linear`` holding an FP8 copy of its weight (``ue8m0``: power-of-two scales, as the checkpoint's).
+    Returns how many were given one (0 where ``usable`` says no)."""
+    device = next(model.parameters()).device
+    if not usable(device):
+        return 0
+    swaps = [(name, mod) for name, mod in model.named_modules() if _eligible(name, mod)]
+    for name, mod in swaps:
+        parent, _, attr = name.rpartition(".")
+        w8, w_scale = quantize_blocks(mod.weight.detach(), BLOCK, ue8m0)
+        setattr(model.get_submodule(parent), attr, PrefillFp8Linear(mod, w8, w_scale))
+    return len(swaps)
+
+
+def linear(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor | None:
+    """bf16 ``x`` [M, K] times the block-FP8 weight ``w8`` [N, K] (``w_scale`` [N/128, K/128]) transposed ->
+    [M, N] bf16 through DeepGEMM; None if DeepGEMM failed (logged; the caller multiplies in bf16)."""
+    dg: Any = moe_deep_gemm.library()
+    xq, xs = quantize_groups(x if x.stride(-1) == 1 else x.contiguous(), mn_major=True)
+    y = torch.empty(x.shape[0], w8.shape[0], dtype=torch.bfloat16, device=x.device)
+    try:
+        dg.fp8_gemm_nt((xq, xs), (w8, w_scale), y)
+    except torch.OutOfMemoryError:
+        raise
+    except RuntimeError as err:  # its kernel's compile (NVCC at $CUDA_HOME) or a check of its inputs
+        _state["failed"] = True
+        log.warning("DeepGEMM failed; the FP8 dense linears go back to bf16: %s", str(err)[:500])
+        return None
+    return y
+
+
+def warm_up(model: nn.Module, max_rows: int) -> int:
+    """Compile DeepGEMM's kernels for each FP8 copy's shape before serving, at each doubling of the rows from
+    ``MIN_ROWS`` up to ``max_rows`` (DeepGEMM picks its kernel by the rows), as ``moe_deep_gemm.warm_up`` does
+    for the experts. Returns the products run (0 where no linear holds a copy)."""
+    shapes = {(m.in_features, m.w8.shape[0]): m for m in model.modules() if isinstance(m, PrefillFp8Linear)}
+    if not shapes or max_rows < MIN_ROWS:
+        return 0
+    rows, t = [], MIN_ROWS
+    while t < max_rows:
+        rows.append(t)
+        t *= 2
+    rows.append(max_rows)
+    device = next(iter(shapes.values())).weight.device
+    for (k, _), m in shapes.items():
+        x = torch.zeros(max_rows, k, dtype=torch.bfloat16, device=device)
+        for r in rows:
+            m(x[:r])
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()  # its buffers back to the device: the KV cache is allocated next
+    return 0 if _state["failed"] else len(shapes) * len(rows)

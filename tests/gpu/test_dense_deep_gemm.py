@@ -1,0 +1,125 @@
+"""Block-FP8 dense linears at prefill sizes through DeepGEMM (``engine.dense_deep_gemm``): the product equals the
+same arithmetic in fp32 (the activations' e4m3 groups times the weight's blocks) on V2-Lite's and V3's dense
+shapes, row counts that are not multiples of 4 included; a V2-Lite-shaped FP8 engine holds the copies and its
+prefill logits stay within FP8's error of the bf16 linears'. Skipped where DeepGEMM is not installed or the GPU is
+not sm90.
+
+  TRITON_INTERPRET=1 PYTHONPATH=.:tests python tests/gpu/test_dense_deep_gemm.py   # the glue on CPU, DeepGEMM in torch
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import dense_deep_gemm, moe_deep_gemm
+from engine.fp8 import dequantize_blocks, quantize_blocks
+
+pytestmark = pytest.mark.gpu
+# (N, K): V2-Lite's q_proj, o_proj, kv_b_proj; V3's q_a_proj, q_b_proj, o_proj, dense MLP gate / down
+SHAPES = [(3072, 2048), (2048, 2048), (4096, 512), (1536, 7168), (24576, 1536), (7168, 16384), (18432, 7168),
+          (7168, 18432)]
+# Norm error against the same arithmetic in fp32: bf16's rounding of the output (2^-9) and fp32 sums in another
+# order. CPU (Triton's interpreter): its float-to-e4m3 conversion rounds differently from torch's (see
+# test_moe_deep_gemm.py), so there the reference quantizes with the interpreter's own kernel.
+TOLERANCE = 5e-3
+# The engine's final hidden states, FP8 linears against bf16 ones (FP8's own error: each e4m3 rounding moves a value
+# up to 2^-4, ~2.6% of a row's norm on random data, through 2 layers' linears).
+ENGINE_TOLERANCE = 6e-2
+
+
+def reference(x: torch.Tensor, w8: torch.Tensor, ws: torch.Tensor, xq: torch.Tensor, xs: torch.Tensor) -> torch.Tensor:
+    """(xq, xs) (x's e4m3 groups and scales) times the dequantized weight, in fp32."""
+    m, k = x.shape
+    act = (xq.float().view(m, k // 128, 128) * xs.float().unsqueeze(-1)).view(m, k)
+    return act @ dequantize_blocks(w8, ws).T
+
+
+class TorchDeepGEMM:
+    """DeepGEMM's ``fp8_gemm_nt`` in torch, for the glue on CPU: checks the scales' layout DeepGEMM's sm90 kernels
+    read (MN-major, rows padded to 4)."""
+
+    @staticmethod
+    def fp8_gemm_nt(a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor, torch.Tensor],
+                    d: torch.Tensor) -> None:
+        (q, sf), (w, ws) = a, b
+        m = q.shape[0]
+        assert sf.shape == (m, q.shape[1] // 128) and sf.stride(0) == 1 and sf.stride(1) == -(-m // 4) * 4
+        d.copy_(reference(q, w, ws, q, sf).to(d.dtype))
+
+
+def check(n: int, k: int, m: int, device: str = "cuda") -> float:
+    g = torch.Generator(device=device).manual_seed(n + k + m)
+    w8, ws = quantize_blocks(torch.randn(n, k, device=device, generator=g) * k**-0.5)
+    x = torch.randn(m, k, device=device, generator=g).to(torch.bfloat16)
+    got = dense_deep_gemm.linear(x, w8, ws)
+    assert got is not None and got.shape == (m, n) and got.dtype == torch.bfloat16
+    from engine.fp8_kernels import quantize_groups
+
+    xq, xs = quantize_groups(x)  # the same per-token groups, row-major scales
+    want = reference(x, w8, ws, xq, xs)
+    err = float((got.float() - want).norm() / want.norm())
+    print(f"N={n} K={k} M={m}: norm error {err:.2e}")
+    return err
+
+
+def _needs_deep_gemm() -> None:
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("needs an sm90 GPU")
+    if moe_deep_gemm.library() is None:
+        pytest.skip("DeepGEMM not installed (the deepgemm extra)")
+
+
+@pytest.mark.parametrize(("n", "k"), SHAPES)
+@pytest.mark.parametrize("m", [2048, 4099])
+def test_the_fp8_product_equals_the_same_arithmetic_in_fp32(n: int, k: int, m: int) -> None:
+    _needs_deep_gemm()
+    assert check(n, k, m) < TOLERANCE
+
+
+def test_an_fp8_engine_holds_copies_and_its_prefill_stays_within_fp8_error(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """V2-Lite's shape, 2 layers, dummy FP8 weights: the eligible linears hold copies (not kv_a_proj_with_mqa), a
+    prefill of MIN_ROWS+ tokens takes them, and its final hidden states stay within FP8's error of the same
+    engine's with bf16 linears."""
+    _needs_deep_gemm()
+    import tempfile
+    from pathlib import Path
+
+    from engine import LLM, SamplingParams
+    from pdctl.model_presets import preset_config
+    from pdctl.tiny_model import write_config_only
+
+    model = write_config_only(Path(tempfile.mkdtemp()) / "v2", preset_config("v2-lite", "fp8", num_layers=2))
+    prompt = torch.randint(10, 1000, (dense_deep_gemm.MIN_ROWS + 100,), generator=torch.Generator().manual_seed(0))
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+    calls: list[int] = []
+    real = dense_deep_gemm.linear
+    monkeypatch.setattr(dense_deep_gemm, "linear", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    with LLM(str(model), load_format="dummy", dtype="bfloat16", device="cuda", max_model_len=4096,
+             max_num_batched_tokens=4096, enforce_eager=True, enable_prefix_caching=False) as llm:
+        net = llm.engine.executor.model
+        mods = dict(net.named_modules())
+        held = [n for n, m in mods.items() if isinstance(m, dense_deep_gemm.PrefillFp8Linear)]
+        assert held and all(n.endswith(("q_proj", "kv_b_proj", "o_proj")) for n in held), held
+        assert not isinstance(mods["model.layers.0.self_attn.kv_a_proj_with_mqa"], dense_deep_gemm.PrefillFp8Linear)
+        hidden: list[torch.Tensor] = []
+        net.model.norm.register_forward_hook(lambda m, i, o: hidden.append(o.float()))
+        llm.generate([prompt.tolist()], params)
+        assert calls and min(calls) >= dense_deep_gemm.MIN_ROWS, calls  # the prefill took the copies
+        monkeypatch.setattr(dense_deep_gemm, "MIN_ROWS", 1 << 30)  # the same engine, bf16 linears
+        n_calls = len(calls)
+        llm.generate([prompt.tolist()], params)
+        assert len(calls) == n_calls
+    fp8, bf16 = hidden[0], hidden[-1]
+    assert fp8.shape == bf16.shape == (len(prompt), 2048)
+    err = float((fp8 - bf16).norm() / bf16.norm())
+    print(f"prefill hidden states, FP8 dense linears vs bf16: norm error {err:.2e}")
+    assert 0 < err < ENGINE_TOLERANCE
+
+
+if __name__ == "__main__":  # TRITON_INTERPRET=1: the glue on CPU, small shapes
+    moe_deep_gemm.library = lambda: TorchDeepGEMM  # type: ignore[assignment]
+    for n, k, m in [(256, 256, 5), (128, 384, 8), (384, 128, 13)]:
+        assert check(n, k, m, "cpu") < 5e-2
+    print("ok")

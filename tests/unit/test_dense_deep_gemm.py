@@ -1,0 +1,93 @@
+"""Which dense linears of a block-FP8 model get an FP8 copy for prefill steps, and which steps take it
+(``engine.dense_deep_gemm``; DeepGEMM's product itself needs an sm90 GPU: tests/gpu/test_dense_deep_gemm.py). Here
+DeepGEMM's call is the same product in torch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine import dense_deep_gemm
+from engine.fp8 import dequantize_blocks
+
+
+def _model() -> nn.Module:
+    """A decoder layer's linears under the checkpoint's names, in bf16."""
+    attn, mlp = nn.Module(), nn.Module()
+    attn.q_proj = nn.Linear(256, 384, bias=False)
+    attn.kv_a_proj_with_mqa = nn.Linear(256, 128, bias=False)
+    attn.kv_b_proj = nn.Linear(128, 256, bias=False)
+    attn.o_proj = nn.Linear(256, 256, bias=False)
+    mlp.gate_proj = nn.Linear(256, 200, bias=False)  # not whole 128-blocks
+    mlp.gate = nn.Linear(256, 128, bias=False)  # the router's gate: not quantized by DeepSeek
+    layer = nn.Module()
+    layer.self_attn, layer.mlp = attn, mlp
+    body = nn.Module()
+    body.layers = nn.ModuleDict({"0": layer})
+    root = nn.Module()
+    root.model = body
+    return root.to(torch.bfloat16)
+
+
+@pytest.fixture
+def product(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """DeepGEMM usable, its product in torch (the FP8 copy dequantized); returns the rows of each call."""
+    rows: list[int] = []
+
+    def linear(x: torch.Tensor, w8: torch.Tensor, ws: torch.Tensor) -> torch.Tensor:
+        rows.append(x.shape[0])
+        return (x.float() @ dequantize_blocks(w8, ws).T).to(torch.bfloat16)
+
+    monkeypatch.setattr(dense_deep_gemm, "usable", lambda device: True)
+    monkeypatch.setattr(dense_deep_gemm, "linear", linear)
+    monkeypatch.setattr(dense_deep_gemm, "_state", {"failed": False})
+    return rows
+
+
+def test_the_attention_projections_but_kv_a_hold_a_copy(product: list[int]) -> None:
+    model = _model()
+    params = dict(model.named_parameters())
+    assert dense_deep_gemm.hold_fp8_copies(model) == 3
+    held = {n for n, m in model.named_modules() if isinstance(m, dense_deep_gemm.PrefillFp8Linear)}
+    assert held == {f"model.layers.0.self_attn.{p}" for p in ("q_proj", "kv_b_proj", "o_proj")}
+    # the same parameters (the bf16 weights, shared), nothing the loader or a state dict would see added
+    assert {n: p.data_ptr() for n, p in model.named_parameters()} == {n: p.data_ptr() for n, p in params.items()}
+    assert set(model.state_dict()) == set(params)
+    q = model.get_submodule("model.layers.0.self_attn.q_proj")
+    assert q.w8.dtype == torch.float8_e4m3fn and q.w8.shape == (384, 256) and q.w_scale.shape == (3, 2)
+    # the copy is the bf16 weight's blocks in e4m3: back in bf16 it is within e4m3's rounding
+    back = dequantize_blocks(q.w8, q.w_scale)
+    assert float((back - q.weight.float()).norm() / q.weight.float().norm()) < 4e-2
+    assert dense_deep_gemm.hold_fp8_copies(model) == 0  # nothing left to swap
+
+
+def test_prefill_sized_steps_take_the_copy_and_smaller_ones_bf16(product: list[int],
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(dense_deep_gemm, "MIN_ROWS", 16)
+    model = _model()
+    dense_deep_gemm.hold_fp8_copies(model)
+    o = model.get_submodule("model.layers.0.self_attn.o_proj")
+    small = torch.randn(15, 256).to(torch.bfloat16)
+    assert torch.equal(o(small), F.linear(small, o.weight)) and product == []
+    big = torch.randn(16, 256).to(torch.bfloat16)
+    got = o(big)
+    assert product == [16]
+    assert float((got.float() - F.linear(big, o.weight).float()).norm() / got.float().norm()) < 4e-2
+
+
+def test_a_deep_gemm_failure_goes_back_to_bf16(product: list[int], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(dense_deep_gemm, "MIN_ROWS", 4)
+    model = _model()
+    dense_deep_gemm.hold_fp8_copies(model)
+    o = model.get_submodule("model.layers.0.self_attn.o_proj")
+    monkeypatch.setattr(dense_deep_gemm, "linear", lambda x, w8, ws: None)  # as after a failed compile
+    x = torch.randn(8, 256).to(torch.bfloat16)
+    assert torch.equal(o(x), F.linear(x, o.weight))
+
+
+def test_without_deep_gemm_nothing_changes() -> None:
+    model = _model()
+    assert dense_deep_gemm.hold_fp8_copies(model) == 0  # CPU: not usable
+    assert not any(isinstance(m, dense_deep_gemm.PrefillFp8Linear) for m in model.modules())
