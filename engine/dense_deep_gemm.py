@@ -16,8 +16,9 @@ weights alike. ``kv_a_proj_with_mqa`` stays bf16: its 576 output columns are too
 (docs/benchmarks.md), and the latents it makes are what the KV cache and the hand-off hold, so they stay
 those of every other path. Linears whose dimensions are not whole 128-blocks keep bf16 too.
 
-``PDCLUSTER_DEEP_GEMM=0`` turns this off with DeepGEMM's experts (``engine.envs``); a DeepGEMM failure (its
-compile, a check of its inputs) is logged once and the linears go back to bf16.
+``PDCLUSTER_DENSE_DEEP_GEMM=0`` turns this off (and ``PDCLUSTER_DEEP_GEMM=0`` with DeepGEMM's experts,
+``engine.envs``); a DeepGEMM failure (its compile, a check of its inputs) is logged once and the linears go back
+to bf16.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine import moe_deep_gemm
+from engine import envs, moe_deep_gemm
 from engine.fp8 import BLOCK, is_quantized_linear, quantize_blocks
 from engine.fp8_kernels import GROUP, HAS_TRITON, quantize_groups, sm90
 
@@ -66,7 +67,7 @@ def _eligible(name: str, mod: nn.Module) -> bool:
 
 def usable(device: torch.device) -> bool:
     """Whether a block-FP8 model on ``device`` gets FP8 copies: sm90 with DeepGEMM's library."""
-    return (HAS_TRITON and device.type == "cuda" and sm90(device.index or 0)
+    return (HAS_TRITON and device.type == "cuda" and envs.dense_deep_gemm() and sm90(device.index or 0)
             and moe_deep_gemm.library() is not None)
 
 

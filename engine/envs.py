@@ -9,6 +9,10 @@
 - ``PDCLUSTER_DEEP_GEMM``: 1 or unset: block-FP8 experts at prefill sizes on sm90 run DeepGEMM's grouped GEMMs
   where it is installed (``engine.moe_deep_gemm``; faster than our Triton kernels there, docs/benchmarks.md);
   0: our Triton kernels, and DeepGEMM is not imported.
+- ``PDCLUSTER_DENSE_DEEP_GEMM``: 1 or unset: a block-FP8 model's dense linears (attention's projections, dense
+  MLPs) multiply prefill steps of 2,048+ rows through DeepGEMM's FP8 GEMM on sm90, from an FP8 copy of their
+  weights (``engine.dense_deep_gemm``); 0: bf16 at every size, and no copy is held. ``PDCLUSTER_DEEP_GEMM=0``
+  turns this off too.
 - ``PDCLUSTER_FLASHMLA``: 1 or unset: decode attention over an ``fp8`` KV cache of 64-token blocks on sm90 runs
   FlashMLA's FP8 kernel where it is installed (``engine.mla_decode_flashmla``; faster than our Triton kernel there,
   at a larger error, docs/benchmarks.md); 0: our Triton kernel, and FlashMLA is not imported.
@@ -33,6 +37,10 @@ def _switch(name: str, default: str) -> bool:
 
 def deep_gemm() -> bool:
     return _switch("PDCLUSTER_DEEP_GEMM", "1")
+
+
+def dense_deep_gemm() -> bool:
+    return _switch("PDCLUSTER_DENSE_DEEP_GEMM", "1")
 
 
 def flashmla() -> bool:

@@ -6,6 +6,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+import torch
 
 from engine import envs, mla_decode_flashmla, moe_deep_gemm
 
@@ -26,6 +27,23 @@ def test_library_kernels_are_on_unless_turned_off(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setenv(name, bad)
     with pytest.raises(ValueError, match=f"{name} must be 0 or 1"):
         switch()
+
+
+def test_the_dense_deep_gemm_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On unless 0; off, no model gets FP8 copies of its dense linears even where DeepGEMM loads."""
+    from engine import dense_deep_gemm
+
+    monkeypatch.setattr(dense_deep_gemm, "HAS_TRITON", True)  # an sm90 GPU where DeepGEMM loads
+    monkeypatch.setattr(dense_deep_gemm, "sm90", lambda index: True)
+    monkeypatch.setattr(moe_deep_gemm, "library", lambda: object())
+    gpu = torch.device("cuda", 0)
+    monkeypatch.delenv("PDCLUSTER_DENSE_DEEP_GEMM", raising=False)
+    assert envs.dense_deep_gemm() is True and dense_deep_gemm.usable(gpu)
+    monkeypatch.setenv("PDCLUSTER_DENSE_DEEP_GEMM", "0")
+    assert envs.dense_deep_gemm() is False and not dense_deep_gemm.usable(gpu)
+    monkeypatch.setenv("PDCLUSTER_DENSE_DEEP_GEMM", "2")
+    with pytest.raises(ValueError, match="PDCLUSTER_DENSE_DEEP_GEMM must be 0 or 1"):
+        envs.dense_deep_gemm()
 
 
 def test_bad_values_are_refused_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
