@@ -16,9 +16,10 @@ weights alike. ``kv_a_proj_with_mqa`` stays bf16: its 576 output columns are too
 (docs/benchmarks.md), and the latents it makes are what the KV cache and the hand-off hold, so they stay
 those of every other path. Linears whose dimensions are not whole 128-blocks keep bf16 too.
 
-``PDCLUSTER_DENSE_DEEP_GEMM=0`` turns this off (and ``PDCLUSTER_DEEP_GEMM=0`` with DeepGEMM's experts,
-``engine.envs``); a DeepGEMM failure (its compile, a check of its inputs) is logged once and the linears go back
-to bf16.
+Off unless ``PDCLUSTER_DENSE_DEEP_GEMM=1`` (``engine.envs``): written and tested on CPU with DeepGEMM's product in
+torch, not yet run on a GPU (tests/gpu/test_dense_deep_gemm.py, ``.gpu/c25.sh`` in docs/benchmarks.md);
+``PDCLUSTER_DEEP_GEMM=0`` turns it off with DeepGEMM's experts. A DeepGEMM failure (its compile, a check of its
+inputs) is logged once and the linears go back to bf16.
 """
 
 from __future__ import annotations

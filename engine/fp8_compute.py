@@ -10,7 +10,8 @@ V2-Lite's shapes bf16 cuBLAS beats our W8A8 Triton GEMM (``engine.fp8_kernels.ge
 torch's block-scaled ``_scaled_mm`` at decode sizes (it wins on some shapes only at prefill sizes, and refuses
 some shapes); at decode sizes these GEMMs are bound by latency, not bytes (``benchmarks/fp8_gemm.py``,
 docs/benchmarks.md). Those linears are a small share of an MoE model's bytes. At prefill sizes, where they are
-bound by compute, ``engine.dense_deep_gemm`` gives them an FP8 copy for DeepGEMM's GEMM on sm90. ``kv_b_proj`` would be
+bound by compute, ``engine.dense_deep_gemm`` can give them an FP8 copy for DeepGEMM's GEMM on sm90
+(``PDCLUSTER_DENSE_DEEP_GEMM=1``; not yet measured). ``kv_b_proj`` would be
 dequantized anyway: the absorbed MLA path multiplies by its halves. Off CUDA (the CPU engine) every FP8 weight
 is dequantized at load.
 """

@@ -83,6 +83,7 @@ def test_an_fp8_engine_holds_copies_and_its_prefill_stays_within_fp8_error(
     prefill of MIN_ROWS+ tokens takes them, and its final hidden states stay within FP8's error of the same
     engine's with bf16 linears."""
     _needs_deep_gemm()
+    monkeypatch.setenv("PDCLUSTER_DENSE_DEEP_GEMM", "1")
     import tempfile
     from pathlib import Path
 

@@ -30,7 +30,8 @@ def test_library_kernels_are_on_unless_turned_off(monkeypatch: pytest.MonkeyPatc
 
 
 def test_the_dense_deep_gemm_switch(monkeypatch: pytest.MonkeyPatch) -> None:
-    """On unless 0; off, no model gets FP8 copies of its dense linears even where DeepGEMM loads."""
+    """Off unless 1 (not yet measured on a GPU); off, no model gets FP8 copies of its dense linears even where
+    DeepGEMM loads."""
     from engine import dense_deep_gemm
 
     monkeypatch.setattr(dense_deep_gemm, "HAS_TRITON", True)  # an sm90 GPU where DeepGEMM loads
@@ -38,6 +39,8 @@ def test_the_dense_deep_gemm_switch(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(moe_deep_gemm, "library", lambda: object())
     gpu = torch.device("cuda", 0)
     monkeypatch.delenv("PDCLUSTER_DENSE_DEEP_GEMM", raising=False)
+    assert envs.dense_deep_gemm() is False and not dense_deep_gemm.usable(gpu)
+    monkeypatch.setenv("PDCLUSTER_DENSE_DEEP_GEMM", "1")
     assert envs.dense_deep_gemm() is True and dense_deep_gemm.usable(gpu)
     monkeypatch.setenv("PDCLUSTER_DENSE_DEEP_GEMM", "0")
     assert envs.dense_deep_gemm() is False and not dense_deep_gemm.usable(gpu)
