@@ -107,8 +107,7 @@ def test_the_engine_decodes_through_flashmla_as_close_to_fp32_as_through_ours(fl
     """The whole engine on a tiny model with FlashMLA's latent shape (512 + 64, 16 heads), fp8 KV in 64-token
     blocks, eager and from graphs: FlashMLA serves its decode steps (every layer's call, the schedule made once a
     step) and follows the fp32 CPU engine with the same cache format about as far as our kernel does, with the
-    same bound on the logprob error as tests/gpu/test_fp8_kv_gpu.py's, loosened for FlashMLA's e4m3 queries.
-    (Not yet run on a GPU.)"""
+    same bound on the logprob error as tests/gpu/test_fp8_kv_gpu.py's, loosened for FlashMLA's e4m3 queries."""
     from test_cuda_graphs import KW, _requests
     from test_fp8_kv_gpu import _follow
 
