@@ -3,7 +3,9 @@ one H200, replayed from CUDA graphs:
 
 - dense linears: bf16 ``F.linear`` vs our Triton kernel (``engine.fp8_kernels.linear``: quantize + GEMM)
   vs torch's own block-scaled ``torch._scaled_mm`` (cuBLAS; the activation quantized by our kernel, so
-  the two FP8 columns differ only in the GEMM) where this torch has it;
+  the two FP8 columns differ only in the GEMM) where this torch has it, vs DeepGEMM's ``fp8_gemm_nt``
+  (``engine.dense_deep_gemm.linear``: quantize + GEMM, the engine's prefill form) where it is installed
+  on sm90 and the shape is whole 128-blocks;
 - routed experts: the engine's bf16 path (fused Triton MoE up to ``MAX_ROWS`` rows, grouped GEMM above)
   vs the FP8 experts (``engine.moe_kernels.fused_experts`` with scales: the fused kernels, or from
   ``FP8_TMA_MIN_ROWS`` rows an expert their TMA-fed form; ``--tma-min-rows 0 inf`` times both forms);
@@ -32,15 +34,16 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.moe import grouped, time_graph  # noqa: E402
-from engine import fp8_kernels, moe_kernels  # noqa: E402
+from engine import dense_deep_gemm, fp8_kernels, moe_deep_gemm, moe_kernels  # noqa: E402
 from engine.fp8 import dequantize_blocks, quantize_blocks  # noqa: E402
 
 # (name, N, K) of the linears DeepSeek quantizes; experts (E, D, I, top-k)
 DENSE = {
-    "v2-lite": [("q_proj", 3072, 2048), ("kv_a_proj", 576, 2048), ("o_proj", 2048, 2048),
+    "v2-lite": [("q_proj", 3072, 2048), ("kv_a_proj", 576, 2048), ("kv_b_proj", 4096, 512), ("o_proj", 2048, 2048),
                 ("shared_gate", 2816, 2048), ("shared_down", 2048, 2816), ("dense_gate", 10944, 2048),
                 ("dense_down", 2048, 10944)],
-    "v3": [("q_a_proj", 1536, 7168), ("q_b_proj", 24576, 1536), ("kv_a_proj", 576, 7168), ("o_proj", 7168, 16384),
+    "v3": [("q_a_proj", 1536, 7168), ("q_b_proj", 24576, 1536), ("kv_a_proj", 576, 7168), ("kv_b_proj", 32768, 512),
+           ("o_proj", 7168, 16384),
            ("shared_gate", 2048, 7168), ("shared_down", 7168, 2048), ("dense_gate", 18432, 7168),
            ("dense_down", 7168, 18432)],
 }
@@ -82,6 +85,7 @@ def scaled_mm_layout(q: torch.Tensor, s: torch.Tensor, w: torch.Tensor, ws: torc
 
 def dense(preset: str, rows: list[int], res: dict) -> None:
     g = torch.Generator(device="cuda").manual_seed(0)
+    deep_gemm = fp8_kernels.sm90(torch.cuda.current_device()) and moe_deep_gemm.library() is not None
     for name, n, k in DENSE[preset]:
         w = torch.randn(n, k, device="cuda", generator=g) / k**0.5
         wq, ws = quantize_blocks(w)
@@ -107,6 +111,13 @@ def dense(preset: str, rows: list[int], res: dict) -> None:
                 row["scaled_mm_us"] = round(gemm + quant, 2)  # with our activation quantization, as ours
                 row["scaled_mm_vs_bf16"] = round(bf16 / (gemm + quant), 3)
                 row["scaled_mm_layout"] = layout
+            if deep_gemm and n % 128 == 0 and k % 128 == 0:
+                dg_out = dense_deep_gemm.linear(x, wq, ws)
+                if dg_out is not None:
+                    row["deep_gemm_err"] = round(float((dg_out.float() - ref).abs().max() / ref.abs().max()), 4)
+                    dg = time_graph(lambda x=x, wq=wq, ws=ws: dense_deep_gemm.linear(x, wq, ws))
+                    row["deep_gemm_us"] = round(dg, 2)
+                    row["deep_gemm_vs_bf16"] = round(bf16 / dg, 3)
             print(f"{preset} {name:15s} {n:6d}x{k:6d} M={m:6d}: {row}", flush=True)
             res[f"{preset}/{name}/m{m}"] = row
 
