@@ -13,8 +13,12 @@ The copy is quantized from the loaded bf16 weight, which holds the checkpoint's 
 values times its scale, rounded to bf16 (2^-9 of a value at most, far under e4m3's spacing of 2^-4), so
 quantizing again gives the checkpoint's e4m3 bytes and its scales to within that rounding, from real and dummy
 weights alike. ``kv_a_proj_with_mqa`` stays bf16: its 576 output columns are too few for FP8 to pay
-(docs/benchmarks.md), and the latents it makes are what the KV cache and the hand-off hold, so they stay
-those of every other path. Linears whose dimensions are not whole 128-blocks keep bf16 too.
+(docs/benchmarks.md). Linears whose dimensions are not whole 128-blocks keep bf16 too.
+
+Which path a step takes depends on its rows, so a prompt prefilled in one step of 2,048+ rows and the same
+prompt prefilled in smaller chunks (or over PCP ranks with fewer rows each) differ within FP8's error from the
+second layer's latents on (the first layer's come from the embeddings through bf16 ``kv_a``): tests that compare
+KV bytes across topologies keep their prompts under ``MIN_ROWS``, or turn this off.
 
 Off unless ``PDCLUSTER_DENSE_DEEP_GEMM=1`` (``engine.envs``): written and tested on CPU with DeepGEMM's product in
 torch, not yet run on a GPU (tests/gpu/test_dense_deep_gemm.py, ``.gpu/c25.sh`` in docs/benchmarks.md);
