@@ -115,11 +115,7 @@ def warm_up(model: nn.Module, max_rows: int) -> int:
     shapes = {(m.in_features, m.w8.shape[0]): m for m in model.modules() if isinstance(m, PrefillFp8Linear)}
     if not shapes or max_rows < MIN_ROWS:
         return 0
-    rows, t = [], MIN_ROWS
-    while t < max_rows:
-        rows.append(t)
-        t *= 2
-    rows.append(max_rows)
+    rows = moe_deep_gemm.doublings(MIN_ROWS, max_rows)
     device = next(iter(shapes.values())).weight.device
     for (k, _), m in shapes.items():
         x = torch.zeros(max_rows, k, dtype=torch.bfloat16, device=device)

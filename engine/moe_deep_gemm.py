@@ -178,6 +178,16 @@ def experts(x: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor, w2: torch.Ten
     return y, slot
 
 
+def doublings(first: int, last: int) -> list[int]:
+    """The row counts a warm-up runs so DeepGEMM builds the kernel it picks for each: ``first``, doubled while
+    under ``last``, then ``last``."""
+    sizes, t = [], first
+    while t < last:
+        sizes.append(t)
+        t *= 2
+    return [*sizes, last]
+
+
 def warm_up(model: torch.nn.Module, max_tokens: int) -> int:
     """Compile DeepGEMM's kernels before serving: the first block-FP8 MoE layer's experts run on zeros at each
     doubling of the token count from the least that takes this path up to ``max_tokens`` (a prefill step's most
@@ -188,12 +198,7 @@ def warm_up(model: torch.nn.Module, max_tokens: int) -> int:
         return 0  # (expert parallelism's dispatched experts keep the Triton kernels)
     w13, top, shared = moe.w13, moe.gate.cfg.num_experts_per_tok, moe.shared_slots
     routed = w13.shape[0] - shared
-    t = max(1, int(-(-MIN_ROWS * w13.shape[0] // (top + shared))))
-    sizes = []
-    while t < max_tokens:
-        sizes.append(t)
-        t *= 2
-    sizes.append(max_tokens)
+    sizes = doublings(max(1, int(-(-MIN_ROWS * w13.shape[0] // (top + shared)))), max_tokens)
     x = torch.zeros(max_tokens, w13.shape[2], dtype=torch.bfloat16, device=w13.device)
     ids = (torch.arange(max_tokens * top, device=w13.device) % routed).view(max_tokens, top)  # int64, as topk gives
     ran = 0

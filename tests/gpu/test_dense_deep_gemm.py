@@ -1,8 +1,8 @@
 """Block-FP8 dense linears at prefill sizes through DeepGEMM (``engine.dense_deep_gemm``): the product equals the
 same arithmetic in fp32 (the activations' e4m3 groups times the weight's blocks) on V2-Lite's and V3's dense
 shapes, row counts that are not multiples of 4 included; a V2-Lite-shaped FP8 engine holds the copies and its
-prefill logits stay within FP8's error of the bf16 linears'. Skipped where DeepGEMM is not installed or the GPU is
-not sm90.
+prefill's hidden states stay within FP8's error of the bf16 linears'. Skipped where DeepGEMM is not installed or
+the GPU is not sm90.
 
   TRITON_INTERPRET=1 PYTHONPATH=.:tests python tests/gpu/test_dense_deep_gemm.py   # the glue on CPU, DeepGEMM in torch
 """
@@ -14,6 +14,7 @@ import torch
 
 from engine import dense_deep_gemm, moe_deep_gemm
 from engine.fp8 import dequantize_blocks, quantize_blocks
+from engine.fp8_kernels import quantize_groups
 
 pytestmark = pytest.mark.gpu
 # (N, K): V2-Lite's q_proj, o_proj, kv_b_proj; V3's q_a_proj, q_b_proj, o_proj, dense MLP gate / down
@@ -54,8 +55,6 @@ def check(n: int, k: int, m: int, device: str = "cuda") -> float:
     x = torch.randn(m, k, device=device, generator=g).to(torch.bfloat16)
     got = dense_deep_gemm.linear(x, w8, ws)
     assert got is not None and got.shape == (m, n) and got.dtype == torch.bfloat16
-    from engine.fp8_kernels import quantize_groups
-
     xq, xs = quantize_groups(x)  # the same per-token groups, row-major scales
     want = reference(x, w8, ws, xq, xs)
     err = float((got.float() - want).norm() / want.norm())

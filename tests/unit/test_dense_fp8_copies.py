@@ -91,3 +91,11 @@ def test_without_deep_gemm_nothing_changes() -> None:
     model = _model()
     assert dense_deep_gemm.hold_fp8_copies(model) == 0  # CPU: not usable
     assert not any(isinstance(m, dense_deep_gemm.PrefillFp8Linear) for m in model.modules())
+
+
+def test_warm_ups_run_each_doubling_of_the_rows_then_the_most() -> None:
+    from engine.moe_deep_gemm import doublings
+
+    assert doublings(2048, 16384) == [2048, 4096, 8192, 16384]
+    assert doublings(2048, 5000) == [2048, 4096, 5000]
+    assert doublings(2048, 2048) == [2048]
