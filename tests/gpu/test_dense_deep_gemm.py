@@ -24,9 +24,12 @@ SHAPES = [(3072, 2048), (2048, 2048), (4096, 512), (1536, 7168), (24576, 1536), 
 # order. CPU (Triton's interpreter): its float-to-e4m3 conversion rounds differently from torch's (see
 # test_moe_deep_gemm.py), so there the reference quantizes with the interpreter's own kernel.
 TOLERANCE = 5e-3
-# The engine's final hidden states, FP8 linears against bf16 ones (FP8's own error: each e4m3 rounding moves a value
-# up to 2^-4, ~2.6% of a row's norm on random data, through 2 layers' linears).
-ENGINE_TOLERANCE = 6e-2
+# The engine's final hidden states (2 layers, dummy weights), DeepGEMM's dense linears against the same FP8 arithmetic
+# in torch: bf16 roundings of outputs that differ in the sums' order, carried through the layers.
+ENGINE_TOLERANCE = 3e-2
+# ... and against bf16 linears: FP8's own error, which these random weights amplify: 0.108 with the FP8 arithmetic
+# in torch on CPU, 0.119 through DeepGEMM on an H100 (docs/benchmarks.md, thirteenth session).
+ENGINE_FP8_ERROR = 0.2
 
 
 def reference(x: torch.Tensor, w8: torch.Tensor, ws: torch.Tensor, xq: torch.Tensor, xs: torch.Tensor) -> torch.Tensor:
@@ -76,11 +79,11 @@ def test_the_fp8_product_equals_the_same_arithmetic_in_fp32(n: int, k: int, m: i
     assert check(n, k, m) < TOLERANCE
 
 
-def test_an_fp8_engine_holds_copies_and_its_prefill_stays_within_fp8_error(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_an_fp8_engine_holds_copies_and_its_prefill_is_the_fp8_arithmetic(monkeypatch: pytest.MonkeyPatch) -> None:
     """V2-Lite's shape, 2 layers, dummy FP8 weights: the eligible linears hold copies (not kv_a_proj_with_mqa), a
-    prefill of MIN_ROWS+ tokens takes them, and its final hidden states stay within FP8's error of the same
-    engine's with bf16 linears."""
+    prefill of MIN_ROWS+ tokens takes them, and its final hidden states equal, within bf16's roundings, those of
+    the same engine whose copies multiply in torch (the same e4m3 groups times the dequantized weight, in fp32);
+    both stay within FP8's error of the bf16 linears'."""
     _needs_deep_gemm()
     monkeypatch.setenv("PDCLUSTER_DENSE_DEEP_GEMM", "1")
     import tempfile
@@ -94,28 +97,39 @@ def test_an_fp8_engine_holds_copies_and_its_prefill_stays_within_fp8_error(
     prompt = torch.randint(10, 1000, (dense_deep_gemm.MIN_ROWS + 100,), generator=torch.Generator().manual_seed(0))
     params = SamplingParams(max_tokens=1, temperature=0.0)
     calls: list[int] = []
-    real = dense_deep_gemm.linear
-    monkeypatch.setattr(dense_deep_gemm, "linear", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    deep_gemm = dense_deep_gemm.linear
+
+    def in_torch(x: torch.Tensor, w8: torch.Tensor, ws: torch.Tensor) -> torch.Tensor:
+        xq, xs = quantize_groups(x)
+        return reference(x, w8, ws, xq, xs).to(torch.bfloat16)
+
+    def hidden_states(llm: LLM, linear) -> torch.Tensor:  # noqa: ANN001
+        monkeypatch.setattr(dense_deep_gemm, "linear", lambda *a: calls.append(a[0].shape[0]) or linear(*a))
+        out: list[torch.Tensor] = []
+        hook = llm.engine.executor.model.model.norm.register_forward_hook(lambda m, i, o: out.append(o.float()))
+        llm.generate([prompt.tolist()], params)
+        hook.remove()
+        return out[0]
+
     with LLM(str(model), load_format="dummy", dtype="bfloat16", device="cuda", max_model_len=4096,
              max_num_batched_tokens=4096, enforce_eager=True, enable_prefix_caching=False) as llm:
-        net = llm.engine.executor.model
-        mods = dict(net.named_modules())
+        mods = dict(llm.engine.executor.model.named_modules())
         held = [n for n, m in mods.items() if isinstance(m, dense_deep_gemm.PrefillFp8Linear)]
         assert held and all(n.endswith(("q_proj", "kv_b_proj", "o_proj")) for n in held), held
         assert not isinstance(mods["model.layers.0.self_attn.kv_a_proj_with_mqa"], dense_deep_gemm.PrefillFp8Linear)
-        hidden: list[torch.Tensor] = []
-        net.model.norm.register_forward_hook(lambda m, i, o: hidden.append(o.float()))
-        llm.generate([prompt.tolist()], params)
+        got = hidden_states(llm, deep_gemm)
         assert calls and min(calls) >= dense_deep_gemm.MIN_ROWS, calls  # the prefill took the copies
+        want = hidden_states(llm, in_torch)
         monkeypatch.setattr(dense_deep_gemm, "MIN_ROWS", 1 << 30)  # the same engine, bf16 linears
         n_calls = len(calls)
-        llm.generate([prompt.tolist()], params)
+        bf16 = hidden_states(llm, deep_gemm)
         assert len(calls) == n_calls
-    fp8, bf16 = hidden[0], hidden[-1]
-    assert fp8.shape == bf16.shape == (len(prompt), 2048)
-    err = float((fp8 - bf16).norm() / bf16.norm())
-    print(f"prefill hidden states, FP8 dense linears vs bf16: norm error {err:.2e}")
-    assert 0 < err < ENGINE_TOLERANCE
+    assert got.shape == want.shape == bf16.shape == (len(prompt), 2048)
+    err = float((got - want).norm() / want.norm())
+    fp8_err = float((got - bf16).norm() / bf16.norm())
+    print(f"prefill hidden states, DeepGEMM vs FP8 in torch: norm error {err:.2e}; vs bf16 linears {fp8_err:.2e}")
+    assert err < ENGINE_TOLERANCE
+    assert 0 < fp8_err < ENGINE_FP8_ERROR
 
 
 if __name__ == "__main__":  # TRITON_INTERPRET=1: the glue on CPU, small shapes
