@@ -15,7 +15,7 @@ quantizing again gives the checkpoint's e4m3 bytes and its scales to within that
 weights alike. ``kv_a_proj_with_mqa`` stays bf16: its 576 output columns are too few for FP8 to pay
 (docs/benchmarks.md). Linears whose dimensions are not whole 128-blocks keep bf16 too.
 
-Which path a step takes depends on its rows, so a prompt prefilled in one step of 2,048+ rows and the same
+Which path a step takes depends on its rows, so a prompt prefilled in one step of 4,096+ rows and the same
 prompt prefilled in smaller chunks (or over PCP ranks with fewer rows each) differ within FP8's error from the
 second layer's latents on (the first layer's come from the embeddings through bf16 ``kv_a``): tests that compare
 KV bytes across topologies keep their prompts under ``MIN_ROWS``, or turn this off.
@@ -43,8 +43,10 @@ from engine.fp8_kernels import GROUP, HAS_TRITON, quantize_groups, sm90
 
 log = logging.getLogger(__name__)
 
-# Rows from which a step's linears take the FP8 copy (prefill chunks; decode steps and graphs stay below).
-MIN_ROWS = 2048
+# Rows from which a step's linears take the FP8 copy (prefill chunks; decode steps and graphs stay below). From
+# 4,096 every eligible V2-Lite and V3 shape was faster than bf16 on an H100; at 2,048 rows DeepGEMM's kernel for
+# some shapes was 0.35-0.48x bf16 (benchmarks/fp8_gemm.py, docs/benchmarks.md thirteenth session).
+MIN_ROWS = 4096
 _KEPT_BF16 = ("kv_a_proj_with_mqa",)
 _state = {"failed": False}
 

@@ -10,7 +10,7 @@
   where it is installed (``engine.moe_deep_gemm``; faster than our Triton kernels there, docs/benchmarks.md);
   0: our Triton kernels, and DeepGEMM is not imported.
 - ``PDCLUSTER_DENSE_DEEP_GEMM``: 1: a block-FP8 model's dense linears (attention's projections, dense MLPs)
-  multiply prefill steps of 2,048+ rows through DeepGEMM's FP8 GEMM on sm90, from an FP8 copy of their weights
+  multiply prefill steps of 4,096+ rows through DeepGEMM's FP8 GEMM on sm90, from an FP8 copy of their weights
   (``engine.dense_deep_gemm``); 0 or unset: bf16 at every size, and no copy is held. Off by default: on an
   H100 it took ~1% off a 16k-token V2-Lite prefill, within the noise (docs/benchmarks.md, thirteenth session);
   V3's larger linears gain more and are not yet measured. ``PDCLUSTER_DEEP_GEMM=0`` turns it off too.

@@ -111,8 +111,8 @@ def test_an_fp8_engine_holds_copies_and_its_prefill_is_the_fp8_arithmetic(monkey
         hook.remove()
         return out[0]
 
-    with LLM(str(model), load_format="dummy", dtype="bfloat16", device="cuda", max_model_len=4096,
-             max_num_batched_tokens=4096, enforce_eager=True, enable_prefix_caching=False) as llm:
+    with LLM(str(model), load_format="dummy", dtype="bfloat16", device="cuda", max_model_len=8192,
+             max_num_batched_tokens=8192, enforce_eager=True, enable_prefix_caching=False) as llm:
         mods = dict(llm.engine.executor.model.named_modules())
         held = [n for n, m in mods.items() if isinstance(m, dense_deep_gemm.PrefillFp8Linear)]
         assert held and all(n.endswith(("q_proj", "kv_b_proj", "o_proj")) for n in held), held
