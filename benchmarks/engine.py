@@ -60,11 +60,13 @@ def time_prefill(eng: LLMEngine, n: int, repeats: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def time_decode(eng: LLMEngine, batch: int, prompt_len: int, steps: int, profiled: dict | None = None) -> float:
+def time_decode(eng: LLMEngine, batch: int, prompt_len: int, steps: int, profiled: dict | None = None,
+                trace: Path | None = None) -> float:
     """Decode tokens/s with `batch` requests of `prompt_len` prompt tokens, over `steps` steps.
 
     With ``profiled`` (a dict), the timed steps run under torch.profiler and it gets, per step: the
-    kernels launched, the GPU's busy time (the union of kernel intervals) and the wall time.
+    kernels launched, the GPU's busy time (the union of kernel intervals), its idle time between kernels (short
+    gaps and long ones) and the wall time; with ``trace`` too, the profile is written there as a Chrome trace.
     """
     g = torch.Generator().manual_seed(1)
     seqs = [
@@ -92,6 +94,8 @@ def time_decode(eng: LLMEngine, batch: int, prompt_len: int, steps: int, profile
     if prof is not None and profiled is not None:
         prof.__exit__(None, None, None)
         profiled.update(kernel_profile(prof, steps, dt))
+        if trace is not None:
+            prof.export_chrome_trace(str(trace))  # chrome://tracing or ui.perfetto.dev: host calls over kernels
     for s in seqs:
         eng.abort(s.request_id)
     while eng.has_unfinished():  # a step still in flight (async_scheduling) keeps their blocks until it ran
@@ -109,12 +113,19 @@ def kernel_profile(prof, steps: int, wall_s: float) -> dict:
         by_name[e.name] = by_name.get(e.name, 0.0) + e.time_range.end - e.time_range.start
     top = sorted(by_name.items(), key=lambda kv: -kv[1])[:24]
     busy_us, end = 0.0, float("-inf")
+    gaps: list[float] = []  # idle stretches between kernels (µs): launch gaps, or the GPU waiting for the host
     for a, b in spans:  # union of the kernels' intervals (µs)
         if b > end:
+            if end > float("-inf") and a > end:
+                gaps.append(a - end)
             busy_us += b - max(a, end)
             end = b
+    long_gaps = [g for g in gaps if g > 50]
     return {"kernels_per_step": round(len(spans) / steps, 1), "gpu_busy_ms_per_step": round(busy_us / 1e3 / steps, 3),
             "step_ms": round(wall_s * 1e3 / steps, 3), "gpu_busy_share": round(busy_us / 1e6 / wall_s, 4),
+            "idle_ms_per_step_in_gaps_under_50us": round((sum(gaps) - sum(long_gaps)) / 1e3 / steps, 3),
+            "idle_gaps_over_50us_per_step": round(len(long_gaps) / steps, 1),
+            "idle_ms_per_step_in_gaps_over_50us": round(sum(long_gaps) / 1e3 / steps, 3),
             "top_kernels_ms_per_step": {name[:90]: round(us / 1e3 / steps, 3) for name, us in top}}
 
 
@@ -161,6 +172,8 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="print a torch.profiler table of a prefill and decode")
     ap.add_argument("--profile-decode", action="store_true",
                     help="also profile each decode measurement: kernels per step, GPU busy share (slows it)")
+    ap.add_argument("--trace-dir", default=None,
+                    help="with --profile-decode: each decode profile as a Chrome trace there (decode_bB_MODE.json)")
     args = ap.parse_args()
 
     tmp = Path(tempfile.mkdtemp(prefix="pdbench-"))
@@ -236,7 +249,10 @@ def main() -> None:
             res[f"decode_b{b}_tok_s" if m == modes[0] else f"decode_b{b}_{m}_tok_s"] = round(tps, 1)
             if args.profile_decode and dev.type == "cuda":
                 prof: dict = {}
-                time_decode(eng, b, args.decode_prompt, min(args.decode_steps, 8), prof)
+                trace = Path(args.trace_dir) / f"decode_b{b}_{m}.json" if args.trace_dir else None
+                if trace is not None:
+                    trace.parent.mkdir(parents=True, exist_ok=True)
+                time_decode(eng, b, args.decode_prompt, min(args.decode_steps, 8), prof, trace)
                 print(f"    profiled: {prof}")
                 res[f"decode_b{b}_{m}_profile"] = prof
         for m in modes[1:]:
