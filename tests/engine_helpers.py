@@ -1,6 +1,7 @@
 """What tests ask of an engine that serving never does: a disaggregated admission in one call, the KV
 read back from the ranks that hold it, used blocks per PCP rank, the decode attention's form, an expert
-parallel member alone in one process (``Alone``), random block-FP8 experts (``fp8_experts``).
+parallel member alone in one process (``Alone``), random block-FP8 experts (``fp8_experts``), an FP8 KV cache
+through a PCP2 prefill and a Mooncake transfer against one rank's (``check_fp8_kv_pcp2_transfer``).
 
 Nodes admit a transferred request in two halves (``LLMEngine.begin_prefilled`` and
 ``admit_prefilled``: the pull runs between them while the engine keeps stepping); ``add_prefilled``
@@ -155,3 +156,66 @@ def fp8_experts(e: int, d: int, i: int, g: torch.Generator, device: str = "cuda"
         q, s = quantize_blocks(torch.randn(d, i, device=device, generator=g) / i**0.5)
         w2q[j], w2s[j], w2d[j] = q, s, dequantize_blocks(q, s, dtype=torch.bfloat16)
     return w13q, w13s, w2q, w2s, w13d, w2d
+
+
+def rounding_flips(got: torch.Tensor, want: torch.Tensor, one_step: float = 2e-3) -> torch.Tensor:
+    """Where two FP8 caches' decoded rows ``got`` and ``want`` differ by a rounding that went the other way (more
+    than fp8_ds_mla's group scales moving by float32 ulps would move a value); AssertionError where one moved by
+    more than one e4m3 step (an eighth of the value, or ``one_step``: e4m3's smallest at scale 1.0 is 2^-9)."""
+    d, ref = (got - want).abs(), want.abs()
+    assert bool((d <= ref / 8 * 1.001 + one_step).all()), "a value moved by more than one e4m3 step"
+    return d > 1e-4 * ref + 1e-6
+
+
+def check_fp8_kv_pcp2_transfer(model: str, kv: str, **kw: object) -> None:
+    """An FP8 cache's rows (``kv``: fp8 / fp8_ds_mla) from a PCP2 prefill of engine options ``kw`` arrive on a
+    decode engine through Mooncake byte for byte, and equal the rows one rank computes for the same prompt but for
+    roundings to e4m3 that another path flips: layer 0's depend on the prompt alone (a GPU's single rank writes
+    them through the fused latent kernel, PCP ranks through torch's ops: rare flips; on CPU none); later layers'
+    also on the ranks' other summation order, flips there compound (on CPU 3.5e-4 of layer 2's values with fp8,
+    2.6e-3 with fp8_ds_mla). Skips where Mooncake is not usable."""
+    import pytest
+
+    from engine import LLM
+    from kv_transfer.transport import register_cache
+
+    try:
+        from kv_transfer.transports.mooncake import MooncakeExporter, MooncakeTransport
+
+        transport, exporter = MooncakeTransport(), MooncakeExporter()
+    except (ImportError, RuntimeError, OSError) as e:
+        pytest.skip(f"Mooncake is not usable here: {e}")
+    prompt = [(i * 7 + 3) % 1000 + 2 for i in range(607)]
+    one, more = SamplingParams(max_tokens=1, temperature=0.0), SamplingParams(max_tokens=4, temperature=0.0)
+    # The same chunks on both sides: a chunk attends earlier chunks through the FP8 cache, itself unquantized.
+    kw = dict(kw, kv_cache_dtype=kv, max_num_batched_tokens=128)
+    try:
+        with LLM(model, **kw) as single:
+            se = single.engine
+            se.add_request(prompt, one, request_id="r", hold_kv=True)
+            while se.has_unfinished():
+                se.step()
+            alone = read_kv(se, "r")
+        with LLM(model, **kw, pcp=2, cache_exporter=exporter) as prefill, LLM(model, **kw) as decode:
+            pe, de = prefill.engine, decode.engine
+            seq = pe.add_request(prompt, one, request_id="r", hold_kv=True)
+            while pe.has_unfinished():
+                pe.step()
+            receiver = KVReceiver(transport, register_cache(transport, de.executor.cache.layers), timeout_s=30)
+            request = RequestKV(pe.kv_ownership("r"), len(pe.held["r"].block_ids))
+            fill = fill_from(receiver, "r", request, prefill.cache_exports)
+            add_prefilled(de, prompt, seq.output_token_ids[0], more, fill, request_id="r")  # readable: running
+            assert receiver.stats.recent[-1].ok and receiver.stats.recent[-1].sources == 2
+            sent, got = read_kv(pe, "r"), read_kv(de, "r")
+            assert pe.release("r")
+            while de.has_unfinished():
+                de.step()
+            assert pe.num_used_blocks == 0 and de.num_used_blocks == 0
+    finally:
+        transport.close()
+    assert sorted(sent) == sorted(got) == sorted(alone)
+    for layer in sent:
+        assert torch.equal(sent[layer], got[layer]), f"layer {layer} changed in the transfer"
+    for layer in got:
+        flips = rounding_flips(got[layer], alone[layer]).float().mean()
+        assert flips < (1e-4 if layer == 0 else 1e-2), f"layer {layer}: {float(flips):.1e} of values rounded otherwise"

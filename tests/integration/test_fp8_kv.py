@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_helpers import read_kv, round_trip_kv
+from engine_helpers import check_fp8_kv_pcp2_transfer, read_kv, round_trip_kv
 
 from engine import LLM, SamplingParams
 
@@ -110,3 +110,11 @@ def test_the_stored_rows_are_the_formats(tiny_model: Path, name: str) -> None:
         got = read_kv(eng, "r")[0]
     assert got.shape == plain.shape == (len(prompt), 576)
     torch.testing.assert_close(got, fmt.decode(fmt.encode(plain)), rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_fp8_kv_through_a_pcp2_prefill_and_a_transfer_is_one_ranks(tiny_model: Path, name: str) -> None:
+    """A PCP2 prefill's FP8 rows reach a decode engine through Mooncake byte for byte and equal one rank's but for
+    flipped roundings (``engine_helpers.check_fp8_kv_pcp2_transfer``; on GPUs: tests/gpu/test_pcp_gpu.py)."""
+    check_fp8_kv_pcp2_transfer(str(tiny_model), name, dtype="float32", device="cpu", max_model_len=1024,
+                               num_kv_blocks=256)
