@@ -22,7 +22,7 @@ KV bytes across topologies keep their prompts under ``MIN_ROWS``, or turn this o
 
 Off unless ``PDCLUSTER_DENSE_DEEP_GEMM=1`` (``engine.envs``). On an H100 its products match the same arithmetic in
 fp32 (tests/gpu/test_dense_deep_gemm.py) and are 1.1-1.4x bf16 on V2-Lite's shapes at 4k-16k rows, but with each
-input's quantization a 16k V2-Lite prefill gains only ~1% (docs/benchmarks.md, thirteenth session); V3's shapes
+input's quantization a 16k V2-Lite prefill gains under 1% (docs/benchmarks.md, thirteenth session); V3's shapes
 gain more (1.4-1.7x) and are yet to be measured in the engine. ``PDCLUSTER_DEEP_GEMM=0`` turns it off with
 DeepGEMM's experts. A DeepGEMM failure (its compile, a check of its
 inputs) is logged once and the linears go back to bf16.

@@ -12,7 +12,7 @@
 - ``PDCLUSTER_DENSE_DEEP_GEMM``: 1: a block-FP8 model's dense linears (attention's projections, dense MLPs)
   multiply prefill steps of 4,096+ rows through DeepGEMM's FP8 GEMM on sm90, from an FP8 copy of their weights
   (``engine.dense_deep_gemm``); 0 or unset: bf16 at every size, and no copy is held. Off by default: on an
-  H100 it took ~1% off a 16k-token V2-Lite prefill, within the noise (docs/benchmarks.md, thirteenth session);
+  H100 it took under 1% off a 16k-token V2-Lite prefill, within the noise (docs/benchmarks.md, thirteenth session);
   V3's larger linears gain more and are not yet measured. ``PDCLUSTER_DEEP_GEMM=0`` turns it off too.
 - ``PDCLUSTER_FLASHMLA``: 1 or unset: decode attention over an ``fp8`` KV cache of 64-token blocks on sm90 runs
   FlashMLA's FP8 kernel where it is installed (``engine.mla_decode_flashmla``; faster than our Triton kernel there,

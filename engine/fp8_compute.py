@@ -11,7 +11,7 @@ torch's block-scaled ``_scaled_mm`` at decode sizes (it wins on some shapes only
 some shapes); at decode sizes these GEMMs are bound by latency, not bytes (``benchmarks/fp8_gemm.py``,
 docs/benchmarks.md). Those linears are a small share of an MoE model's bytes. At prefill sizes, where they are
 bound by compute, ``engine.dense_deep_gemm`` can give them an FP8 copy for DeepGEMM's GEMM on sm90
-(``PDCLUSTER_DENSE_DEEP_GEMM=1``; ~1% of a 16k V2-Lite prefill, so off by default). ``kv_b_proj`` would be
+(``PDCLUSTER_DENSE_DEEP_GEMM=1``; under 1% of a 16k V2-Lite prefill, so off by default). ``kv_b_proj`` would be
 dequantized anyway: the absorbed MLA path multiplies by its halves. Off CUDA (the CPU engine) every FP8 weight
 is dequantized at load.
 """

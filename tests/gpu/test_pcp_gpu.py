@@ -43,7 +43,6 @@ def test_bf16_pcp2_flash_path_matches_fp32_cpu(tiny_model) -> None:
             assert float((g - r).norm() / r.norm()) < 2e-2
 
 
-
 @pytest.mark.parametrize("kv", ["fp8", "fp8_ds_mla"])
 def test_fp8_kv_through_a_pcp2_prefill_and_a_transfer_is_one_gpus(tiny_model, kv: str) -> None:
     """An FP8 cache's rows from a PCP2 prefill (one rank per GPU) arrive on a decode GPU through Mooncake byte for
