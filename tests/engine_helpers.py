@@ -158,6 +158,16 @@ def fp8_experts(e: int, d: int, i: int, g: torch.Generator, device: str = "cuda"
     return w13q, w13s, w2q, w2s, w13d, w2d
 
 
+def prefill_held(engine: LLMEngine, prompt: list[int], request_id: str = "r") -> tuple[Sequence, RequestKV]:
+    """Prefill ``prompt`` (its first token sampled greedily) with its blocks held, as a prefill node does for a
+    transfer: the request, and which ranks hold which of its blocks."""
+    seq = engine.add_request(prompt, SamplingParams(max_tokens=1, temperature=0.0), request_id=request_id,
+                             hold_kv=True)
+    while engine.has_unfinished():
+        engine.step()
+    return seq, RequestKV(engine.kv_ownership(request_id), len(engine.held[request_id].block_ids))
+
+
 def rounding_flips(got: torch.Tensor, want: torch.Tensor, one_step: float = 2e-3) -> torch.Tensor:
     """Where two FP8 caches' decoded rows ``got`` and ``want`` differ by a rounding that went the other way (more
     than fp8_ds_mla's group scales moving by float32 ulps would move a value); AssertionError where one moved by
@@ -186,25 +196,19 @@ def check_fp8_kv_pcp2_transfer(model: str, kv: str, **kw: object) -> None:
     except (ImportError, RuntimeError, OSError) as e:
         pytest.skip(f"Mooncake is not usable here: {e}")
     prompt = [(i * 7 + 3) % 1000 + 2 for i in range(607)]
-    one, more = SamplingParams(max_tokens=1, temperature=0.0), SamplingParams(max_tokens=4, temperature=0.0)
     # The same chunks on both sides: a chunk attends earlier chunks through the FP8 cache, itself unquantized.
     kw = dict(kw, kv_cache_dtype=kv, max_num_batched_tokens=128)
     try:
         with LLM(model, **kw) as single:
-            se = single.engine
-            se.add_request(prompt, one, request_id="r", hold_kv=True)
-            while se.has_unfinished():
-                se.step()
-            alone = read_kv(se, "r")
+            prefill_held(single.engine, prompt)
+            alone = read_kv(single.engine, "r")
         with LLM(model, **kw, pcp=2, cache_exporter=exporter) as prefill, LLM(model, **kw) as decode:
             pe, de = prefill.engine, decode.engine
-            seq = pe.add_request(prompt, one, request_id="r", hold_kv=True)
-            while pe.has_unfinished():
-                pe.step()
+            seq, request = prefill_held(pe, prompt)
             receiver = KVReceiver(transport, register_cache(transport, de.executor.cache.layers), timeout_s=30)
-            request = RequestKV(pe.kv_ownership("r"), len(pe.held["r"].block_ids))
             fill = fill_from(receiver, "r", request, prefill.cache_exports)
-            add_prefilled(de, prompt, seq.output_token_ids[0], more, fill, request_id="r")  # readable: running
+            more = SamplingParams(max_tokens=4, temperature=0.0)  # still running after its first token: readable
+            add_prefilled(de, prompt, seq.output_token_ids[0], more, fill, request_id="r")
             assert receiver.stats.recent[-1].ok and receiver.stats.recent[-1].sources == 2
             sent, got = read_kv(pe, "r"), read_kv(de, "r")
             assert pe.release("r")

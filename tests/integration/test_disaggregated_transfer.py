@@ -12,7 +12,7 @@ import time
 
 import pytest
 import torch
-from engine_helpers import add_prefilled, fill_from, read_kv
+from engine_helpers import add_prefilled, fill_from, prefill_held, read_kv
 
 from engine import LLM, SamplingParams
 from engine.sequence import Sequence
@@ -27,11 +27,7 @@ PROMPT = [(i * 7 + 3) % 1000 + 2 for i in range(607)]
 
 def _prefill_held(prefill: LLM) -> tuple[Sequence, RequestKV]:
     """Prefill PROMPT as request "r" (first token sampled), its blocks held for the transfer."""
-    pe = prefill.engine
-    seq = pe.add_request(PROMPT, SamplingParams(max_tokens=1, temperature=0.0), request_id="r", hold_kv=True)
-    while pe.has_unfinished():
-        pe.step()
-    return seq, RequestKV(pe.kv_ownership("r"), len(pe.held["r"].block_ids))
+    return prefill_held(prefill.engine, PROMPT)
 
 
 def _receiver(decode: LLM, timeout_s: float) -> KVReceiver:

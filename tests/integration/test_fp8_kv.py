@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_helpers import check_fp8_kv_pcp2_transfer, read_kv, round_trip_kv
+from engine_helpers import check_fp8_kv_pcp2_transfer, prefill_held, read_kv, round_trip_kv
 
 from engine import LLM, SamplingParams
 
@@ -94,19 +94,14 @@ def test_the_stored_rows_are_the_formats(tiny_model: Path, name: str) -> None:
     """Layer 0's latents depend on the prompt alone: a request's held KV in the FP8 cache is exactly the
     plain cache's rows through the format (read back through the ranks of a sharded PCP2 replica)."""
     prompt = PROMPTS[0]
-    one = SamplingParams(max_tokens=1, temperature=0.0)
     with LLM(str(tiny_model), **KW) as llm:
         eng = llm.engines[0]
-        eng.add_request(prompt, one, request_id="r", hold_kv=True)
-        while eng.has_unfinished():
-            eng.step()
+        prefill_held(eng, prompt)
         plain = read_kv(eng, "r")[0]
         fmt = replace(eng.config, kv_cache_dtype=name).kv_format(eng.model_config)
     with LLM(str(tiny_model), **KW, kv_cache_dtype=name, pcp=2) as llm:
         eng = llm.engines[0]
-        eng.add_request(prompt, one, request_id="r", hold_kv=True)
-        while eng.has_unfinished():
-            eng.step()
+        prefill_held(eng, prompt)
         got = read_kv(eng, "r")[0]
     assert got.shape == plain.shape == (len(prompt), 576)
     torch.testing.assert_close(got, fmt.decode(fmt.encode(plain)), rtol=0, atol=1e-6)
