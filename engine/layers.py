@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine import moe_kernels, norm_kernels
+from engine import expert_choice, moe_kernels, norm_kernels
 from engine.config import ModelConfig
 from engine.fp8 import BLOCK, FP8_DTYPE, scale_shape
 from engine.parallel.expert_parallel import ExpertParallel
@@ -80,6 +80,11 @@ class Router(nn.Module):
         """x: [T, D] -> (weights [T, K] fp32, expert ids [T, K])."""
         cfg = self.cfg
         logits = F.linear(x.float(), self.weight.float())  # [T, E]
+        if expert_choice.usable(logits, cfg.topk_method):  # on CUDA: the rest in one kernel
+            bias = self.e_score_correction_bias if cfg.topk_method == "noaux_tc" else None
+            return expert_choice.choose(logits, cfg.num_experts_per_tok, sigmoid=cfg.scoring_func == "sigmoid",
+                                        method=cfg.topk_method, n_group=cfg.n_group, topk_group=cfg.topk_group,
+                                        bias=bias, norm=cfg.norm_topk_prob, scale=cfg.routed_scaling_factor)
         scores = logits.sigmoid() if cfg.scoring_func == "sigmoid" else logits.softmax(dim=-1)
         per_group = self.num_experts // cfg.n_group
         if cfg.topk_method == "noaux_tc":

@@ -1,0 +1,62 @@
+"""``engine.expert_choice``: the router's choice of experts in one kernel equals ``layers.Router``'s torch ops on
+the same fp32 logits, for V2's greedy and group-limited softmax and V3's ``noaux_tc`` sigmoid (ids as sets, weights
+to fp32 rounding), at V2-Lite's, V2's and V3's expert counts. On CUDA; as a script under ``TRITON_INTERPRET=1`` on
+CPU.
+
+  TRITON_INTERPRET=1 PYTHONPATH=.:tests python tests/gpu/test_expert_choice.py
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import expert_choice
+from engine.config import ModelConfig
+from engine.layers import Router
+
+pytestmark = pytest.mark.gpu
+# (experts, k, scoring, method, n_group, topk_group, norm, scale): V2-Lite, V2, V3
+CASES = [(64, 6, "softmax", "greedy", 1, 1, False, 1.0), (160, 6, "softmax", "group_limited_greedy", 8, 3, False, 16.0),
+         (256, 8, "sigmoid", "noaux_tc", 8, 4, True, 2.5)]
+
+
+def check(case: tuple, tokens: int, device: str) -> None:
+    e, k, scoring, method, n_group, topk_group, norm, scale = case
+    cfg = ModelConfig(architecture="DeepseekV3ForCausalLM", vocab_size=1000, hidden_size=64, intermediate_size=128,
+                      num_hidden_layers=1, num_attention_heads=1, kv_lora_rank=64, qk_nope_head_dim=64,
+                      qk_rope_head_dim=64, v_head_dim=64, n_routed_experts=e, num_experts_per_tok=k,
+                      moe_intermediate_size=64, scoring_func=scoring,
+                      topk_method=method, n_group=n_group, topk_group=topk_group, norm_topk_prob=norm,
+                      routed_scaling_factor=scale)
+    g = torch.Generator().manual_seed(e + tokens)
+    router = Router(cfg)
+    router.weight.data = torch.randn(e, 64, generator=g)
+    if method == "noaux_tc":
+        router.e_score_correction_bias.data = torch.randn(e, generator=g) * 0.1
+    x = torch.randn(tokens, 64, generator=g)
+    want_w, want_ids = router(x)  # torch's ops, on CPU
+    logits = torch.nn.functional.linear(x, router.weight).to(device)
+    bias = router.e_score_correction_bias.data.to(device) if method == "noaux_tc" else None
+    got_w, got_ids = expert_choice.choose(logits, k, sigmoid=scoring == "sigmoid", method=method, n_group=n_group,
+                                          topk_group=topk_group, bias=bias, norm=norm, scale=scale)
+    got_w, got_ids = got_w.cpu(), got_ids.cpu()
+    assert got_ids.dtype == want_ids.dtype and got_ids.shape == want_ids.shape == (tokens, k)
+    order, want_order = got_ids.argsort(dim=-1), want_ids.argsort(dim=-1)
+    assert torch.equal(got_ids.gather(1, order), want_ids.gather(1, want_order)), "other experts chosen"
+    torch.testing.assert_close(got_w.gather(1, order), want_w.gather(1, want_order), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[3]}-E{c[0]}")
+@pytest.mark.parametrize("tokens", [1, 64, 300])
+def test_the_kernel_chooses_what_the_router_does(case: tuple, tokens: int) -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    check(case, tokens, "cuda")
+
+
+if __name__ == "__main__":  # TRITON_INTERPRET=1, on CPU
+    for c in CASES:
+        for n in (1, 7):
+            check(c, n, "cpu")
+    print("ok")
