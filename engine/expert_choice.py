@@ -5,7 +5,8 @@ biased scores), the top-k, the weights' normalization and scale (``layers.Router
 Done with torch's ops this is 4 launches a layer for V2's greedy softmax and ~14 for V3's ``noaux_tc``; in a decode
 step replayed from a CUDA graph every launch is a node the host launches (~1.85 us each) and a kernel of a few
 microseconds (docs/benchmarks.md). One program a token: its E <= 256 logits fit one block. Ties go to the lower
-expert index (torch's topk leaves their order unspecified). Off CUDA (and without Triton) ``layers.Router`` keeps
+expert index (torch's topk leaves their order unspecified); NaN ranks above every number, as in torch's topk, and
+every token gets K distinct ids in [0, E) whatever its logits. Off CUDA (and without Triton) ``layers.Router`` keeps
 torch's ops; tests/gpu/test_expert_choice.py runs this under Triton's interpreter against them.
 """
 
@@ -26,15 +27,17 @@ MAX_EXPERTS = 256  # one block a token
 if HAS_TRITON:
 
     @triton.jit
-    def _top1(x, offs):
-        """The largest value of ``x`` and its lowest index."""
-        m = tl.max(x, axis=0)
-        return m, tl.min(tl.where(x == m, offs, 1 << 30), axis=0)
+    def _top1(x, avail, offs, NONE: tl.constexpr):
+        """The lowest index among ``avail`` lanes of ``x``'s largest value, NaN above every number (as torch's
+        topk has it); (its value there, that index)."""
+        key = tl.where(avail, tl.where(x != x, float("inf"), x), float("-inf"))
+        at = tl.min(tl.where(avail & (key == tl.max(key, axis=0)), offs, NONE), axis=0)
+        return tl.sum(tl.where(offs == at, x, 0.0), axis=0), at
 
     @triton.jit
     def _expert_choice(LOGITS, BIAS, WEIGHTS, IDS, s_l, E, scale, BLOCK: tl.constexpr, K: tl.constexpr,
                        KB: tl.constexpr, SIGMOID: tl.constexpr, METHOD: tl.constexpr, NG: tl.constexpr,
-                       PG: tl.constexpr, TOPK_GROUP: tl.constexpr, NORM: tl.constexpr):
+                       GROUPS: tl.constexpr, PG: tl.constexpr, TOPK_GROUP: tl.constexpr, NORM: tl.constexpr):
         t = tl.program_id(0)
         offs = tl.arange(0, BLOCK)
         valid = offs < E
@@ -54,17 +57,18 @@ if HAS_TRITON:
             group = offs // PG
             goffs = tl.arange(0, NG)
             gscore = tl.full([NG], float("-inf"), tl.float32)
-            for g in tl.static_range(NG):
-                mine = tl.where(valid & (group == g), choice, float("-inf"))
-                best, at = _top1(mine, offs)
+            for g in tl.static_range(GROUPS):
+                mine = valid & (group == g)
+                best, at = _top1(choice, mine, offs, BLOCK)
                 if METHOD == 2 and PG > 1:
-                    second = tl.max(tl.where(offs == at, float("-inf"), mine), axis=0)
+                    second, _ = _top1(choice, mine & (offs != at), offs, BLOCK)
                     best = best + second
                 gscore = tl.where(goffs == g, best, gscore)
             keep = offs < 0
+            free = goffs < GROUPS
             for _ in tl.static_range(TOPK_GROUP):
-                _, g = _top1(gscore, goffs)
-                gscore = tl.where(goffs == g, float("-inf"), gscore)
+                _, g = _top1(gscore, free, goffs, NG)
+                free = free & (goffs != g)
                 keep = keep | (group == g)
             # V2 zeroes the other groups' scores (they can still fill the top-k after every kept one), V3 drops them
             if METHOD == 1:
@@ -74,14 +78,15 @@ if HAS_TRITON:
         ks = tl.arange(0, KB)
         ids = tl.zeros([KB], tl.int64)
         weights = tl.zeros([KB], tl.float32)
+        free = valid
         for k in tl.static_range(K):
-            c, at = _top1(choice, offs)
+            c, at = _top1(choice, free, offs, BLOCK)  # every id in [0, E) and taken once
             w = tl.sum(tl.where(offs == at, scores, 0.0), axis=0)
             if METHOD == 1:
                 w = c  # the kept, possibly zeroed, score
             ids = tl.where(ks == k, at.to(tl.int64), ids)
             weights = tl.where(ks == k, w, weights)
-            choice = tl.where(offs == at, float("-inf"), choice)
+            free = free & (offs != at)
         if NORM:
             weights = weights / (tl.sum(weights, axis=0) + 1e-20)
         tl.store(WEIGHTS + t * K + ks, weights * scale, mask=ks < K)
@@ -100,6 +105,8 @@ def choose(logits: torch.Tensor, k: int, *, sigmoid: bool, method: str, n_group:
     """fp32 logits [T, E] -> (weights [T, k] fp32, expert ids [T, k] int64), as ``layers.Router`` computes them
     from the same logits (``norm``: the weights divided by their sum, only where k > 1; ``scale``: then times it)."""
     t, e = logits.shape
+    if method == "noaux_tc" and bias is None:
+        raise ValueError("noaux_tc needs the router's e_score_correction_bias")
     weights = torch.empty(t, k, dtype=torch.float32, device=logits.device)
     ids = torch.empty(t, k, dtype=torch.int64, device=logits.device)
     if t == 0:
@@ -108,6 +115,6 @@ def choose(logits: torch.Tensor, k: int, *, sigmoid: bool, method: str, n_group:
     _expert_choice[(t,)](
         logits, bias if bias is not None else logits, weights, ids, logits.stride(0), e, float(scale),
         BLOCK=triton.next_power_of_2(e), K=k, KB=triton.next_power_of_2(k), SIGMOID=sigmoid, METHOD=METHODS[method],
-        NG=triton.next_power_of_2(ng), PG=e // ng, TOPK_GROUP=topk_group if method != "greedy" else 1,
+        NG=triton.next_power_of_2(ng), GROUPS=ng, PG=e // ng, TOPK_GROUP=topk_group if method != "greedy" else 1,
         NORM=norm and k > 1)
     return weights, ids
