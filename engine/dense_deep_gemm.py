@@ -80,12 +80,14 @@ def usable(device: torch.device) -> bool:
             and moe_deep_gemm.library() is not None)
 
 
-def hold_fp8_copies(model: nn.Module, ue8m0: bool = False) -> int:
+def hold_fp8_copies(model: nn.Module, ue8m0: bool = False, max_rows: int = MIN_ROWS) -> int:
     """Swap each of a loaded block-FP8 ``model``'s eligible linears (module docstring) for a
     ``PrefillFp8Linear`` holding an FP8 copy of its weight (``ue8m0``: power-of-two scales, as the checkpoint's).
+    ``max_rows``: the most rows a step of this engine can have; under ``MIN_ROWS`` no step would take a copy, so
+    none is held (an engine whose batch budget is small, as a decode node's may be, keeps that memory for KV).
     Returns how many were given one (0 where ``usable`` says no)."""
     device = next(model.parameters()).device
-    if not usable(device):
+    if max_rows < MIN_ROWS or not usable(device):
         return 0
     swaps = [(name, mod) for name, mod in model.named_modules() if _eligible(name, mod)]
     for name, mod in swaps:

@@ -98,7 +98,9 @@ def load_model(
     else:
         load_weights(model, config.model)
     log.info("loaded %s in %.1fs", config.model, time.perf_counter() - t0)
-    if mc.quantization is not None and (held := dense_deep_gemm.hold_fp8_copies(model, mc.quantization.ue8m0)):
+    max_rows = min(config.max_num_batched_tokens, config.max_model_len or config.max_num_batched_tokens)
+    if mc.quantization is not None and (held := dense_deep_gemm.hold_fp8_copies(model, mc.quantization.ue8m0,
+                                                                                 max_rows)):
         log.info("%d dense linears hold an FP8 copy for prefill steps of %d+ rows (DeepGEMM)", held,
                  dense_deep_gemm.MIN_ROWS)
     return model

@@ -99,3 +99,11 @@ def test_warm_ups_run_each_doubling_of_the_rows_then_the_most() -> None:
     assert doublings(2048, 16384) == [2048, 4096, 8192, 16384]
     assert doublings(2048, 5000) == [2048, 4096, 5000]
     assert doublings(2048, 2048) == [2048]
+
+
+def test_an_engine_whose_steps_stay_under_min_rows_holds_no_copy(product: list[int]) -> None:
+    """A batch budget under MIN_ROWS (a decode node's default 2,048) never takes a copy, so none is held."""
+    model = _model()
+    assert dense_deep_gemm.hold_fp8_copies(model, max_rows=dense_deep_gemm.MIN_ROWS - 1) == 0
+    assert not any(isinstance(m, dense_deep_gemm.PrefillFp8Linear) for m in model.modules())
+    assert dense_deep_gemm.hold_fp8_copies(model, max_rows=dense_deep_gemm.MIN_ROWS) == 3
