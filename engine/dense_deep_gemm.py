@@ -20,12 +20,13 @@ prompt prefilled in smaller chunks (or over PCP ranks with fewer rows each) diff
 second layer's latents on (the first layer's come from the embeddings through bf16 ``kv_a``): tests that compare
 KV bytes across topologies keep their prompts under ``MIN_ROWS``, or turn this off.
 
-Off unless ``PDCLUSTER_DENSE_DEEP_GEMM=1`` (``engine.envs``). On an H100 its products match the same arithmetic in
-fp32 (tests/gpu/test_dense_deep_gemm.py) and are 1.1-1.4x bf16 on V2-Lite's shapes at 4k-16k rows, but with each
-input's quantization a 16k V2-Lite prefill gains under 1% (docs/benchmarks.md, thirteenth session); V3's shapes
-gain more (1.4-1.7x) and are yet to be measured in the engine. ``PDCLUSTER_DEEP_GEMM=0`` turns it off with
-DeepGEMM's experts. A DeepGEMM failure (its compile, a check of its
-inputs) is logged once and the linears go back to bf16.
+On unless ``PDCLUSTER_DENSE_DEEP_GEMM=0`` (``engine.envs``; ``PDCLUSTER_DEEP_GEMM=0`` turns it off with DeepGEMM's
+experts), and only in an engine whose steps can reach ``MIN_ROWS`` rows (its ``max_num_batched_tokens``; a decode
+node's default 2,048 holds no copy). On an H100 its products match the same arithmetic in fp32
+(tests/gpu/test_dense_deep_gemm.py) and are 1.1-1.4x bf16 on V2-Lite's shapes and 1.4-1.7x on V3's at 4k-16k rows;
+with each input's quantization a V3-shaped prefill (4 layers, 4k and 16k tokens) is 1.2x faster and a 16k V2-Lite
+one under 1% (docs/benchmarks.md, thirteenth and fourteenth sessions). A DeepGEMM failure (its compile, a check of
+its inputs) is logged once and the linears go back to bf16.
 """
 
 from __future__ import annotations

@@ -9,11 +9,11 @@
 - ``PDCLUSTER_DEEP_GEMM``: 1 or unset: block-FP8 experts at prefill sizes on sm90 run DeepGEMM's grouped GEMMs
   where it is installed (``engine.moe_deep_gemm``; faster than our Triton kernels there, docs/benchmarks.md);
   0: our Triton kernels, and DeepGEMM is not imported.
-- ``PDCLUSTER_DENSE_DEEP_GEMM``: 1: a block-FP8 model's dense linears (attention's projections, dense MLPs)
-  multiply prefill steps of 4,096+ rows through DeepGEMM's FP8 GEMM on sm90, from an FP8 copy of their weights
-  (``engine.dense_deep_gemm``); 0 or unset: bf16 at every size, and no copy is held. Off by default: on an
-  H100 it took under 1% off a 16k-token V2-Lite prefill, within the noise (docs/benchmarks.md, thirteenth session);
-  V3's larger linears gain more and are not yet measured. ``PDCLUSTER_DEEP_GEMM=0`` turns it off too.
+- ``PDCLUSTER_DENSE_DEEP_GEMM``: 1 or unset: a block-FP8 model's dense linears (attention's projections, dense
+  MLPs) multiply prefill steps of 4,096+ rows through DeepGEMM's FP8 GEMM on sm90, from an FP8 copy of their
+  weights (``engine.dense_deep_gemm``; held only where a step can reach 4,096 rows); 0: bf16 at every size, and
+  no copy is held. On an H100 it makes a V3-shaped prefill 1.2x faster and a V2-Lite one under 1%
+  (docs/benchmarks.md, thirteenth and fourteenth sessions). ``PDCLUSTER_DEEP_GEMM=0`` turns it off too.
 - ``PDCLUSTER_FLASHMLA``: 1 or unset: decode attention over an ``fp8`` KV cache of 64-token blocks on sm90 runs
   FlashMLA's FP8 kernel where it is installed (``engine.mla_decode_flashmla``; faster than our Triton kernel there,
   at a larger error, docs/benchmarks.md); 0: our Triton kernel, and FlashMLA is not imported.
@@ -41,7 +41,7 @@ def deep_gemm() -> bool:
 
 
 def dense_deep_gemm() -> bool:
-    return _switch("PDCLUSTER_DENSE_DEEP_GEMM", "0")
+    return _switch("PDCLUSTER_DENSE_DEEP_GEMM", "1")
 
 
 def flashmla() -> bool:

@@ -10,10 +10,10 @@ V2-Lite's shapes bf16 cuBLAS beats our W8A8 Triton GEMM (``engine.fp8_kernels.ge
 torch's block-scaled ``_scaled_mm`` at decode sizes (it wins on some shapes only at prefill sizes, and refuses
 some shapes); at decode sizes these GEMMs are bound by latency, not bytes (``benchmarks/fp8_gemm.py``,
 docs/benchmarks.md). Those linears are a small share of an MoE model's bytes. At prefill sizes, where they are
-bound by compute, ``engine.dense_deep_gemm`` can give them an FP8 copy for DeepGEMM's GEMM on sm90
-(``PDCLUSTER_DENSE_DEEP_GEMM=1``; under 1% of a 16k V2-Lite prefill, so off by default). ``kv_b_proj`` would be
-dequantized anyway: the absorbed MLA path multiplies by its halves. Off CUDA (the CPU engine) every FP8 weight
-is dequantized at load.
+bound by compute, ``engine.dense_deep_gemm`` can give them an FP8 copy for DeepGEMM's GEMM on sm90 (on by default:
+1.2x a V3-shaped prefill, under 1% of V2-Lite's; ``PDCLUSTER_DENSE_DEEP_GEMM=0`` turns it off). ``kv_b_proj`` would
+be dequantized anyway: the absorbed MLA path multiplies by its halves. Off CUDA (the CPU engine) every FP8 weight is
+dequantized at load.
 """
 
 from __future__ import annotations
