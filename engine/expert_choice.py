@@ -2,12 +2,13 @@
 group limit (``group_limited_greedy``: groups by their best score; ``noaux_tc``: by the sum of their best two
 biased scores), the top-k, the weights' normalization and scale (``layers.Router`` says what each means).
 
-Done with torch's ops this is 4 launches a layer for V2's greedy softmax and ~14 for V3's ``noaux_tc``; in a decode
-step replayed from a CUDA graph every launch is a node the host launches (~1.85 us each) and a kernel of a few
-microseconds (docs/benchmarks.md). One program a token: its E <= 256 logits fit one block. Ties go to the lower
-expert index (torch's topk leaves their order unspecified); NaN ranks above every number, as in torch's topk, and
-every token gets K distinct ids in [0, E) whatever its logits. Off CUDA (and without Triton) ``layers.Router`` keeps
-torch's ops; tests/gpu/test_expert_choice.py runs this under Triton's interpreter against them.
+Done with torch's ops this is 4 launches a layer for V2's greedy softmax and ~14 for V3's ``noaux_tc``, each a
+kernel of a few microseconds that the GPU runs one after another; in one kernel a decode step is 1.01-1.04x faster
+on an H100 (docs/benchmarks.md, fourteenth session). One program a token: its E <= 256 logits fit one block. Ties go
+to the lower expert index (torch's topk leaves their order unspecified); NaN ranks above every number, as in torch's
+topk, and every token gets K distinct ids in [0, E) whatever its logits. Off CUDA (and without Triton)
+``layers.Router`` keeps torch's ops; tests/gpu/test_expert_choice.py runs this under Triton's interpreter against
+them.
 """
 
 # ruff: noqa: ANN001  (Triton kernel arguments are pointers and ints, typed by the JIT)
