@@ -39,7 +39,7 @@ from decode_node.waves import Wake
 from engine.config import ModelConfig
 from engine.engine_config import EngineConfig
 from engine.parallel.expert_parallel import ExpertGroup
-from engine.parallel.rank_group import RankContext, RankFailure, RankGroup
+from engine.parallel.rank_group import STARTUP_MIN_S, RankContext, RankFailure, RankGroup
 from engine.parallel.rank_messages import Stop
 from engine.prefix_cache import split_events
 from kv_transfer.handoff import Totals
@@ -231,7 +231,8 @@ class ReplicaProcesses:
                  timeout_s: float, start_timeout_s: float, relay: Relay, fail: Fail,
                  expert_parallel: bool = False) -> None:
         """``expert_parallel``: the replicas are one EP group (a ``torch.distributed`` world whose collectives
-        time out after ``start_timeout_s``, the engine's ``rank_timeout_s``)."""
+        time out after ``start_timeout_s``, the engine's ``rank_timeout_s``; their start waits at least
+        ``STARTUP_MIN_S``)."""
         self._relay = relay
         self._fail = fail
         specs = [ReplicaSpec(d, c, transfer_host, kv_protocol, timeout_s, expert_parallel)
@@ -243,6 +244,7 @@ class ReplicaProcesses:
         self.replicas = [ProcessReplica(d, self) for d in range(len(specs))]
         self._lock = threading.Lock()  # the pipes' sends
         self._stopping = False
+        start_timeout_s = max(start_timeout_s, STARTUP_MIN_S)
         self.group.start(ready_timeout_s=start_timeout_s)
         try:
             ups = [self._expect_up(d, start_timeout_s) for d in range(len(specs))]

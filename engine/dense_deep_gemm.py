@@ -21,8 +21,10 @@ second layer's latents on (the first layer's come from the embeddings through bf
 KV bytes across topologies keep their prompts under ``MIN_ROWS``, or turn this off.
 
 On unless ``PDCLUSTER_DENSE_DEEP_GEMM=0`` (``engine.envs``; ``PDCLUSTER_DEEP_GEMM=0`` turns it off with DeepGEMM's
-experts), and only in an engine whose steps can reach ``MIN_ROWS`` rows (its ``max_num_batched_tokens``; a decode
-node's default 2,048 holds no copy). On an H100 its products match the same arithmetic in fp32
+experts), and only in an engine whose steps can reach ``MIN_ROWS`` rows (``executor.step_rows``: its
+``max_num_batched_tokens``, a PCP rank's share of it; the default budget of 2,048 holds no copy). The copies cost
+memory the KV cache would otherwise get: half the bf16 weights of those linears again, ~0.34 GB for V2-Lite and
+~12 GB for V3 on each rank that holds its whole attention. On an H100 its products match the same arithmetic in fp32
 (tests/gpu/test_dense_deep_gemm.py) and are 1.1-1.4x bf16 on V2-Lite's shapes and 1.4-1.7x on V3's at 4k-16k rows;
 with each input's quantization a V3-shaped prefill (4 layers, 4k and 16k tokens) is 1.2x faster and a 16k V2-Lite
 one under 1% (docs/benchmarks.md, thirteenth and fourteenth sessions). A DeepGEMM failure (its compile, a check of

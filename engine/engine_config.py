@@ -91,7 +91,7 @@ class EngineConfig:
     dist_host: str = field(default="127.0.0.1", metadata={"help": "torch.distributed rendezvous of the rank processes"})
     dist_port: int | None = field(default=None, metadata={"help": "the rendezvous port (default: a free one)"})
     rank_timeout_s: float = field(default=600.0, metadata={
-        "help": "longest wait for a rank's answer (startup, one step) before failing"})
+        "help": "longest wait for a rank's answer (one step; startup waits at least 120 s) before failing"})
 
     def __post_init__(self) -> None:
         if self.speculative_config is not None:

@@ -11,9 +11,10 @@
   0: our Triton kernels, and DeepGEMM is not imported.
 - ``PDCLUSTER_DENSE_DEEP_GEMM``: 1 or unset: a block-FP8 model's dense linears (attention's projections, dense
   MLPs) multiply prefill steps of 4,096+ rows through DeepGEMM's FP8 GEMM on sm90, from an FP8 copy of their
-  weights (``engine.dense_deep_gemm``; held only where a step can reach 4,096 rows); 0: bf16 at every size, and
-  no copy is held. On an H100 it makes a V3-shaped prefill 1.2x faster and a V2-Lite one under 1%
-  (docs/benchmarks.md, thirteenth and fourteenth sessions). ``PDCLUSTER_DEEP_GEMM=0`` turns it off too.
+  weights (``engine.dense_deep_gemm``; held only where a step can reach 4,096 rows; ~12 GB a rank on V3);
+  0: bf16 at every size, and no copy is held. On an H100 it makes a 4-layer V3-shaped prefill 1.2x faster and a
+  V2-Lite one under 1% (docs/benchmarks.md, thirteenth and fourteenth sessions). ``PDCLUSTER_DEEP_GEMM=0`` turns
+  it off too.
 - ``PDCLUSTER_FLASHMLA``: 1 or unset: decode attention over an ``fp8`` KV cache of 64-token blocks on sm90 runs
   FlashMLA's FP8 kernel where it is installed (``engine.mla_decode_flashmla``; faster than our Triton kernel there,
   at a larger error, docs/benchmarks.md); 0: our Triton kernel, and FlashMLA is not imported.

@@ -84,6 +84,14 @@ def check_kv_capacity(num_blocks: int, block_size: int, max_model_len: int, need
         )
 
 
+def step_rows(config: EngineConfig) -> int:
+    """The most rows one step multiplies on a rank: the batch budget, which the scheduler fills with several
+    requests' chunks (so not bounded by ``max_model_len``); a PCP rank takes its share of the prompt rows, plus at
+    most a decode row a sequence."""
+    budget = config.max_num_batched_tokens
+    return budget if config.pcp == 1 else min(budget, -(-budget // config.pcp) + config.max_num_seqs)
+
+
 def load_model(
     config: EngineConfig, mc: ModelConfig, dtype: torch.dtype, device: torch.device, layers: range | None = None,
     experts: ExpertShard | None = None,
@@ -98,9 +106,8 @@ def load_model(
     else:
         load_weights(model, config.model)
     log.info("loaded %s in %.1fs", config.model, time.perf_counter() - t0)
-    max_rows = min(config.max_num_batched_tokens, config.max_model_len or config.max_num_batched_tokens)
     if mc.quantization is not None and (held := dense_deep_gemm.hold_fp8_copies(model, mc.quantization.ue8m0,
-                                                                                 max_rows)):
+                                                                                 step_rows(config))):
         log.info("%d dense linears hold an FP8 copy for prefill steps of %d+ rows (DeepGEMM)", held,
                  dense_deep_gemm.MIN_ROWS)
     return model
@@ -186,16 +193,17 @@ def warm_prefill_kernels(config: EngineConfig, mc: ModelConfig, model: torch.nn.
     """Build what prefill steps would otherwise build on first use, before serving, so no request pays for it:
     cuDNN's plans for the prompt attention's length buckets (a no-op unless ``attention_ops.CUDNN_BUCKET`` is
     set) and DeepGEMM's kernels for the block-FP8 experts and dense linears (``moe_deep_gemm.warm_up``,
-    ``dense_deep_gemm.warm_up``; no-ops where those paths are not taken)."""
-    rows = min(config.max_num_batched_tokens, max_model_len)
+    ``dense_deep_gemm.warm_up``; no-ops where those paths are not taken): the GEMMs' up to ``step_rows``, the
+    attention's up to a prompt's longest chunk."""
+    rows, gemm_rows = min(config.max_num_batched_tokens, max_model_len), step_rows(config)
     t0 = time.perf_counter()
     planned = warm_cudnn_buckets(mc.num_attention_heads, mc.qk_head_dim, mc.v_head_dim, rows, dtype, device)
     if planned:
         log.info("planned cuDNN attention for %d prompt-length buckets in %.1fs", planned, time.perf_counter() - t0)
     t0 = time.perf_counter()
-    if warmed := moe_deep_gemm.warm_up(model, rows):
+    if warmed := moe_deep_gemm.warm_up(model, gemm_rows):
         log.info("compiled DeepGEMM's FP8 experts for %d prefill sizes in %.1fs", warmed, time.perf_counter() - t0)
     t0 = time.perf_counter()
-    if warmed := dense_deep_gemm.warm_up(model, rows):
+    if warmed := dense_deep_gemm.warm_up(model, gemm_rows):
         log.info("compiled DeepGEMM's FP8 dense linears for %d shapes x sizes in %.1fs", warmed,
                  time.perf_counter() - t0)

@@ -76,6 +76,12 @@ def _rank_main(
             dist.destroy_process_group()
 
 
+# The least a group's start waits for its ranks (spawned, torch imported, the group joined, the model loaded),
+# whatever its per-step timeout: a short ``rank_timeout_s`` (one that fails a hung rank quickly) would otherwise
+# fail a start on a busy host, where several processes importing torch on 2 cores take over 15 s.
+STARTUP_MIN_S = 120.0
+
+
 class RankGroup:
     """``world_size`` rank processes running ``target``; the driver talks to them over pipes."""
 

@@ -29,7 +29,7 @@ from engine.kv_cache import BlockAllocator, BlockSpace
 from engine.model_runner import StepLogits, logits_span
 from engine.parallel.grid import ParallelConfig
 from engine.parallel.kv_layout import RankBlocks, ShardedBlockAllocator, kv_ownership, max_blocks_per_rank
-from engine.parallel.rank_group import RankFailure, RankGroup
+from engine.parallel.rank_group import STARTUP_MIN_S, RankFailure, RankGroup
 from engine.parallel.rank_messages import (
     Blocks,
     CacheReady,
@@ -72,7 +72,7 @@ class ParallelNode:
             serve_rank, ws, [RankSpec(config, max_model_len, exporter)] * ws, backend=backend,
             host=config.dist_host, port=config.dist_port, collective_timeout_s=config.rank_timeout_s, gpus=gpus,
         )
-        t = config.rank_timeout_s
+        t = max(config.rank_timeout_s, STARTUP_MIN_S)
         self.group.start(ready_timeout_s=t)
         try:
             loaded = [self._expect(r, Loaded, t) for r in range(ws)]

@@ -102,8 +102,20 @@ def test_warm_ups_run_each_doubling_of_the_rows_then_the_most() -> None:
 
 
 def test_an_engine_whose_steps_stay_under_min_rows_holds_no_copy(product: list[int]) -> None:
-    """A batch budget under MIN_ROWS (a decode node's default 2,048) never takes a copy, so none is held."""
+    """A batch budget under MIN_ROWS (the default 2,048) never takes a copy, so none is held."""
     model = _model()
     assert dense_deep_gemm.hold_fp8_copies(model, max_rows=dense_deep_gemm.MIN_ROWS - 1) == 0
     assert not any(isinstance(m, dense_deep_gemm.PrefillFp8Linear) for m in model.modules())
     assert dense_deep_gemm.hold_fp8_copies(model, max_rows=dense_deep_gemm.MIN_ROWS) == 3
+
+
+def test_a_step_has_at_most_the_budget_and_a_pcp_rank_its_share() -> None:
+    """``executor.step_rows``: the scheduler fills a step with several requests' chunks up to the budget (not
+    bounded by max_model_len); a PCP rank gets its share of the prompt rows plus at most a decode row a sequence."""
+    from engine.engine_config import EngineConfig
+    from engine.executor import step_rows
+
+    assert step_rows(EngineConfig(model="m", max_num_batched_tokens=8192, max_model_len=2048)) == 8192
+    assert step_rows(EngineConfig(model="m", max_num_batched_tokens=8192, pcp=2, max_num_seqs=256)) == 4096 + 256
+    assert step_rows(EngineConfig(model="m", max_num_batched_tokens=1024, pcp=4, max_num_seqs=256)) == 512
+    assert step_rows(EngineConfig(model="m", max_num_batched_tokens=1024, pcp=4, max_num_seqs=900)) == 1024
