@@ -26,20 +26,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine import LLM, SamplingParams, dense_deep_gemm  # noqa: E402
-from engine.fp8 import dequantize_blocks  # noqa: E402
-from engine.fp8_kernels import GROUP  # noqa: E402
+from engine.fp8_kernels import reference_linear  # noqa: E402
 from pdctl.model_presets import preset_config  # noqa: E402
 from pdctl.tiny_model import write_config_only  # noqa: E402
-
-E4M3_MAX = 448.0
-
-
-def fp8_groups(x: torch.Tensor) -> torch.Tensor:
-    """x [M, K] through e4m3 in groups of GROUP channels a token (scale: the group's max over 448), back in fp32."""
-    m, k = x.shape
-    g = x.float().view(m, k // GROUP, GROUP)
-    s = g.abs().amax(-1, keepdim=True).clamp(min=1e-12) / E4M3_MAX
-    return ((g / s).to(torch.float8_e4m3fn).float() * s).view(m, k)
 
 
 class Products:
@@ -50,7 +39,7 @@ class Products:
         self.gen = torch.Generator().manual_seed(0)
 
     def __call__(self, x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
-        y = fp8_groups(x) @ dequantize_blocks(w8, w_scale).float().T
+        y = reference_linear(x, w8, w_scale)  # the e4m3 groups times the dequantized weight, in fp32
         if self.eps:
             y = y * (1 + self.eps * torch.randn(y.shape, generator=self.gen).to(y.device))
         return y.to(torch.bfloat16)
