@@ -15,7 +15,12 @@ config plus ``num_nextn_predict_layers`` 1), or ``--model DIR``. For each batch 
 Projected tokens/s ratio at an acceptance rate a (drafts accepted independently, each with probability a):
 a step gives ``(1 - a^(k+1)) / (1 - a)`` tokens, so ratio = that x decode step time / speculative step time.
 Reported at DeepSeek's published 85% and at ``--acceptance`` (e.g. the trained tiny model's, from
-``benchmarks/mtp_acceptance.py``), labelled as projections. Ends with one JSON line.
+``benchmarks/mtp_acceptance.py``), labelled as projections.
+
+``--ceiling`` also times a plain decode step of (k + 1) x batch requests: the same rows through the
+target, so the same weights read (under dummy weights' uniform routing, as many distinct experts), without
+the MTP layer, the drafts' bookkeeping or the verdict. No speculative step can be shorter, so tokens a step
+x decode step / that step bounds the projection from above. Ends with one JSON line.
 
     python benchmarks/mtp_verify.py --preset v2-lite --batch 1 8 64          # on the GPU machine
     python benchmarks/mtp_verify.py --tiny --device cpu --batch 1 4           # a check of the script on CPU
@@ -118,6 +123,8 @@ def main() -> None:
     ap.add_argument("--eager-passes", action="store_true",
                     help="also the speculative step with graphs but its MTP passes run eagerly")
     ap.add_argument("--profile", action="store_true", help="print torch.profiler tables of speculative steps")
+    ap.add_argument("--ceiling", action="store_true",
+                    help="also a plain decode step of (k+1) x batch requests: the bound on the projection")
     ap.add_argument("--max-num-seqs", type=int, default=MAX_NUM_SEQS,
                     help="the engine's max_num_seqs (at least the batch; earlier figures had the batch)")
     ap.add_argument("--acceptance", type=float, default=0.972,
@@ -146,18 +153,26 @@ def main() -> None:
             spec = run(k, eager=False, profile=a.profile)
             passes = run(k, eager=False, pass_graphs=False) if a.eager_passes else 0.0
             spec_eager = run(k, eager=True) if a.eager else 0.0
+            wide = functools.partial(step_time, model, a.device, batch * (k + 1), a.prompt_len, a.steps,
+                                     dummy=dummy, max_num_seqs=a.max_num_seqs,
+                                     kv_cache_dtype=a.kv_cache_dtype)(0, eager=False) if a.ceiling else 0.0
             row = {"batch": batch, "k": k, "decode_step_ms": round(base * 1e3, 3),
                    "eager_decode_step_ms": round(eager * 1e3, 3) or None, "spec_step_ms": round(spec * 1e3, 3),
                    "eager_spec_step_ms": round(spec_eager * 1e3, 3) or None,
                    "spec_step_eager_passes_ms": round(passes * 1e3, 3) or None,
                    "spec_over_decode": round(spec / base, 3),
                    "projected_speedup_at_85pct": round(tokens_per_step(DEEPSEEK_ACCEPTANCE, k) * base / spec, 2),
-                   f"projected_speedup_at_{a.acceptance:g}": round(tokens_per_step(a.acceptance, k) * base / spec, 2)}
+                   f"projected_speedup_at_{a.acceptance:g}": round(tokens_per_step(a.acceptance, k) * base / spec, 2),
+                   "wide_decode_step_ms": round(wide * 1e3, 3) or None,
+                   "ceiling_at_85pct":
+                       round(tokens_per_step(DEEPSEEK_ACCEPTANCE, k) * base / wide, 2) if wide else None}
             rows.append(row)
             print(f"batch {batch:3} k={k}: spec step {spec * 1e3:.2f} ms vs decode {base * 1e3:.2f} ms "
                   f"(eager passes {passes * 1e3:.2f}; eager {eager * 1e3:.2f} / {spec_eager * 1e3:.2f}); "
                   f"projected {row['projected_speedup_at_85pct']:.2f}x at 85% "
-                  f"acceptance (a projection)")
+                  f"acceptance (a projection)"
+                  + (f"; decode of {batch * (k + 1)} requests {wide * 1e3:.2f} ms, ceiling "
+                     f"{row['ceiling_at_85pct']:.2f}x" if wide else ""))
     print(json.dumps({"benchmark": "mtp_verify", "model": a.preset or str(model), "device": a.device,
                       "gpu": torch.cuda.get_device_name() if a.device != "cpu" and torch.cuda.is_available() else None,
                       "quantization": a.quantization, "kv_cache_dtype": a.kv_cache_dtype,
