@@ -1,5 +1,6 @@
 """Integration tests run real processes: none may outlive its test. Also the proxy against fake nodes
-(``fake_cluster``, ``c``) for the ``test_proxy_fake_*`` modules."""
+(``fake_cluster``, ``c``) for the ``test_proxy_fake_*`` modules, and each topology's rank processes started
+once for the modules that check them (``topology_runs``)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 from fake_cluster import Cluster, reset
 from fake_cluster import fake_cluster as start_fake_cluster
 from procs import rank_children
+from topology_runs import TopologyRuns
 
 
 @pytest.fixture(autouse=True)
@@ -44,3 +46,9 @@ def c(fake_cluster: Cluster) -> Iterator[Cluster]:
     """The module's fake cluster, reset for this test."""
     with reset(fake_cluster) as cluster:
         yield cluster
+
+
+@pytest.fixture(scope="session")
+def topology_runs(tiny_model: Path) -> TopologyRuns:
+    """Each topology's EP-off run (``topology_runs.py``), started the first time a test asks for it."""
+    return TopologyRuns(tiny_model)

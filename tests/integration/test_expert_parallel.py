@@ -12,65 +12,41 @@ import math
 from pathlib import Path
 
 import pytest
+from topology_runs import EP_PARAMS, EP_PROMPTS, EP_SHARED, TOPOLOGIES, TopologyRuns, run_topology
 
 from engine import LLM, SamplingParams
 
 KW = dict(dtype="float32", device="cpu", max_model_len=1024, max_num_batched_tokens=128)
-SHARED = [(i * 11 + 5) % 1000 + 2 for i in range(64)]
-# A long prompt (chunked), a short one (PCP2 gives a rank no rows of it), and two sharing a cached prefix.
-PROMPTS = [[(i * 7 + 3) % 1000 + 2 for i in range(300)], [5, 9, 17], SHARED + [7, 8, 9], SHARED + [40, 41]]
-PARAMS = SamplingParams(max_tokens=10, temperature=0.0, logprobs=1, ignore_eos=True)
-TOPOLOGIES = {
-    "pcp2-sharded": dict(pcp=2, kv_layout="sharded"),
-    "pcp2-replicated": dict(pcp=2, kv_layout="replicated"),
-    "pp2-pcp2": dict(pp=2, pcp=2),
-    "dp2": dict(dp=2),
-    "dp2-pcp2-sharded": dict(dp=2, pcp=2, kv_layout="sharded"),
-    "dp2-pcp2-replicated": dict(dp=2, pcp=2, kv_layout="replicated"),
-}
+EP_TOPOLOGIES = ["pcp2-sharded", "pcp2-replicated", "pp2-pcp2", "dp2", "dp2-pcp2-sharded", "dp2-pcp2-replicated"]
 
 
 def ep_size(topo: dict) -> int:
     return int(topo.get("dp", 1)) * int(topo["pcp"] if "pcp" in topo else 1)
 
 
-def run(model: Path, **kw: object) -> tuple[list, list[int]]:
-    with LLM(str(model), **KW, **kw) as llm:
-        # With DP2 the first call puts one prompt on each replica (the short one finishes long before the
-        # chunked one); the next two run on replica 0 alone, the other idle for all their steps.
-        outs = llm.generate(PROMPTS[:2], PARAMS)
-        outs += llm.generate(PROMPTS[2:3], PARAMS) + llm.generate(PROMPTS[3:], PARAMS)  # the last hits the cache
-        assert llm.engines[0].load().prefix_hit_blocks >= len(SHARED) // 16
-        assert [e.num_used_blocks for e in llm.engines] == [0] * len(llm.engines)
-        got = [(o.token_ids, o.logprobs) for o in outs]
-        if len(llm.engines) > 1:  # a request joining replica 1 while replica 0 is mid-way through its own
-            a = llm.engines[0].add_request(PROMPTS[0], PARAMS)
-            steps = 0
-            while busy := llm.to_step():
-                if steps == 3:
-                    b = llm.engines[1].add_request(PROMPTS[2], PARAMS)
-                for e in busy:
-                    e.launch_step()
-                for e in busy:
-                    e.finish_step()
-                steps += 1
-            got += [(list(s.output_token_ids), list(s.logprobs)) for s in (a, b)]
-            assert [e.num_used_blocks for e in llm.engines] == [0] * len(llm.engines)
-        return got, list(llm.node.expert_params) if llm.node else []
-
-
-@pytest.mark.parametrize("topo", list(TOPOLOGIES), ids=list(TOPOLOGIES))
-def test_expert_parallel_equals_ep_off(tiny_model: Path, topo: str) -> None:
-    want, full = run(tiny_model, **TOPOLOGIES[topo])
-    got, held = run(tiny_model, **TOPOLOGIES[topo], enable_expert_parallel=True)
-    for (w_ids, w_lp), (g_ids, g_lp) in zip(want, got):
-        assert g_ids == w_ids and len(g_ids) == PARAMS.max_tokens
+@pytest.mark.parametrize("topo", EP_TOPOLOGIES)
+def test_expert_parallel_equals_ep_off(tiny_model: Path, topology_runs: TopologyRuns, topo: str) -> None:
+    """Both starts run ``topology_runs.py``'s three parts (EP off's shared with test_pcp_topologies.py): EP's
+    prompts and DP sections above, after the PCP modules' prompts (prompt logprobs, prefix-cache hits)."""
+    off = topology_runs.get(topo)
+    on = run_topology(tiny_model, topo, enable_expert_parallel=True)
+    for (w_ids, w_lp), (g_ids, g_lp) in zip(off.ep, on.ep, strict=True):
+        assert g_ids == w_ids and len(g_ids) == EP_PARAMS.max_tokens
         # The same products, summed in another order (per choice, then over the group): fp32 rounding.
-        assert all(math.isclose(x, y, abs_tol=1e-5) for x, y in zip(g_lp, w_lp))
+        assert all(math.isclose(x, y, abs_tol=1e-5) for x, y in zip(g_lp, w_lp, strict=True))
+    for want, got in zip([off.outputs, *off.cached], [on.outputs, *on.cached], strict=True):
+        for w, g in zip(want, got, strict=True):
+            assert g.token_ids == w.token_ids
+            assert all(math.isclose(x, y, abs_tol=1e-5) for x, y in zip(g.logprobs, w.logprobs, strict=True))
+            assert all((x is None and y is None) or math.isclose(x, y, abs_tol=1e-5)
+                       for x, y in zip(g.prompt_logprobs or [], w.prompt_logprobs or [], strict=True))
+    for r in (off, on):
+        assert r.ep_hit_blocks >= len(EP_SHARED) // 16  # the last prompt hit the cache
+        assert r.ep_used_blocks == [0] * len(r.ep_used_blocks)
     ep = ep_size(TOPOLOGIES[topo])
-    assert len(want) == len(got) == len(PROMPTS) + (2 if "dp" in TOPOLOGIES[topo] else 0)
-    assert full and all(n == full[0] for n in full)  # EP off: every rank holds every expert
-    assert held == [n // ep for n in full]  # EP on: each rank 1/EP of them, from its loaded modules
+    assert len(off.ep) == len(EP_PROMPTS) + (2 if "dp" in TOPOLOGIES[topo] else 0)
+    assert off.expert_params and all(n == off.expert_params[0] for n in off.expert_params)  # EP off: all experts
+    assert on.expert_params == [n // ep for n in off.expert_params]  # EP on: 1/EP of them, from its loaded modules
 
 
 def test_indivisible_experts_are_refused(tiny_model: Path, tmp_path: Path) -> None:
@@ -142,7 +118,7 @@ def test_a_prefill_node_with_ep_across_its_dp_replicas_serves_either_replica(tin
     from cluster.registry import Registry
     from pdctl.redis_server import start_redis
 
-    prompts = PROMPTS[:2]
+    prompts = EP_PROMPTS[:2]
     with LLM(str(tiny_model), **KW) as llm:
         want = [o.token_ids[0] for o in llm.generate(prompts, SamplingParams(max_tokens=1, temperature=0.0))]
     redis = start_redis()

@@ -2,7 +2,9 @@
 
 The reference is the in-process engine (PCP1) without chunking. Each topology runs a 607-token and a
 7-token prompt for 8 greedy tokens with prompt and output logprobs, with the whole prompt in one step
-and with chunked prefill (128-token budget, so the long prompt spans five steps next to decodes).
+and with chunked prefill (128-token budget, so the long prompt spans five steps next to decodes); then,
+in the chunked start, prompts sharing 200 tokens twice (prefix caching). The chunked starts are
+``topology_runs.py``'s, shared with ``test_expert_parallel.py``.
 """
 
 from __future__ import annotations
@@ -10,19 +12,22 @@ from __future__ import annotations
 import math
 
 import pytest
+from topology_runs import CACHED_PARAMS, CACHED_PROMPTS, PARAMS, PROMPTS, TopologyRuns
 
-from engine import LLM, SamplingParams
+from engine import LLM
 
 KW = dict(dtype="float32", device="cpu", max_model_len=1024)
-PROMPTS = [[(i * 7 + 3) % 1000 + 2 for i in range(607)], [5, 9, 17, 33, 65, 129, 257]]
-PARAMS = SamplingParams(max_tokens=8, temperature=0.0, logprobs=1, prompt_logprobs=1)
-TOPOLOGIES = {
+ONE_STEP_TOPOLOGIES = {
     "pcp2": dict(pcp=2),
     "pcp4": dict(pcp=4),
     "pp2": dict(pp=2),
     "pp2-pcp2": dict(pp=2, pcp=2),
     "dp2-pcp2": dict(dp=2, pcp=2),
 }
+# every topology above (PCP2 in both KV layouts), and DP2 alone and DP2 x PCP2 replicated, which
+# test_expert_parallel.py starts anyway
+CHUNKED_TOPOLOGIES = ["pcp2-sharded", "pcp2-replicated", "pcp4", "pp2", "pp2-pcp2", "dp2", "dp2-pcp2-sharded",
+                      "dp2-pcp2-replicated"]
 
 
 @pytest.fixture(scope="module")
@@ -36,30 +41,30 @@ def _close(a: list[float | None], b: list[float | None], tol: float = 1e-4) -> b
     return all((x is None and y is None) or math.isclose(x, y, abs_tol=tol) for x, y in zip(a, b))
 
 
-@pytest.mark.parametrize("budget", [2048, 128], ids=["one-step", "chunked"])
-@pytest.mark.parametrize("topo", list(TOPOLOGIES), ids=list(TOPOLOGIES))
-def test_topology_matches_pcp1(tiny_model, reference, topo, budget) -> None:
-    with LLM(str(tiny_model), **KW, **TOPOLOGIES[topo], max_num_batched_tokens=budget) as llm:
-        outs = llm.generate(PROMPTS, PARAMS)
-        assert [e.num_used_blocks for e in llm.engines] == [0] * len(llm.engines)
-        # DP: both replicas ran steps (one prompt each).
-        assert all(e.executor.local_counts for e in llm.engines)
-    for ref, out in zip(reference, outs):
+def _matches(outs, reference) -> None:
+    for ref, out in zip(reference, outs, strict=True):
         assert out.token_ids == ref.token_ids
         assert _close(out.logprobs, ref.logprobs)
         assert _close(out.prompt_logprobs, ref.prompt_logprobs)
         assert len(out.prompt_logprobs) == len(ref.prompt_token_ids)
 
 
-SHARED = [(i * 11 + 5) % 1000 + 2 for i in range(200)]
-CACHED_PROMPTS = [SHARED + [(i * k + 1) % 1000 + 2 for i in range(30 + 9 * k)] for k in range(1, 4)]
-CACHED_PARAMS = SamplingParams(max_tokens=8, temperature=0.0, logprobs=1)
-# every topology above, PCP2 in both KV layouts
-CACHED_TOPOLOGIES = {
-    "pcp2-sharded": dict(pcp=2, kv_layout="sharded"),
-    "pcp2-replicated": dict(pcp=2, kv_layout="replicated"),
-    **{k: v for k, v in TOPOLOGIES.items() if k != "pcp2"},
-}
+@pytest.mark.parametrize("topo", list(ONE_STEP_TOPOLOGIES), ids=list(ONE_STEP_TOPOLOGIES))
+def test_topology_matches_pcp1_in_one_step(tiny_model, reference, topo) -> None:
+    with LLM(str(tiny_model), **KW, **ONE_STEP_TOPOLOGIES[topo], max_num_batched_tokens=2048) as llm:
+        outs = llm.generate(PROMPTS, PARAMS)
+        assert [e.num_used_blocks for e in llm.engines] == [0] * len(llm.engines)
+        # DP: both replicas ran steps (one prompt each).
+        assert all(e.executor.local_counts for e in llm.engines)
+    _matches(outs, reference)
+
+
+@pytest.mark.parametrize("topo", CHUNKED_TOPOLOGIES)
+def test_topology_matches_pcp1_chunked(topology_runs: TopologyRuns, reference, topo) -> None:
+    run = topology_runs.get(topo)
+    assert run.used_blocks == [0] * len(run.used_blocks)
+    assert all(run.local_counts)  # DP: both replicas ran steps (one prompt each)
+    _matches(run.outputs, reference)
 
 
 @pytest.fixture(scope="module")
@@ -68,16 +73,13 @@ def cached_reference(tiny_model):
         return llm.generate(CACHED_PROMPTS, CACHED_PARAMS)
 
 
-@pytest.mark.parametrize("topo", list(CACHED_TOPOLOGIES), ids=list(CACHED_TOPOLOGIES))
-def test_prefix_caching_on_rank_processes_matches_pcp1(tiny_model, cached_reference, topo) -> None:
+@pytest.mark.parametrize("topo", CHUNKED_TOPOLOGIES)
+def test_prefix_caching_on_rank_processes_matches_pcp1(topology_runs: TopologyRuns, cached_reference, topo) -> None:
     """Prompts sharing 200 tokens, twice (the second time every full block hits), chunked."""
-    with LLM(str(tiny_model), **KW, **CACHED_TOPOLOGIES[topo], max_num_batched_tokens=128,
-             enable_prefix_caching=True) as llm:
-        for _ in range(2):
-            outs = llm.generate(CACHED_PROMPTS, CACHED_PARAMS)
-            for ref, out in zip(cached_reference, outs):
-                assert out.token_ids == ref.token_ids
-                assert _close(out.logprobs, ref.logprobs)
-        caches = [e.prefix_cache for e in llm.engines]  # DP replicas each have their own
-        assert all(c is not None for c in caches) and sum(c.hits for c in caches) > 0
-        assert all(e.num_used_blocks == 0 for e in llm.engines) and sum(c.num_cached for c in caches) > 0
+    run = topology_runs.get(topo)
+    for outs in run.cached:
+        for ref, out in zip(cached_reference, outs, strict=True):
+            assert out.token_ids == ref.token_ids
+            assert _close(out.logprobs, ref.logprobs)
+    assert len(run.cached) == 2 and run.cache_on and run.cache_hits > 0  # DP replicas each have their own cache
+    assert run.cached_used_blocks == [0] * len(run.cached_used_blocks) and run.cached_blocks > 0
