@@ -133,7 +133,8 @@ def _decode(mtp_model: Path, k: int, prefill: LLMEngine, sources: dict[int, Cach
 @pytest.mark.parametrize("topology", [dict(pcp=2), dict(pcp=2, pp=2), dict(pcp=2, enable_expert_parallel=True)],
                          ids=["pcp2", "pp2-pcp2", "pcp2-ep2"])
 def test_a_prefill_on_rank_processes_hands_off_the_mtp_layers_draft_and_kv(
-        mtp_model: Path, reference: list[list[int]], pcp1: list[Prefilled], topology: dict[str, int]) -> None:
+        mtp_model: Path, reference: list[list[int]], pcp1: list[Prefilled], in_process_drafts: dict,
+        topology: dict[str, int]) -> None:
     with LLM(str(mtp_model), speculative_config=spec(2), cache_exporter=MooncakeExporter(),
              max_num_batched_tokens=CHUNK, kv_layout="sharded", **topology, **KW) as prefill:
         pe = prefill.engine
@@ -159,13 +160,17 @@ def test_a_prefill_on_rank_processes_hands_off_the_mtp_layers_draft_and_kv(
         for i in range(len(held)):
             assert pe.release(f"r{i}")
         assert pe.num_used_blocks == 0
-        # Requests that go on decoding on the ranks draft there too (test_requests_decoding_on_rank_processes_...).
+        # Requests that go on decoding on the ranks draft there too, over the held prompts' cached blocks.
+        steps = pe.spec_counts.steps
         assert [o.token_ids for o in prefill.generate(prompts(), GREEDY)] == reference
-        assert pe.spec_counts.steps > 0 and pe.num_used_blocks == 0
+        assert pe.spec_counts.steps > steps and pe.num_used_blocks == 0
+        # The same start serves test_requests_decoding_on_rank_processes_verify_drafts' checks at k = 2.
+        pe.prefix_cache.reset()
+        _decoding_on_ranks_verifies_drafts(prefill, 2, reference, in_process_drafts)
 
 
 def test_dp_replicas_with_expert_parallelism_across_them_hand_off_the_mtp_layers_draft_and_kv(
-        mtp_model: Path, reference: list[list[int]], pcp1: list[Prefilled]) -> None:
+        mtp_model: Path, reference: list[list[int]], pcp1: list[Prefilled], in_process_drafts: dict) -> None:
     """DP2 with EP across the replicas: the prompts split over the two replicas (one has more, so it steps alone
     at times while the other's ranks run the steps' and the MTP passes' collectives without rows), stepped as a
     prefill node steps them (every replica's step finished, then the drafts settled: asked for one replica at a
@@ -197,6 +202,11 @@ def test_dp_replicas_with_expert_parallelism_across_them_hand_off_the_mtp_layers
             assert e.release(f"r{i}")
         assert all(e.num_used_blocks == 0 for e in prefill.engines)
         assert [o.token_ids for o in prefill.generate(prompts(), GREEDY)] == reference
+        # The same start serves test_requests_decoding_on_rank_processes_verify_drafts' checks at k = 2.
+        for e in prefill.engines:
+            assert e.prefix_cache is not None
+            e.prefix_cache.reset()
+        _decoding_on_ranks_verifies_drafts(prefill, 2, reference, in_process_drafts)
 
 
 def _record_drafts(engines: list[LLMEngine]) -> dict[tuple[int, ...], list[list[int]]]:
@@ -238,14 +248,18 @@ def in_process_drafts(mtp_model: Path) -> dict[int, dict[tuple[int, ...], list[l
     return out
 
 
+# The hand-off tests' starts (k = 2: PCP2, PP2 x PCP2, PCP2 with EP2, DP2 with EP2) run these checks too.
 @pytest.mark.parametrize("k,topology", [
-    (1, dict(pcp=2, kv_layout="sharded")), (2, dict(pcp=2, kv_layout="sharded")),
-    (2, dict(pcp=2, pp=2, kv_layout="sharded")), (2, dict(pcp=2, enable_expert_parallel=True)),
-    (1, dict(dp=2, enable_expert_parallel=True)), (2, dict(dp=2, enable_expert_parallel=True)),
+    (1, dict(pcp=2, kv_layout="sharded")), (1, dict(dp=2, enable_expert_parallel=True)),
     (2, dict(dp=2, pcp=2, kv_layout="sharded", enable_expert_parallel=True)),
-], ids=["pcp2-k1", "pcp2-k2", "pp2-pcp2-k2", "pcp2-ep2-k2", "dp2-ep2-k1", "dp2-ep2-k2", "dp2-pcp2-ep4-k2"])
+], ids=["pcp2-k1", "dp2-ep2-k1", "dp2-pcp2-ep4-k2"])
 def test_requests_decoding_on_rank_processes_verify_drafts(
         mtp_model: Path, reference: list[list[int]], in_process_drafts: dict, k: int, topology: dict) -> None:
+    with LLM(str(mtp_model), speculative_config=spec(k), max_num_batched_tokens=CHUNK, **topology, **KW) as llm:
+        _decoding_on_ranks_verifies_drafts(llm, k, reference, in_process_drafts)
+
+
+def _decoding_on_ranks_verifies_drafts(llm: LLM, k: int, reference: list[list[int]], in_process_drafts: dict) -> None:
     """Requests that go on decoding on the ranks draft at every step (the MTP layer's pass over the step's rows,
     ``RunDraft``, picks the last accepted row; at k = 2 the ranks run it once more, a decode row a request over the
     layer's sharded cache) and verify the drafts in the next one, their rows a chunk of the request split over
@@ -254,27 +268,29 @@ def test_requests_decoding_on_rank_processes_verify_drafts(
     other's). Greedy outputs equal one engine's without drafts, token for token (the prompts: one hitting the
     prefix cache), the drafts equal those one engine in this process makes, and every block is freed. The random
     model's drafts are seldom right, so the requests decode again with drafts from the reference's continuation:
-    each verify step's rows after an accepted draft must come from the ranks right too."""
-    with LLM(str(mtp_model), speculative_config=spec(k), max_num_batched_tokens=CHUNK, **topology, **KW) as llm:
-        drafted = _record_drafts(llm.engines)
-        assert [o.token_ids for o in llm.generate(prompts(), GREEDY)] == reference
-        assert sum(e.spec_counts.steps for e in llm.engines) >= len(prompts()) * (TOKENS - 2) // (k + 1)
-        assert drafted == in_process_drafts[k]
-        assert any(len(d) == k for runs in drafted.values() for d in runs)
-        future = {tuple(p): out for p, out in zip(prompts(), reference)}
+    each verify step's rows after an accepted draft must come from the ranks right too.
 
-        def oracle(engine: LLMEngine) -> Callable[[object], None]:
-            def draft(step: object, ahead: bool = False) -> None:
-                for seq in engine.scheduler.running:
-                    if seq.num_remaining == 1:
-                        n = draft_budget(seq, k, engine.max_model_len)
-                        seq.drafts = future[tuple(seq.prompt_token_ids)][len(seq.output_token_ids):][:n]
-            return draft
+    ``llm``'s prefix cache must hold none of the prompts' blocks (a fresh one, or one ``reset``)."""
+    drafted = _record_drafts(llm.engines)
+    steps = sum(e.spec_counts.steps for e in llm.engines)
+    assert [o.token_ids for o in llm.generate(prompts(), GREEDY)] == reference
+    assert sum(e.spec_counts.steps for e in llm.engines) - steps >= len(prompts()) * (TOKENS - 2) // (k + 1)
+    assert drafted == in_process_drafts[k]
+    assert any(len(d) == k for runs in drafted.values() for d in runs)
+    future = {tuple(p): out for p, out in zip(prompts(), reference)}
 
-        for e in llm.engines:
-            e._draft = oracle(e)  # type: ignore[method-assign]
-        before = sum(e.spec_counts.accepted_tokens for e in llm.engines)
-        assert [o.token_ids for o in llm.generate(prompts(), GREEDY)] == reference
-        accepted = sum(e.spec_counts.accepted_tokens for e in llm.engines) - before
-        assert accepted >= len(prompts()) * (TOKENS - 4) * k // (k + 1)  # most tokens from a draft
-        assert all(e.num_used_blocks == 0 for e in llm.engines)
+    def oracle(engine: LLMEngine) -> Callable[[object], None]:
+        def draft(step: object, ahead: bool = False) -> None:
+            for seq in engine.scheduler.running:
+                if seq.num_remaining == 1:
+                    n = draft_budget(seq, k, engine.max_model_len)
+                    seq.drafts = future[tuple(seq.prompt_token_ids)][len(seq.output_token_ids):][:n]
+        return draft
+
+    for e in llm.engines:
+        e._draft = oracle(e)  # type: ignore[method-assign]
+    before = sum(e.spec_counts.accepted_tokens for e in llm.engines)
+    assert [o.token_ids for o in llm.generate(prompts(), GREEDY)] == reference
+    accepted = sum(e.spec_counts.accepted_tokens for e in llm.engines) - before
+    assert accepted >= len(prompts()) * (TOKENS - 4) * k // (k + 1)  # most tokens from a draft
+    assert all(e.num_used_blocks == 0 for e in llm.engines)
