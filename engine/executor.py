@@ -19,6 +19,7 @@ from engine.config import ModelConfig
 from engine.cuda_graphs import DecodeGraphs
 from engine.engine_config import EngineConfig
 from engine.kv_cache import BlockSpace, KVCache, bytes_per_block
+from engine.layers import Router
 from engine.mla import DECODE_KERNEL
 from engine.mla_decode import HAS_TRITON
 from engine.model import DeepseekForCausalLM
@@ -106,6 +107,9 @@ def load_model(
     else:
         load_weights(model, config.model)
     log.info("loaded %s in %.1fs", config.model, time.perf_counter() - t0)
+    routers = [m for m in model.modules() if isinstance(m, Router)]
+    if routers and sum(r.hold_bf16() for r in routers) == len(routers):
+        log.info("the %d routers' weights are bf16 values: held in bf16, logits from bf16 GEMMs in fp32", len(routers))
     if mc.quantization is not None and (held := dense_deep_gemm.hold_fp8_copies(model, mc.quantization.ue8m0,
                                                                                  step_rows(config))):
         log.info("%d dense linears hold an FP8 copy for prefill steps of %d+ rows (DeepGEMM)", held,

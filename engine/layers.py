@@ -64,10 +64,30 @@ class Router(nn.Module):
         assert cfg.n_routed_experts is not None
         self.cfg = cfg
         self.num_experts = cfg.n_routed_experts
-        # The router runs in fp32 whatever the model dtype (as the reference implementations do).
+        # The router runs in fp32 whatever the model dtype (as the reference implementations do): its logits are
+        # fp32 sums of the exact products of the input and the weight (see ``hold_bf16``).
         self.weight = nn.Parameter(torch.zeros(self.num_experts, cfg.hidden_size, dtype=torch.float32))
+        self.bf16 = False  # the weight held in bf16, exactly (``hold_bf16``)
         if cfg.topk_method == "noaux_tc":
             self.e_score_correction_bias = nn.Parameter(torch.zeros(self.num_experts, dtype=torch.float32))
+
+    def hold_bf16(self) -> bool:
+        """Where every weight is a bf16 value (checkpoints store the gate in bf16), hold it in bf16: a bf16
+        input's logits then come from one bf16 GEMM that accumulates in fp32 (``torch.mm``'s ``out_dtype``,
+        CUDA): the same exact products and fp32 sums as the fp32 GEMM, in another order, without the input's
+        cast and cuBLAS's fp32 SIMT kernel. Returns whether it did (not where bf16 would round a weight)."""
+        w16 = self.weight.detach().to(torch.bfloat16)
+        if self.weight.device.type != "cuda" or not torch.equal(w16.float(), self.weight.detach()):
+            return False
+        self.weight.data = w16
+        self.bf16 = True
+        return True
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [T, D] -> fp32 [T, E]."""
+        if self.bf16 and x.dtype == torch.bfloat16:
+            return torch.mm(x, self.weight.t(), out_dtype=torch.float32)
+        return F.linear(x.float(), self.weight.float())
 
     def _group_mask(self, choice: torch.Tensor, group_score: torch.Tensor) -> torch.Tensor:
         cfg = self.cfg
@@ -79,7 +99,7 @@ class Router(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [T, D] -> (weights [T, K] fp32, expert ids [T, K])."""
         cfg = self.cfg
-        logits = F.linear(x.float(), self.weight.float())  # [T, E]
+        logits = self.logits(x)  # [T, E]
         if expert_choice.usable(logits, cfg.topk_method):  # on CUDA: the rest in one kernel
             bias = self.e_score_correction_bias if cfg.topk_method == "noaux_tc" else None
             return expert_choice.choose(logits, cfg.num_experts_per_tok, sigmoid=cfg.scoring_func == "sigmoid",

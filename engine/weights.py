@@ -305,6 +305,8 @@ def init_random_weights(model: DeepseekForCausalLM, seed: int = 0) -> None:
             p.zero_()
         elif name.endswith(SCALE_SUFFIX):
             continue  # filled with its weight
+        elif name.endswith("mlp.gate.weight"):  # bf16 values, as checkpoints store the router
+            p.copy_(p.normal_(0.0, p.shape[-1] ** -0.5, generator=g).to(torch.bfloat16))
         elif p.dtype == FP8_DTYPE:
             assert fp8 is not None
             for m, scale in _fp8_matrices(p, params[name + SCALE_SUFFIX], name):
