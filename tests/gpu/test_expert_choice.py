@@ -8,6 +8,8 @@ CPU.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -117,8 +119,7 @@ def test_a_router_held_in_bf16_gives_the_fp32_logits(tokens: int) -> None:
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     case = CASES[2]
-    cfg = _config(case)
-    cfg.hidden_size = 7168
+    cfg = dataclasses.replace(_config(case), hidden_size=7168)
     router = Router(cfg).cuda()
     g = torch.Generator(device="cuda").manual_seed(tokens)
     router.weight.data = torch.randn(256, 7168, device="cuda", generator=g).bfloat16().float() * 7168**-0.5
