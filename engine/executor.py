@@ -107,9 +107,8 @@ def load_model(
     else:
         load_weights(model, config.model)
     log.info("loaded %s in %.1fs", config.model, time.perf_counter() - t0)
-    routers = [m for m in model.modules() if isinstance(m, Router)]
-    if routers and sum(r.hold_bf16() for r in routers) == len(routers):
-        log.info("the %d routers' weights are bf16 values: held in bf16, logits from bf16 GEMMs in fp32", len(routers))
+    if dtype == torch.bfloat16 and (routers := sum(m.hold_bf16() for m in model.modules() if isinstance(m, Router))):
+        log.info("%d routers' weights are bf16 values: held in bf16, their logits from bf16 GEMMs in fp32", routers)
     if mc.quantization is not None and (held := dense_deep_gemm.hold_fp8_copies(model, mc.quantization.ue8m0,
                                                                                  step_rows(config))):
         log.info("%d dense linears hold an FP8 copy for prefill steps of %d+ rows (DeepGEMM)", held,
