@@ -114,8 +114,19 @@ def same(got: tuple[list[int], list[float]], want: tuple[list[int], list[float]]
     assert all(math.isclose(a, b, abs_tol=1e-4) for a, b in zip(got[1], want[1]))
 
 
+@pytest.fixture(scope="module")
+def full_expert_params(tiny_model: Path) -> list[int]:
+    """The routed experts' parameters each replica process of an EP-off worker holds (one start for the module)."""
+    off = ep_worker(tiny_model, ep=False)
+    try:
+        return off.expert_params
+    finally:
+        off.shutdown()
+
+
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlapped", "steps"])
-def test_ep_decode_replicas_equal_ep_off(tiny_model: Path, prefill: Prefill, want, overlap: bool) -> None:
+def test_ep_decode_replicas_equal_ep_off(tiny_model: Path, prefill: Prefill, want, full_expert_params: list[int],
+                                         overlap: bool) -> None:
     worker = ep_worker(tiny_model, overlap=overlap)
     try:
         async def scenarios() -> None:
@@ -154,12 +165,7 @@ def test_ep_decode_replicas_equal_ep_off(tiny_model: Path, prefill: Prefill, wan
         wait_until(lambda: all(r.used_blocks == 0 and r.running == 0 for r in worker.load()), 10,
                    "every replica's blocks to be free")
         # Each replica holds half the routed experts, as its loaded modules say.
-        off = ep_worker(tiny_model, ep=False)
-        try:
-            full = off.expert_params
-        finally:
-            off.shutdown()
-        assert full[0] > 0 and worker.expert_params == [full[0] // 2] * 2
+        assert full_expert_params[0] > 0 and worker.expert_params == [full_expert_params[0] // 2] * 2
     finally:
         worker.shutdown()
         prefill.release_all()
