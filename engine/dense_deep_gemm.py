@@ -28,7 +28,8 @@ memory the KV cache would otherwise get: half the bf16 weights of those linears 
 (tests/gpu/test_dense_deep_gemm.py) and are 1.1-1.4x bf16 on V2-Lite's shapes and 1.4-1.7x on V3's at 4k-16k rows;
 with each input's quantization a V3-shaped prefill (4 layers, 4k and 16k tokens) is 1.2x faster and a 16k V2-Lite
 one under 1% (docs/benchmarks.md, thirteenth and fourteenth sessions). A DeepGEMM failure (its compile, a check of
-its inputs) is logged once and the linears go back to bf16.
+its inputs) is logged once and the linears go back to bf16; at the warm-up before serving, their copies are released
+too (``release_copies``).
 """
 
 from __future__ import annotations
@@ -130,6 +131,22 @@ def warm_up(model: nn.Module, max_rows: int) -> int:
         x = torch.zeros(max_rows, k, dtype=torch.bfloat16, device=device)
         for r in rows:
             m(x[:r])
-    torch.cuda.synchronize(device)
-    torch.cuda.empty_cache()  # its buffers back to the device: the KV cache is allocated next
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    if _state["failed"]:  # no step will take a copy: their memory goes to the KV cache, allocated next
+        log.warning("released the FP8 copies of %d dense linears", release_copies(model))
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # the warm-up's buffers (and any released copies) back to the device
     return 0 if _state["failed"] else len(shapes) * len(rows)
+
+
+def release_copies(model: nn.Module) -> int:
+    """Swap each ``PrefillFp8Linear`` of ``model`` back for a plain ``nn.Linear`` on the same bf16 weight, dropping
+    its FP8 copy (after DeepGEMM failed at warm-up: no step would use it). Returns how many were swapped."""
+    swaps = [(name, mod) for name, mod in model.named_modules() if isinstance(mod, PrefillFp8Linear)]
+    for name, mod in swaps:
+        plain = nn.Linear(mod.in_features, mod.out_features, bias=False, device="meta")
+        plain.weight = mod.weight
+        parent, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent), attr, plain)
+    return len(swaps)

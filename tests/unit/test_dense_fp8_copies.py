@@ -87,6 +87,36 @@ def test_a_deep_gemm_failure_goes_back_to_bf16(product: list[int], monkeypatch: 
     assert torch.equal(o(x), F.linear(x, o.weight))
 
 
+def test_a_failed_warm_up_releases_the_copies(product: list[int], monkeypatch: pytest.MonkeyPatch) -> None:
+    """DeepGEMM failing at warm-up (its compile): the linears are plain bf16 ones again on the same weights, and no
+    FP8 copy keeps memory the KV cache would get."""
+    monkeypatch.setattr(dense_deep_gemm, "MIN_ROWS", 4)
+    model = _model()
+    weights = {n: p.data_ptr() for n, p in model.named_parameters()}
+    assert dense_deep_gemm.hold_fp8_copies(model, max_rows=8) == 3
+
+    def fail(x: torch.Tensor, w8: torch.Tensor, ws: torch.Tensor) -> None:
+        dense_deep_gemm._state["failed"] = True
+        return None
+
+    monkeypatch.setattr(dense_deep_gemm, "linear", fail)
+    assert dense_deep_gemm.warm_up(model, 8) == 0
+    assert not any(isinstance(m, dense_deep_gemm.PrefillFp8Linear) for m in model.modules())
+    assert not any(hasattr(m, "w8") for m in model.modules())
+    assert {n: p.data_ptr() for n, p in model.named_parameters()} == weights
+    o = model.get_submodule("model.layers.0.self_attn.o_proj")
+    x = torch.randn(8, 256).to(torch.bfloat16)
+    assert type(o) is nn.Linear and torch.equal(o(x), F.linear(x, o.weight))
+
+
+def test_a_warm_up_that_works_keeps_the_copies(product: list[int], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(dense_deep_gemm, "MIN_ROWS", 4)
+    model = _model()
+    dense_deep_gemm.hold_fp8_copies(model, max_rows=8)
+    assert dense_deep_gemm.warm_up(model, 8) == 3 * 2  # three shapes at 4 and 8 rows
+    assert sum(isinstance(m, dense_deep_gemm.PrefillFp8Linear) for m in model.modules()) == 3
+
+
 def test_without_deep_gemm_nothing_changes() -> None:
     model = _model()
     assert dense_deep_gemm.hold_fp8_copies(model) == 0  # CPU: not usable
