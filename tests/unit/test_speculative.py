@@ -398,13 +398,9 @@ def test_pdctl_route_says_what_speculative_decoding_does_on_a_route() -> None:
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def trained(trained_mtp) -> Path:  # tests/unit/conftest.py's Trained
     """A tiny model whose MTP layer learned the corpus (some drafts hold, some do not)."""
-    from pdctl.train_tiny import train_tiny_model
-
-    model = make_tiny_model(tmp_path_factory.mktemp("trained") / "tiny", arch="v3", moe=False, seed=4, mtp_layers=1)
-    train_tiny_model(model, steps=60, seed=4)
-    return model
+    return trained_mtp.model
 
 
 @pytest.mark.parametrize("penalties", [{}, dict(presence_penalty=1.5, frequency_penalty=0.5, repetition_penalty=1.5)],

@@ -4,21 +4,17 @@ was written (the checkpoint layout, the MTP layer's copies of the embedding and 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
 
 from engine import LLM, SamplingParams
-from pdctl.tiny_model import make_tiny_model
-from pdctl.train_tiny import corpus_ids, train_tiny_model
+from pdctl.train_tiny import corpus_ids
 
 
-def test_training_lowers_both_losses_and_the_engine_serves_the_result(tmp_path: Path) -> None:
-    model = make_tiny_model(tmp_path / "tiny", arch="v3", moe=False, seed=2, mtp_layers=1)
-    before = load_file(str(model / "model.safetensors"))
-    first = train_tiny_model(model, steps=1, seed=2)
-    report = train_tiny_model(model, steps=40, seed=2)
+def test_training_lowers_both_losses_and_the_engine_serves_the_result(trained_mtp) -> None:
+    # tests/unit/conftest.py: the model, its weights before training, one step's report, then 60 steps'
+    model, before, first, report = trained_mtp.model, trained_mtp.before, trained_mtp.first, trained_mtp.report
     assert report.loss < first.loss - 2 and report.mtp_loss is not None and report.mtp_loss < first.mtp_loss - 2
     after = load_file(str(model / "model.safetensors"))
     assert after.keys() == before.keys()  # the same tensors, in the checkpoint's names
