@@ -1,6 +1,6 @@
 """Integration tests run real processes: none may outlive its test. Also the proxy against fake nodes
 (``fake_cluster``, ``c``) for the ``test_proxy_fake_*`` modules, and each topology's rank processes started
-once for the modules that check them (``topology_runs``)."""
+once for the modules that check them (``topology_runs``, ``pcp2_pp2_handoffs``)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from fake_cluster import Cluster, reset
 from fake_cluster import fake_cluster as start_fake_cluster
+from pcp2_pp2_handoff import Handoffs
 from procs import rank_children
 from topology_runs import TopologyRuns
 
@@ -52,3 +53,9 @@ def c(fake_cluster: Cluster) -> Iterator[Cluster]:
 def topology_runs(tiny_model: Path) -> TopologyRuns:
     """Each topology's EP-off run (``topology_runs.py``), started the first time a test asks for it."""
     return TopologyRuns(tiny_model)
+
+
+@pytest.fixture(scope="session")
+def pcp2_pp2_handoffs(tiny_model: Path) -> Handoffs:
+    """Each KV layout's PCP2 x PP2 prefill and transfer (``pcp2_pp2_handoff.py``), run the first time asked for."""
+    return Handoffs(tiny_model)

@@ -12,7 +12,8 @@ import time
 
 import pytest
 import torch
-from engine_helpers import add_prefilled, fill_from, prefill_held, read_kv
+from engine_helpers import add_prefilled, fill_from, prefill_held
+from pcp2_pp2_handoff import GREEDY, PROMPT, Handoffs
 
 from engine import LLM, SamplingParams
 from engine.sequence import Sequence
@@ -22,7 +23,6 @@ from kv_transfer.transport import TransferError, register_cache
 from kv_transfer.transports.mooncake import MooncakeExporter, MooncakeTransport
 
 KW = dict(dtype="float32", device="cpu", max_model_len=1024)
-PROMPT = [(i * 7 + 3) % 1000 + 2 for i in range(607)]
 
 
 def _prefill_held(prefill: LLM) -> tuple[Sequence, RequestKV]:
@@ -38,33 +38,21 @@ def _receiver(decode: LLM, timeout_s: float) -> KVReceiver:
 
 
 @pytest.mark.parametrize("layout", ["sharded", "replicated"])
-def test_pcp2_pp2_prefill_then_remote_decode_matches_colocated(tiny_model, layout) -> None:
-    greedy = SamplingParams(max_tokens=8, temperature=0.0)
+def test_pcp2_pp2_prefill_then_remote_decode_matches_colocated(tiny_model, pcp2_pp2_handoffs: Handoffs,
+                                                               layout) -> None:
+    """``pcp2_pp2_handoff.handoff``: prefilled on the ranks, pulled into a decode engine, decoded there."""
     with LLM(str(tiny_model), **KW) as colocated:
-        want = colocated.generate([PROMPT], greedy)[0].token_ids
-    with (
-        LLM(str(tiny_model), **KW, pcp=2, pp=2, kv_layout=layout, cache_exporter=MooncakeExporter(),
-            max_num_batched_tokens=128) as prefill,
-        LLM(str(tiny_model), **KW) as decode,
-    ):
-        pe, de = prefill.engine, decode.engine
-        seq, request = _prefill_held(prefill)
-        receiver = _receiver(decode, timeout_s=30)
-        fill = fill_from(receiver, "r", request, prefill.cache_exports)
-        dseq = add_prefilled(de, PROMPT, seq.output_token_ids[0], greedy, fill, request_id="r")
-        record = receiver.stats.recent[-1]
-        assert record.ok
-        assert record.sources == 4  # every (pcp, pp) rank sends: shards fan in, replicas share the bytes
-        sent, got = read_kv(pe, "r"), read_kv(de, "r")
-        assert sorted(sent) == sorted(got) == [0, 1, 2]
-        for layer in sent:
-            assert torch.equal(sent[layer], got[layer]), f"layer {layer} differs after the transfer"
-        assert pe.release("r")  # the decode side confirmed: the prefill side frees
-        while de.has_unfinished():
-            de.step()
-        assert dseq.output_token_ids == want
-        assert pe.num_used_blocks == 0 and de.num_used_blocks == 0
-        receiver.transport.close()
+        want = colocated.generate([PROMPT], GREEDY)[0].token_ids
+    run = pcp2_pp2_handoffs.get(layout)
+    assert run["record"].ok
+    assert run["record"].sources == 4  # every (pcp, pp) rank sends: shards fan in, replicas share the bytes
+    sent, got = run["sent"], run["got"]
+    assert sorted(sent) == sorted(got) == [0, 1, 2]
+    for layer in sent:
+        assert torch.equal(sent[layer], got[layer]), f"layer {layer} differs after the transfer"
+    assert run["released"]
+    assert run["output"] == want
+    assert run["used_at_end"] == (0, 0)
 
 
 def test_a_killed_prefill_rank_fails_the_pull_and_leaves_no_blocks(tiny_model) -> None:

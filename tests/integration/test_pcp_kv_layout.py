@@ -1,7 +1,8 @@
 """Where the KV ends up under PCP × PP: sharded blocks reassemble to PCP1's KV, replicas are identical.
 
 A 607-token prompt is prefilled in 128-token chunks (so later chunks read their context back from the
-cache: gathered from the holders when sharded) and its blocks are held (``hold_kv``) for reading.
+cache: gathered from the holders when sharded) and its blocks are held (``hold_kv``) for reading. The PCP2 x PP2
+prefills are ``pcp2_pp2_handoff.py``'s, shared with ``test_disaggregated_transfer.py``.
 """
 
 from __future__ import annotations
@@ -10,49 +11,33 @@ import math
 
 import pytest
 import torch
-from engine_helpers import read_kv, used_blocks_per_rank
+from engine_helpers import prefill_held
+from pcp2_pp2_handoff import PROMPT, Handoffs, held_kv
 
-from engine import LLM, SamplingParams
+from engine import LLM
 
 KW = dict(dtype="float32", device="cpu", max_model_len=1024, max_num_batched_tokens=128)
-PROMPT = [(i * 7 + 3) % 1000 + 2 for i in range(607)]
-
-
-def _prefill_held(llm: LLM) -> dict:
-    eng = llm.engine
-    eng.add_request(PROMPT, SamplingParams(max_tokens=1, temperature=0.0), request_id="r", hold_kv=True)
-    while eng.has_unfinished():
-        eng.step()
-    pcp = eng.config.pcp
-    out = {
-        "kv": read_kv(eng, "r"),
-        "per_rank": [read_kv(eng, "r", pcp=p) for p in range(pcp)],
-        "used": eng.num_used_blocks,
-        "used_per_rank": used_blocks_per_rank(eng),
-        "ownership": eng.kv_ownership("r"),
-        "blocks": len(eng.held["r"].block_ids),
-    }
-    assert eng.release("r")
-    out["used_after_release"] = eng.num_used_blocks
-    return out
 
 
 @pytest.fixture(scope="module")
 def pcp1(tiny_model):
     with LLM(str(tiny_model), **KW) as llm:
-        return _prefill_held(llm)
+        eng = llm.engine
+        prefill_held(eng, PROMPT)
+        out = held_kv(eng)
+        assert eng.release("r")
+        out["used_after_release"] = eng.num_used_blocks
+        return out
 
 
 @pytest.fixture(scope="module")
-def sharded(tiny_model):
-    with LLM(str(tiny_model), **KW, pcp=2, pp=2, kv_layout="sharded") as llm:
-        return _prefill_held(llm)
+def sharded(pcp2_pp2_handoffs: Handoffs):
+    return pcp2_pp2_handoffs.get("sharded")
 
 
 @pytest.fixture(scope="module")
-def replicated(tiny_model):
-    with LLM(str(tiny_model), **KW, pcp=2, pp=2, kv_layout="replicated") as llm:
-        return _prefill_held(llm)
+def replicated(pcp2_pp2_handoffs: Handoffs):
+    return pcp2_pp2_handoffs.get("replicated")
 
 
 def test_pcp1_reference_holds_the_whole_prompt(pcp1) -> None:
