@@ -68,6 +68,13 @@ class SharedHead(nn.Module):
         self.head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
 
+def uninitialised_embedding(num: int, dim: int) -> nn.Embedding:
+    """``nn.Embedding`` without its random init: the model is built on the meta device and its weights loaded after
+    (``weights.build_empty_model``), and the init's ``normal_`` on a meta tensor imports ``torch._dynamo``,
+    ~1.5 s of every engine and rank process's start."""
+    return nn.Embedding(num, dim, _weight=torch.empty(num, dim))
+
+
 class MTPLayer(DecoderLayer):
     """One multi-token prediction layer (module docstring): a decoder layer and what feeds and reads it."""
 
@@ -75,7 +82,7 @@ class MTPLayer(DecoderLayer):
                  experts: ExpertShard | None = None) -> None:
         super().__init__(cfg, layer_idx, kv_format, experts)
         d = cfg.hidden_size
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, d)
+        self.embed_tokens = uninitialised_embedding(cfg.vocab_size, d)
         self.enorm = RMSNorm(d, cfg.rms_norm_eps)
         self.hnorm = RMSNorm(d, cfg.rms_norm_eps)
         self.eh_proj = nn.Linear(2 * d, d, bias=False)
@@ -108,7 +115,7 @@ class DeepseekModel(nn.Module):
         self.layer_range = layer_range
         self.is_first = layer_range.start == 0
         self.is_last = layer_range.stop == cfg.num_hidden_layers
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size) if self.is_first else None
+        self.embed_tokens = uninitialised_embedding(cfg.vocab_size, cfg.hidden_size) if self.is_first else None
         # A ModuleDict keyed by the global layer index keeps checkpoint names for any stage.
         self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, i, kv_format, experts) for i in layer_range})
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if self.is_last else None
