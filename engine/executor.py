@@ -30,7 +30,7 @@ from engine.parallel.grid import ParallelConfig
 from engine.parallel.kv_layout import RankBlocks, kv_ownership
 from engine.scheduler import Scheduled
 from engine.speculative import DraftsInFlight
-from engine.weights import build_empty_model, init_random_weights, load_weights
+from engine.weights import build_empty_model, init_random_weights, load_weights, share_mtp_tables
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +107,10 @@ def load_model(
     else:
         load_weights(model, config.model)
     log.info("loaded %s in %.1fs", config.model, time.perf_counter() - t0)
+    if shared := share_mtp_tables(model):
+        log.info("the MTP layer's embedding and head hold the model's own: %d tables held once", shared)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()  # the copies' memory back to the device: the KV cache is sized next
     if dtype == torch.bfloat16 and (routers := sum(m.hold_bf16() for m in model.modules() if isinstance(m, Router))):
         log.info("%d routers' weights are bf16 values: held in bf16, their logits from bf16 GEMMs in fp32", routers)
     if mc.quantization is not None and (held := dense_deep_gemm.hold_fp8_copies(model, mc.quantization.ue8m0,

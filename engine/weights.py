@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
+from torch import nn
 
 from engine.config import ModelConfig
 from engine.fp8 import (
@@ -36,7 +37,7 @@ from engine.fp8 import (
 from engine.fp8_compute import runs_fp8, use_fp8_compute
 from engine.kv_format import KVFormat
 from engine.layers import MoE
-from engine.model import DeepseekForCausalLM
+from engine.model import DeepseekForCausalLM, MTPLayer
 from engine.parallel.expert_parallel import ExpertShard
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.*)$")
@@ -290,6 +291,40 @@ def _check_complete(
         raise ValueError(f"checkpoint is missing {len(missing)} weights: {missing[:8]}{more}")
 
 
+_Table = nn.Embedding | nn.Linear
+
+
+def _mtp_copies(model: DeepseekForCausalLM) -> list[tuple[_Table, _Table]]:
+    """(an MTP layer's embedding or shared head, the model's own table it copies): DeepSeek's checkpoints store
+    both again under ``model.layers.{N}`` (``embed_tokens``, ``shared_head.head``). Only where this rank holds
+    the model's table too (the embedding: the first stage; the head: the last)."""
+    if model.mtp is None:
+        return []
+    pairs: list[tuple[_Table, _Table]] = []
+    for layer in model.mtp.values():
+        assert isinstance(layer, MTPLayer)
+        if model.model.embed_tokens is not None:
+            pairs.append((layer.embed_tokens, model.model.embed_tokens))
+        if model.lm_head is not None:
+            pairs.append((layer.shared_head.head, model.lm_head))
+    return pairs
+
+
+def share_mtp_tables(model: DeepseekForCausalLM) -> int:
+    """Each MTP table (``_mtp_copies``) that holds exactly the model's own becomes the model's tensor, as vLLM
+    shares them: held once, the copy's memory goes to the KV cache (DeepSeek-V3's two 129,280 x 7,168 tables are
+    3.7 GB in bf16 on each rank with the MTP layer). A checkpoint whose MTP tables differ keeps them. Returns
+    how many were shared."""
+    shared = 0
+    for mod, own in _mtp_copies(model):
+        mine, theirs = mod.weight, own.weight
+        if mine is not theirs and mine.shape == theirs.shape and mine.dtype == theirs.dtype \
+                and torch.equal(mine, theirs):
+            mod.weight = theirs
+            shared += 1
+    return shared
+
+
 def init_random_weights(model: DeepseekForCausalLM, seed: int = 0) -> None:
     """Dummy weights (vLLM's ``load_format="dummy"``): for benchmarks of real-size shapes without files. With
     an FP8 config every weight DeepSeek quantizes goes through our block quantizer: held in FP8 (with its
@@ -320,6 +355,8 @@ def init_random_weights(model: DeepseekForCausalLM, seed: int = 0) -> None:
             p.normal_(0.0, fan_in**-0.5, generator=g)
             if fp8 is not None:
                 _round_to_fp8(p, name, fp8)
+    for mod, own in _mtp_copies(model):  # copies of the model's tables, as checkpoints store them
+        mod.weight.copy_(own.weight)
 
 
 def _fp8_matrices(p: torch.Tensor, scale: torch.Tensor, name: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
