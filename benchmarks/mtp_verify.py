@@ -145,17 +145,18 @@ def main() -> None:
         model = make_tiny_model(tmp / "tiny", arch="v3", seed=0, mtp_layers=1)
     rows = []
     for batch in a.batch:
-        run = functools.partial(step_time, model, a.device, batch, a.prompt_len, a.steps, dummy=dummy,
-                                max_num_seqs=a.max_num_seqs, kv_cache_dtype=a.kv_cache_dtype)
+        def timed(n: int) -> functools.partial[float]:  # steps of n requests on this model and settings
+            return functools.partial(step_time, model, a.device, n, a.prompt_len, a.steps, dummy=dummy,
+                                     max_num_seqs=a.max_num_seqs, kv_cache_dtype=a.kv_cache_dtype)
+
+        run = timed(batch)
         base = run(0, eager=False)
         eager = run(0, eager=True) if a.eager else 0.0
         for k in a.k:
             spec = run(k, eager=False, profile=a.profile)
             passes = run(k, eager=False, pass_graphs=False) if a.eager_passes else 0.0
             spec_eager = run(k, eager=True) if a.eager else 0.0
-            wide = functools.partial(step_time, model, a.device, batch * (k + 1), a.prompt_len, a.steps,
-                                     dummy=dummy, max_num_seqs=a.max_num_seqs,
-                                     kv_cache_dtype=a.kv_cache_dtype)(0, eager=False) if a.ceiling else 0.0
+            wide = timed(batch * (k + 1))(0, eager=False) if a.ceiling else 0.0
             row = {"batch": batch, "k": k, "decode_step_ms": round(base * 1e3, 3),
                    "eager_decode_step_ms": round(eager * 1e3, 3) or None, "spec_step_ms": round(spec * 1e3, 3),
                    "eager_spec_step_ms": round(spec_eager * 1e3, 3) or None,
