@@ -95,10 +95,14 @@ def hold_fp8_copies(model: nn.Module, ue8m0: bool = False, max_rows: int = MIN_R
         return 0
     swaps = [(name, mod) for name, mod in model.named_modules() if _eligible(name, mod)]
     for name, mod in swaps:
-        parent, _, attr = name.rpartition(".")
         w8, w_scale = quantize_blocks(mod.weight.detach(), BLOCK, ue8m0)
-        setattr(model.get_submodule(parent), attr, PrefillFp8Linear(mod, w8, w_scale))
+        _replace(model, name, PrefillFp8Linear(mod, w8, w_scale))
     return len(swaps)
+
+
+def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
+    parent, _, attr = name.rpartition(".")
+    setattr(model.get_submodule(parent), attr, new)
 
 
 def linear(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor | None:
@@ -147,6 +151,5 @@ def release_copies(model: nn.Module) -> int:
     for name, mod in swaps:
         plain = nn.Linear(mod.in_features, mod.out_features, bias=False, device="meta")
         plain.weight = mod.weight
-        parent, _, attr = name.rpartition(".")
-        setattr(model.get_submodule(parent), attr, plain)
+        _replace(model, name, plain)
     return len(swaps)
