@@ -333,7 +333,10 @@ def init_random_weights(model: DeepseekForCausalLM, seed: int = 0) -> None:
     g = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
     fp8 = model.cfg.quantization
     params = dict(model.named_parameters())
+    copies = {id(mod.weight) for mod, _ in _mtp_copies(model)}  # copied from the model's tables below
     for name, p in params.items():
+        if id(p) in copies:
+            continue
         if name.endswith("layernorm.weight") or name.endswith("norm.weight"):
             p.fill_(1.0)
         elif name.endswith("e_score_correction_bias"):
