@@ -4,16 +4,18 @@ once for the modules that check them (``topology_runs``, ``pcp2_pp2_handoffs``).
 
 from __future__ import annotations
 
+import functools
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from fake_cluster import Cluster, reset
 from fake_cluster import fake_cluster as start_fake_cluster
-from pcp2_pp2_handoff import Handoffs
+from pcp2_pp2_handoff import handoff
 from procs import rank_children
-from topology_runs import TopologyRuns
+from topology_runs import Run, run_topology
 
 
 @pytest.fixture(autouse=True)
@@ -50,12 +52,12 @@ def c(fake_cluster: Cluster) -> Iterator[Cluster]:
 
 
 @pytest.fixture(scope="session")
-def topology_runs(tiny_model: Path) -> TopologyRuns:
+def topology_runs(tiny_model: Path) -> Callable[[str], Run]:
     """Each topology's EP-off run (``topology_runs.py``), started the first time a test asks for it."""
-    return TopologyRuns(tiny_model)
+    return functools.cache(functools.partial(run_topology, tiny_model))
 
 
 @pytest.fixture(scope="session")
-def pcp2_pp2_handoffs(tiny_model: Path) -> Handoffs:
+def pcp2_pp2_handoffs(tiny_model: Path) -> Callable[[str], dict[str, Any]]:
     """Each KV layout's PCP2 x PP2 prefill and transfer (``pcp2_pp2_handoff.py``), run the first time asked for."""
-    return Handoffs(tiny_model)
+    return functools.cache(functools.partial(handoff, tiny_model))

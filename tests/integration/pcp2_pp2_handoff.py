@@ -64,15 +64,3 @@ def handoff(model: Path, layout: str) -> dict[str, Any]:
             transport.close()
     return out
 
-
-class Handoffs:
-    """Each layout's ``handoff``, made the first time a test asks for it."""
-
-    def __init__(self, model: Path) -> None:
-        self.model = model
-        self._runs: dict[str, dict[str, Any]] = {}
-
-    def get(self, layout: str) -> dict[str, Any]:
-        if layout not in self._runs:
-            self._runs[layout] = handoff(self.model, layout)
-        return self._runs[layout]

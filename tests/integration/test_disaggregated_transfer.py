@@ -9,11 +9,13 @@ from __future__ import annotations
 import os
 import signal
 import time
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
 from engine_helpers import add_prefilled, fill_from, prefill_held
-from pcp2_pp2_handoff import GREEDY, PROMPT, Handoffs
+from pcp2_pp2_handoff import GREEDY, PROMPT
 
 from engine import LLM, SamplingParams
 from engine.sequence import Sequence
@@ -38,12 +40,12 @@ def _receiver(decode: LLM, timeout_s: float) -> KVReceiver:
 
 
 @pytest.mark.parametrize("layout", ["sharded", "replicated"])
-def test_pcp2_pp2_prefill_then_remote_decode_matches_colocated(tiny_model, pcp2_pp2_handoffs: Handoffs,
-                                                               layout) -> None:
+def test_pcp2_pp2_prefill_then_remote_decode_matches_colocated(
+        tiny_model, pcp2_pp2_handoffs: Callable[[str], dict[str, Any]], layout) -> None:
     """``pcp2_pp2_handoff.handoff``: prefilled on the ranks, pulled into a decode engine, decoded there."""
     with LLM(str(tiny_model), **KW) as colocated:
         want = colocated.generate([PROMPT], GREEDY)[0].token_ids
-    run = pcp2_pp2_handoffs.get(layout)
+    run = pcp2_pp2_handoffs(layout)
     assert run["record"].ok
     assert run["record"].sources == 4  # every (pcp, pp) rank sends: shards fan in, replicas share the bytes
     sent, got = run["sent"], run["got"]

@@ -9,10 +9,11 @@ replica in the middle of the other's; experts that do not divide are refused wit
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from topology_runs import EP_PARAMS, EP_PROMPTS, EP_SHARED, TOPOLOGIES, TopologyRuns, run_topology
+from topology_runs import EP_PARAMS, EP_PROMPTS, EP_SHARED, TOPOLOGIES, Run, run_topology
 
 from engine import LLM, SamplingParams
 
@@ -25,10 +26,10 @@ def ep_size(topo: dict) -> int:
 
 
 @pytest.mark.parametrize("topo", EP_TOPOLOGIES)
-def test_expert_parallel_equals_ep_off(tiny_model: Path, topology_runs: TopologyRuns, topo: str) -> None:
+def test_expert_parallel_equals_ep_off(tiny_model: Path, topology_runs: Callable[[str], Run], topo: str) -> None:
     """Both starts run ``topology_runs.py``'s three parts (EP off's shared with test_pcp_topologies.py): EP's
     prompts and DP sections above, after the PCP modules' prompts (prompt logprobs, prefix-cache hits)."""
-    off = topology_runs.get(topo)
+    off = topology_runs(topo)
     on = run_topology(tiny_model, topo, enable_expert_parallel=True)
     for (w_ids, w_lp), (g_ids, g_lp) in zip(off.ep, on.ep, strict=True):
         assert g_ids == w_ids and len(g_ids) == EP_PARAMS.max_tokens

@@ -8,11 +8,13 @@ prefills are ``pcp2_pp2_handoff.py``'s, shared with ``test_disaggregated_transfe
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
 from engine_helpers import prefill_held
-from pcp2_pp2_handoff import PROMPT, Handoffs, held_kv
+from pcp2_pp2_handoff import PROMPT, held_kv
 
 from engine import LLM
 
@@ -31,13 +33,13 @@ def pcp1(tiny_model):
 
 
 @pytest.fixture(scope="module")
-def sharded(pcp2_pp2_handoffs: Handoffs):
-    return pcp2_pp2_handoffs.get("sharded")
+def sharded(pcp2_pp2_handoffs: Callable[[str], dict[str, Any]]):
+    return pcp2_pp2_handoffs("sharded")
 
 
 @pytest.fixture(scope="module")
-def replicated(pcp2_pp2_handoffs: Handoffs):
-    return pcp2_pp2_handoffs.get("replicated")
+def replicated(pcp2_pp2_handoffs: Callable[[str], dict[str, Any]]):
+    return pcp2_pp2_handoffs("replicated")
 
 
 def test_pcp1_reference_holds_the_whole_prompt(pcp1) -> None:

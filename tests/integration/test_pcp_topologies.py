@@ -10,9 +10,10 @@ in the chunked start, prompts sharing 200 tokens twice (prefix caching). The chu
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import pytest
-from topology_runs import CACHED_PARAMS, CACHED_PROMPTS, PARAMS, PROMPTS, TopologyRuns
+from topology_runs import CACHED_PARAMS, CACHED_PROMPTS, PARAMS, PROMPTS, Run
 
 from engine import LLM
 
@@ -60,8 +61,8 @@ def test_topology_matches_pcp1_in_one_step(tiny_model, reference, topo) -> None:
 
 
 @pytest.mark.parametrize("topo", CHUNKED_TOPOLOGIES)
-def test_topology_matches_pcp1_chunked(topology_runs: TopologyRuns, reference, topo) -> None:
-    run = topology_runs.get(topo)
+def test_topology_matches_pcp1_chunked(topology_runs: Callable[[str], Run], reference, topo) -> None:
+    run = topology_runs(topo)
     assert run.used_blocks == [0] * len(run.used_blocks)
     assert all(run.local_counts)  # DP: both replicas ran steps (one prompt each)
     _matches(run.outputs, reference)
@@ -74,9 +75,10 @@ def cached_reference(tiny_model):
 
 
 @pytest.mark.parametrize("topo", CHUNKED_TOPOLOGIES)
-def test_prefix_caching_on_rank_processes_matches_pcp1(topology_runs: TopologyRuns, cached_reference, topo) -> None:
+def test_prefix_caching_on_rank_processes_matches_pcp1(topology_runs: Callable[[str], Run], cached_reference,
+                                                       topo) -> None:
     """Prompts sharing 200 tokens, twice (the second time every full block hits), chunked."""
-    run = topology_runs.get(topo)
+    run = topology_runs(topo)
     for outs in run.cached:
         for ref, out in zip(cached_reference, outs, strict=True):
             assert out.token_ids == ref.token_ids

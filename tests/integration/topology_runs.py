@@ -4,8 +4,8 @@ Starting a topology's rank processes (each imports torch and loads the model; fo
 on 2 cores) costs far more than the prompts it runs, and ``test_pcp_topologies.py`` (chunked prefill and
 prefix caching against one process) and ``test_expert_parallel.py`` (EP on against EP off) ran the same
 configuration: the same model, a 128-token budget and prefix caching on (the default). ``run_topology`` runs both
-modules' prompts in one start and records what each checks; ``TopologyRuns`` (the session fixture
-``topology_runs``) keeps each topology's EP-off run for every test that asks for it.
+modules' prompts in one start and records what each checks; the session fixture ``topology_runs`` (conftest.py)
+keeps each topology's EP-off run for every test that asks for it.
 
 The three prompt sets share no first block, so none hits the others' cached blocks: each part computes
 what it would on its own (the pool holds them all: no eviction). The first part runs on a fresh engine.
@@ -113,15 +113,3 @@ def _ep_part(llm: LLM) -> tuple[list[tuple[list[int], list[float]]], int, list[i
         used += [e.num_used_blocks for e in llm.engines]
     return got, hit_blocks, used
 
-
-class TopologyRuns:
-    """Each topology's EP-off run, made the first time a test asks for it."""
-
-    def __init__(self, model: Path) -> None:
-        self.model = model
-        self._runs: dict[str, Run] = {}
-
-    def get(self, topo: str) -> Run:
-        if topo not in self._runs:
-            self._runs[topo] = run_topology(self.model, topo)
-        return self._runs[topo]
