@@ -30,6 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from presets import MEDIUM_SCHEMA  # noqa: E402
 
+from engine.structured_output import apply_bitmask  # noqa: E402
+
 CORPUS: list[tuple[str, str, Any]] = [
     ("medium_schema", "json", MEDIUM_SCHEMA),
     ("json_object", "json", {"type": "object"}),
@@ -78,7 +80,7 @@ class LLGuidance:
     def __init__(self, hf_tok: Any, vocab: int) -> None:
         import llguidance
         import llguidance.hf
-        import llguidance.torch
+        import llguidance.numpy
 
         self.llg = llguidance
         self.tok = llguidance.hf.from_tokenizer(hf_tok, n_vocab=vocab)
@@ -95,13 +97,13 @@ class LLGuidance:
         return m
 
     def bitmask(self, vocab: int) -> torch.Tensor:
-        return self.llg.torch.allocate_token_bitmask(1, vocab)
+        return torch.full((1, (vocab + 31) // 32), -1, dtype=torch.int32)
 
     def fill(self, m: Any, mask: torch.Tensor) -> None:
-        self.llg.torch.fill_next_token_bitmask(m, mask, 0)
+        self.llg.numpy.fill_next_token_bitmask(m, mask.numpy(), 0)
 
     def apply(self, logits: torch.Tensor, mask: torch.Tensor) -> None:
-        self.llg.torch.apply_token_bitmask_inplace(logits, mask)
+        apply_bitmask(logits, mask)  # the engine's (llguidance.torch's own is a torch.compile function)
 
     def accept(self, m: Any, tok: int) -> bool:
         return bool(m.consume_token(tok))

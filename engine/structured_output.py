@@ -226,14 +226,51 @@ def mask_rows(logits: torch.Tensor, rows: list[int], grammars: list[Grammar]) ->
     whole-batch bitmask (other rows allow every token) that goes over asynchronously from pinned memory
     and is applied to every row at once: nothing here makes the host wait for the device (an index
     tensor made from a list would, and the sampler's launches after it would then no longer overlap)."""
-    import llguidance.torch as lt
+    import llguidance.numpy as ln
 
-    bitmask = lt.allocate_token_bitmask(logits.shape[0], logits.shape[-1])  # all allowed; pinned with CUDA
+    bitmask = _allocate_bitmask(logits)
     if len(rows) == 1:
-        lt.fill_next_token_bitmask(grammars[0].matcher, bitmask, rows[0])
+        ln.fill_next_token_bitmask(grammars[0].matcher, bitmask.numpy(), rows[0])
     else:  # rows in parallel on llguidance's threads (16 rows of a medium schema: 0.50 -> 0.36 ms on 2 cores)
-        lt.fill_next_token_bitmask_par(_executor(), [(g.matcher, row) for row, g in zip(rows, grammars)], bitmask)
-    lt.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True))
+        ln.fill_next_token_bitmask_par(_executor(), [(g.matcher, row) for row, g in zip(rows, grammars)],
+                                       bitmask.numpy())
+    return apply_bitmask(logits, bitmask)
+
+
+def _allocate_bitmask(logits: torch.Tensor) -> torch.Tensor:
+    """A host bitmask for ``logits`` [N, V], every token allowed: one bit a token, 32 to an int32 (llguidance's
+    layout), pinned when the logits are on a GPU so that the copy over is asynchronous."""
+    import torch
+
+    words = (logits.shape[-1] + 31) // 32
+    return torch.full((logits.shape[0], words), -1, dtype=torch.int32, pin_memory=logits.is_cuda)
+
+
+_FORBIDDEN: dict[Any, torch.Tensor] = {}
+
+
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """``logits`` [N, V] with every token whose bit in ``bitmask`` (host int32 [N, ceil(V / 32)], llguidance's
+    layout) is clear at -inf, in place, in a few plain launches with no host wait.
+
+    Not llguidance.torch's ``apply_token_bitmask_inplace``: that is a ``torch.compile`` function, so the first
+    structured request in every process imported torch._dynamo and compiled a kernel (seconds, and a C++
+    compiler on CPU nodes; docs/benchmarks.md). Here each byte of the mask looks up its 8 tokens' verdicts in
+    a 256-row table (an embedding lookup) and one ``masked_fill_`` applies them."""
+    import torch
+
+    n, vocab = logits.shape
+    table = _FORBIDDEN.get(logits.device)
+    if table is None:  # byte value -> which of its 8 tokens (bit i: token 8 * byte + i) are not allowed
+        table = ((torch.arange(256).unsqueeze(-1) >> torch.arange(8)) & 1 == 0).to(logits.device)
+        _FORBIDDEN[logits.device] = table
+    # int32 words are little-endian, so byte t // 8 of a row holds token t's bit as its bit t % 8.
+    index = bitmask.view(torch.uint8).to(logits.device, non_blocking=True).long()
+    forbidden = torch.nn.functional.embedding(index, table).view(n, -1)
+    width = min(forbidden.shape[1], vocab)
+    logits[:, :width].masked_fill_(forbidden[:, :width], float("-inf"))
+    if width < vocab:  # tokens past the mask's words are not allowed (as in llguidance's own)
+        logits[:, width:] = float("-inf")
     return logits
 
 
@@ -244,14 +281,13 @@ def mask_drafted(logits: torch.Tensor, starts: list[int], grammars: list[Grammar
     ``drafts[j][:i]``: what single-token decoding would mask there had it taken those drafts. The drafts
     must be ones the grammar takes (``Grammar.draftable``); each matcher is advanced through them on
     llguidance's threads and rolled back, so it ends where it began."""
-    import llguidance.torch as lt
+    import llguidance.numpy as ln
 
-    bitmask = lt.allocate_token_bitmask(logits.shape[0], logits.shape[-1])  # all allowed; pinned with CUDA
+    bitmask = _allocate_bitmask(logits)
     drafted = [(g.matcher, row, list(d)) for row, g, d in zip(starts, grammars, drafts) if d]
     if drafted:
-        lt.fill_next_token_bitmask_par_with_draft_tokens(_executor(), drafted, bitmask)
+        ln.fill_next_token_bitmask_par_with_draft_tokens(_executor(), drafted, bitmask.numpy())
     plain = [(g.matcher, row) for row, g, d in zip(starts, grammars, drafts) if not d]  # (llguidance wants drafts)
     if plain:
-        lt.fill_next_token_bitmask_par(_executor(), plain, bitmask)
-    lt.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True))
-    return logits
+        ln.fill_next_token_bitmask_par(_executor(), plain, bitmask.numpy())
+    return apply_bitmask(logits, bitmask)

@@ -174,3 +174,38 @@ def test_the_proxy_checks_constraints_without_importing_torch() -> None:
             "CompletionRequest(prompt='x', guided_json={'type': 'object'}).sampling(4); "
             "assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+@pytest.mark.parametrize("rows,vocab,words", [(1, 1000, 32), (3, 102400, 3200), (2, 77, 3), (2, 100, 2)])
+def test_the_bitmask_forbids_exactly_the_clear_bits(rows: int, vocab: int, words: int) -> None:
+    """``apply_bitmask`` against llguidance's own numpy kernel (same layout: bit t % 32 of word t // 32), on
+    random masks, a vocabulary that is not whole words, a mask shorter than the vocabulary, and -inf logits."""
+    import llguidance.numpy as ln
+    import numpy as np
+    import torch
+
+    from engine.structured_output import apply_bitmask
+
+    gen = torch.Generator().manual_seed(rows * vocab)
+    mask = torch.randint(-2**31, 2**31 - 1, (rows, words), dtype=torch.int32, generator=gen)
+    logits = torch.randn(rows, vocab, generator=gen)
+    logits[0, 5] = float("-inf")
+    want = logits.numpy().copy()
+    ln.apply_token_bitmask_inplace(want, mask.numpy())
+    got = apply_bitmask(logits.clone(), mask)
+    assert np.array_equal(got.numpy(), want)
+    assert 0 < int(torch.isinf(got).sum()) < got.numel()
+
+
+def test_a_structured_request_compiles_nothing(tiny_model: Path) -> None:
+    """Masking needs no torch.compile: llguidance.torch's kernel imported torch._dynamo and compiled in every
+    process at its first structured request (seconds; a C++ compiler on CPU nodes)."""
+    code = (f"import sys; from engine import LLM, SamplingParams; "
+            f"from engine.structured_output import StructuredOutputsParams as S\n"
+            f"with LLM({str(tiny_model)!r}, dtype='float32', device='cpu') as llm:\n"
+            f"    out = llm.generate([[5, 9], [7]], [\n"
+            f"        SamplingParams(max_tokens=8, structured_outputs=S(choice=['yes', 'no'])),\n"
+            f"        SamplingParams(max_tokens=8, structured_outputs=S(regex='[0-9]+'))])\n"
+            f"assert out[0].text in ('yes', 'no') and out[1].text.isdigit(), [o.text for o in out]\n"
+            f"assert 'torch._dynamo' not in sys.modules, 'torch._dynamo imported'")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
