@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from presets import MEDIUM_SCHEMA  # noqa: E402
 
-from engine.structured_output import apply_bitmask  # noqa: E402
+from engine.structured_output import allocate_bitmask, apply_bitmask  # noqa: E402
 
 CORPUS: list[tuple[str, str, Any]] = [
     ("medium_schema", "json", MEDIUM_SCHEMA),
@@ -97,7 +97,7 @@ class LLGuidance:
         return m
 
     def bitmask(self, vocab: int) -> torch.Tensor:
-        return torch.full((1, (vocab + 31) // 32), -1, dtype=torch.int32)
+        return allocate_bitmask(1, vocab)
 
     def fill(self, m: Any, mask: torch.Tensor) -> None:
         self.llg.numpy.fill_next_token_bitmask(m, mask.numpy(), 0)

@@ -176,10 +176,9 @@ def test_the_proxy_checks_constraints_without_importing_torch() -> None:
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
-@pytest.mark.parametrize("rows,vocab,words", [(1, 1000, 32), (3, 102400, 3200), (2, 77, 3), (2, 100, 2)])
-def test_the_bitmask_forbids_exactly_the_clear_bits(rows: int, vocab: int, words: int) -> None:
-    """``apply_bitmask`` against llguidance's own numpy kernel (same layout: bit t % 32 of word t // 32), on
-    random masks, a vocabulary that is not whole words, a mask shorter than the vocabulary, and -inf logits."""
+def check_bitmask(rows: int, vocab: int, words: int, device: str = "cpu", dtype: str = "float32") -> None:
+    """``apply_bitmask`` against llguidance's own numpy kernel (same layout: bit t % 32 of word t // 32) on a random
+    host mask (pinned for a GPU) and ``dtype`` logits on ``device`` with one -inf among them."""
     import llguidance.numpy as ln
     import numpy as np
     import torch
@@ -188,13 +187,20 @@ def test_the_bitmask_forbids_exactly_the_clear_bits(rows: int, vocab: int, words
 
     gen = torch.Generator().manual_seed(rows * vocab)
     mask = torch.randint(-2**31, 2**31 - 1, (rows, words), dtype=torch.int32, generator=gen)
-    logits = torch.randn(rows, vocab, generator=gen)
+    mask = mask.pin_memory() if device != "cpu" else mask
+    logits = torch.randn(rows, vocab, generator=gen).to(getattr(torch, dtype))
     logits[0, 5] = float("-inf")
-    want = logits.numpy().copy()
+    want = logits.float().numpy().copy()
     ln.apply_token_bitmask_inplace(want, mask.numpy())
-    got = apply_bitmask(logits.clone(), mask)
-    assert np.array_equal(got.numpy(), want)
+    got = apply_bitmask(logits.to(device), mask)
+    assert got.dtype == logits.dtype and np.array_equal(got.float().cpu().numpy(), want)
     assert 0 < int(torch.isinf(got).sum()) < got.numel()
+
+
+@pytest.mark.parametrize("rows,vocab,words", [(1, 1000, 32), (3, 102400, 3200), (2, 77, 3), (2, 100, 2)])
+def test_the_bitmask_forbids_exactly_the_clear_bits(rows: int, vocab: int, words: int) -> None:
+    """A vocabulary that is not whole words, a mask shorter than the vocabulary (tests/gpu: on a device)."""
+    check_bitmask(rows, vocab, words)
 
 
 def test_a_structured_request_compiles_nothing(tiny_model: Path) -> None:
